@@ -1,0 +1,104 @@
+"""Block identity: the chained XXH3-64 key space that NVIDIA Dynamo and Mooncake share.
+
+- local hash of block i: ``xxh3_64(token ids of block i as little-endian uint32, seed_i)``;
+- sequence hash: ``s_0 = local_0``, ``s_i = xxh3_64(le_u64(s_{i-1}) || le_u64(local_i), seed=1337)``;
+- full blocks only.
+
+Seed rule (kvgate's, documented in the README):
+``seed_i = (1337 + [xxh3_64(lora_name)] + [xxh3_64(cache_salt) if i == 0]) mod 2**64``.
+The LoRA name salts every block (as Dynamo does); a cache_salt salts block 0 only, exactly where vLLM
+puts it (``("cache_salt", salt)`` in block 0's extra keys) -- the chain carries it into every later block,
+so a BlockStored event that continues a chain needs no salt to be re-hashed.
+
+vLLM's own block hashes are not reproduced (they depend on the hash algorithm, PYTHONHASHSEED and LoRA
+paths); they are opaque handles mapped onto these hashes by the event ingestion.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+SEED = 1337
+_MASK = (1 << 64) - 1
+_xxh3 = xxhash.xxh3_64_intdigest
+
+
+def salt_seed(lora_name: str | None = None) -> int:
+    """Seed of every block's local hash for a LoRA adapter (1337 without one)."""
+    if not lora_name:
+        return SEED
+    return (SEED + _xxh3(lora_name.encode())) & _MASK
+
+
+def first_block_seed(lora_name: str | None = None, cache_salt: str | None = None) -> int:
+    """Seed of block 0's local hash: the LoRA seed plus the cache_salt."""
+    seed = salt_seed(lora_name)
+    if cache_salt:
+        seed = (seed + _xxh3(cache_salt.encode())) & _MASK
+    return seed
+
+
+def _as_le_u32(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    arr = np.asarray(tokens)
+    if arr.dtype != np.dtype("<u4"):
+        arr = arr.astype("<u4", copy=False)
+    return np.ascontiguousarray(arr)
+
+
+def local_hashes(
+    tokens: Sequence[int] | np.ndarray,
+    block_size: int,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+    max_blocks: int | None = None,
+) -> list[int]:
+    """Content hash of each full block of ``tokens`` (a partial tail is ignored)."""
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    arr = _as_le_u32(tokens)
+    n = len(arr) // block_size
+    if max_blocks is not None:
+        n = min(n, max_blocks)
+    if n == 0:
+        return []
+    view = memoryview(arr[: n * block_size]).cast("B")
+    step = block_size * 4
+    seed = salt_seed(lora_name)
+    out = [_xxh3(view[0:step], first_block_seed(lora_name, cache_salt))]
+    out.extend(_xxh3(view[i : i + step], seed) for i in range(step, n * step, step))
+    return out
+
+
+def chain(local: Sequence[int], parent: int | None = None) -> list[int]:
+    """Sequence hashes for ``local`` hashes, continuing from ``parent`` (None: the chain starts here)."""
+    out: list[int] = []
+    buf = np.empty(2, dtype="<u8")
+    raw = memoryview(buf).cast("B")
+    prev = parent
+    for h in local:
+        if prev is None:
+            prev = h
+        else:
+            buf[0] = prev
+            buf[1] = h
+            prev = _xxh3(raw, SEED)
+        out.append(prev)
+    return out
+
+
+def sequence_hashes(
+    tokens: Sequence[int] | np.ndarray,
+    block_size: int,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+    max_blocks: int | None = None,
+) -> list[int]:
+    """kvgate's block keys for a prompt: the chained sequence hash of every full block."""
+    return chain(local_hashes(tokens, block_size, lora_name, cache_salt, max_blocks))
+
+
+def routable_blocks(num_prompt_tokens: int, block_size: int) -> int:
+    """Blocks vLLM can hit for a prompt: it never serves the last prompt token from cache."""
+    return max(0, (num_prompt_tokens - 1) // block_size)

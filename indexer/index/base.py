@@ -1,0 +1,114 @@
+"""The index seam: which worker holds which block on which tier, and which blocks are on G4.
+
+Semantics every backend honours (the contract tests in tests/index/ run against each):
+- keys are kvgate sequence hashes (``indexer.hashing``), namespaced by model;
+- ``store``/``remove`` have set semantics per (model, worker, tier, hash): idempotent. Reference counting of
+  vLLM's duplicate announcements happens before the index, in the per-worker event state;
+- G4 blocks belong to the model, not to a worker (any worker of the model can load them);
+- ``lookup`` returns, per worker, the longest *leading* run of the given hashes held per tier, and the
+  longest leading run on G4; it is answered in one round trip whatever the prompt's length;
+- ``clear_worker`` removes a worker's entries without scanning the whole keyspace.
+"""
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+
+class Tier(str, enum.Enum):
+    """Where a worker holds a block. G4 is model-wide and is not a worker tier."""
+
+    GPU = "GPU"
+    CPU = "CPU"
+
+    @classmethod
+    def from_medium(cls, medium: str | None) -> "Tier | None":
+        """Map vLLM's ``BlockStored.medium`` to a worker tier (None for STORAGE, which is G4)."""
+        m = (medium or "GPU").upper()
+        if m == "GPU":
+            return cls.GPU
+        if m in ("CPU", "CPU_TIER"):
+            return cls.CPU
+        return None
+
+
+@dataclass(frozen=True)
+class WorkerMatch:
+    """Leading blocks of a prompt a worker holds: on GPU, on CPU, and on either (the usable local prefix)."""
+
+    gpu: int = 0
+    cpu: int = 0
+    local: int = 0
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """Answer of :meth:`BlockIndex.lookup` for one prompt."""
+
+    num_blocks: int
+    workers: dict[str, WorkerMatch] = field(default_factory=dict)
+    g4: int = 0
+
+    def match(self, worker: str) -> WorkerMatch:
+        return self.workers.get(worker, WorkerMatch())
+
+
+@dataclass(frozen=True)
+class BlockLocation:
+    """Where one block lives: worker -> tiers, and whether it is on G4."""
+
+    workers: dict[str, frozenset[Tier]]
+    g4: bool
+
+
+class BlockIndex(abc.ABC):
+    """The index backend interface (in-memory default, Redis for fleets of gateways)."""
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    async def store(self, model: str, worker: str, tier: Tier, hashes: Sequence[int]) -> None:
+        """Record that ``worker`` holds ``hashes`` on ``tier``."""
+
+    @abc.abstractmethod
+    async def remove(self, model: str, worker: str, tier: Tier, hashes: Sequence[int]) -> None:
+        """Forget that ``worker`` holds ``hashes`` on ``tier`` (unknown hashes are ignored)."""
+
+    @abc.abstractmethod
+    async def store_g4(self, model: str, hashes: Sequence[int]) -> None:
+        """Record that ``hashes`` are on the model's G4 store."""
+
+    @abc.abstractmethod
+    async def remove_g4(self, model: str, hashes: Sequence[int]) -> None:
+        """Forget G4 blocks (evicted by the store's GC)."""
+
+    @abc.abstractmethod
+    async def clear_worker(self, model: str, worker: str, tier: Tier | None = None) -> int:
+        """Drop a worker's entries (all tiers, or one); returns the number of entries removed."""
+
+    @abc.abstractmethod
+    async def clear_model(self, model: str) -> int:
+        """Drop every entry of a model, G4 included; returns the number of entries removed."""
+
+    @abc.abstractmethod
+    async def lookup(
+        self, model: str, hashes: Sequence[int], workers: Collection[str] | None = None
+    ) -> LookupResult:
+        """Longest leading run of ``hashes`` per worker and tier, and on G4, in one round trip."""
+
+    @abc.abstractmethod
+    async def locate(self, model: str, block_hash: int) -> BlockLocation:
+        """Which workers and tiers hold one block, and whether it is on G4."""
+
+    @abc.abstractmethod
+    async def stats(self, model: str | None = None) -> dict:
+        """Counts per model: blocks per tier, G4 blocks, entries per worker (and backend memory)."""
+
+    async def models(self) -> list[str]:
+        """Models that have entries."""
+        return []
+
+    async def close(self) -> None:
+        """Release connections."""

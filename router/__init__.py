@@ -1,0 +1,1 @@
+"""kvgate router: the OpenAI-compatible KV-aware gateway, admin API, metrics and the CLI."""

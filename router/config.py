@@ -1,0 +1,126 @@
+"""Gateway settings: a YAML file (``kvgate serve --config kvgate.yaml``) overlaid by environment variables.
+
+Environment variables are prefixed ``KVGATE_`` and nest with ``__``, e.g. ``KVGATE_INDEX__BACKEND=redis``,
+``KVGATE_INDEX__REDIS_URL=redis://redis:6379/0``, ``KVGATE_ADMIN__TOKEN=...``. Precedence: init kwargs >
+environment > YAML file > defaults.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, Field
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+
+class WorkerConfig(BaseModel):
+    """One vLLM server. The events endpoint is discovered from ``/kv_event_sources`` when not given."""
+
+    url: str
+    name: str | None = None
+    events_endpoint: str | None = None
+    replay_endpoint: str | None = None
+
+
+class DiscoveryConfig(BaseModel):
+    """Where workers come from: the static list below, or Kubernetes EndpointSlices by label."""
+
+    kind: Literal["static", "kubernetes"] = "static"
+    namespace: str | None = None
+    label_selector: str = "app=vllm"
+    port: int = 8000
+    scheme: str = "http"
+    events_annotation: str = "kvgate.io/events-endpoint"
+
+
+class IndexConfig(BaseModel):
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "kvg"
+    timeout_s: float = 2.0
+
+
+class ModelConfig(BaseModel):
+    """Per-model settings: a local tokenizer (file or directory) or None to use a worker's /tokenize."""
+
+    tokenizer: str | None = None
+    block_size: int | None = None
+
+
+class RoutingConfig(BaseModel):
+    policy: Literal["kv", "round_robin", "least_loaded", "session"] = "kv"
+    session_header: str = "x-session-id"
+    prefill_tokens_per_s: float = 10_000.0
+    g4_bytes_per_s: float = 2e9
+    decisions_kept: int = 1000
+    max_attempts: int = 3
+
+
+class AdminConfig(BaseModel):
+    token: str | None = None
+    # Without a token the admin API answers loopback clients only, unless explicitly opened.
+    open_without_token: bool = False
+
+
+class G4Config(BaseModel):
+    path: str | None = None
+    capacity_bytes: int | None = None
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVGATE_", env_nested_delimiter="__", extra="forbid")
+
+    host: str = "0.0.0.0"
+    port: int = 8080
+    log_level: str = "info"
+    workers: list[WorkerConfig] = Field(default_factory=list)
+    discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
+    index: IndexConfig = Field(default_factory=IndexConfig)
+    models: dict[str, ModelConfig] = Field(default_factory=dict)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    admin: AdminConfig = Field(default_factory=AdminConfig)
+    g4: G4Config = Field(default_factory=G4Config)
+    max_body_bytes: int = 16 * 1024 * 1024
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+    health_interval_s: float = 5.0
+    refresh_interval_s: float = 30.0
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _YamlSource(settings_cls))
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    """Reads the file named by ``KVGATE_CONFIG`` (set by ``kvgate serve --config``)."""
+
+    def get_field_value(self, field, field_name):  # pragma: no cover - whole-dict source
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        import os
+
+        path = os.environ.get("KVGATE_CONFIG")
+        if not path:
+            return {}
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the configuration must be a mapping")
+        return data
+
+
+def load_settings(config_path: str | None = None, **overrides: Any) -> Settings:
+    """Load settings from ``config_path`` (or ``$KVGATE_CONFIG``), the environment and ``overrides``."""
+    import os
+
+    if config_path:
+        os.environ["KVGATE_CONFIG"] = str(config_path)
+    return Settings(**overrides)
