@@ -4,6 +4,10 @@
 set -euo pipefail
 VENV="${1:?usage: vllm-env.sh VENV_DIR}"
 MARK="$VENV/.kvgate-ready"
+mkdir -p "$(dirname "$VENV")"
+# One builder at a time on a machine (several checkouts may share the environment).
+exec 9>"$VENV.lock"
+flock 9
 if [ -f "$MARK" ] && "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then exit 0; fi
 echo "preparing the vLLM CPU environment in $VENV (about 2 minutes, once per machine)"
 rm -rf "$VENV"
