@@ -111,9 +111,9 @@ def parse_metrics(text: str) -> tuple[WorkerLoad, int | None]:
     for fam in text_string_to_metric_families(text):
         name = fam.name
         if name == "vllm:num_requests_running":
-            load.running = sum(s.value for s in fam.samples)
+            load.running += sum(s.value for s in fam.samples)
         elif name == "vllm:num_requests_waiting":
-            load.waiting = sum(s.value for s in fam.samples)
+            load.waiting += sum(s.value for s in fam.samples)
         elif name == "vllm:kv_cache_usage_perc":
             usage.extend(s.value for s in fam.samples)
         elif name == "vllm:cache_config_info":
@@ -124,6 +124,21 @@ def parse_metrics(text: str) -> tuple[WorkerLoad, int | None]:
     if usage:
         load.kv_usage = max(usage)
     return load, block_size
+
+
+def _event_source_type():
+    try:
+        from indexer.events import EventSource
+    except ImportError:  # the events part is absent: a plain record with the same fields
+        @dataclass
+        class EventSource:  # type: ignore[no-redef]
+            worker: str
+            model: str
+            endpoint: str
+            replay_endpoint: str | None = None
+            topic: str = ""
+            block_size: int | None = None
+    return EventSource
 
 
 class WorkerRegistry:
@@ -352,8 +367,7 @@ class WorkerRegistry:
         key = (model, tuple((s["endpoint"], s["replay_endpoint"], s["topic"]) for s in w.event_sources))
         if self._subscribed.get(w.name) == key:
             return
-        from indexer.events import EventSource
-
+        EventSource = _event_source_type()
         if w.name in self._subscribed:
             await self._unsubscribe(w, clear=False)
         for s in w.event_sources:

@@ -55,8 +55,11 @@ def create_fake_worker(state: FakeState, tokenizer_dir: str | None = None) -> Fa
         if kind == "chat":
             if tok is None:
                 return []
+            # vLLM's "string" content format: text parts joined by newlines.
+            msgs = [{**m, "content": "\n".join(p["text"] for p in m["content"])}
+                    if isinstance(m.get("content"), list) else m for m in body["messages"]]
             text = tok.apply_chat_template(
-                body["messages"], tools=body.get("tools"), chat_template=body.get("chat_template"),
+                msgs, tools=body.get("tools"), chat_template=body.get("chat_template"),
                 add_generation_prompt=body.get("add_generation_prompt", True),
                 continue_final_message=body.get("continue_final_message", False), tokenize=False,
                 **(body.get("chat_template_kwargs") or {}))
