@@ -16,7 +16,6 @@ import logging
 import time
 import uuid
 
-import httpx
 from fastapi import APIRouter, Request
 from starlette.responses import Response, StreamingResponse
 
@@ -24,13 +23,12 @@ from router.errors import APIError, error_response, sse_error_event
 from router.metrics import CONTENT_TYPE
 from router.policies import RouteRequest
 from router.routing import Decision
+from router.upstream import UpstreamError, UpstreamResponse
 
 log = logging.getLogger("kvgate.proxy")
 
 HOP_BY_HOP = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te",
                         "trailer", "upgrade", "proxy-authorization", "proxy-authenticate"})
-_RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadTimeout, httpx.WriteTimeout,
-              httpx.PoolTimeout, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 _TAIL_KEEP = 8192
 
 
@@ -83,8 +81,11 @@ def forward_headers(headers, request_id: str) -> dict[str, str]:
     return out
 
 
-def response_headers(resp: httpx.Response, d: Decision) -> dict[str, str]:
-    out = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_BY_HOP}
+_NOT_COPIED = HOP_BY_HOP | {"date", "server"}  # uvicorn sets its own
+
+
+def response_headers(resp: UpstreamResponse, d: Decision) -> dict[str, str]:
+    out = {k: v for k, v in resp.headers.items() if k.lower() not in _NOT_COPIED}
     out.update(kvgate_headers(d))
     return out
 
@@ -223,6 +224,7 @@ class Forwarder:
         st, d = self.st, self.d
         reg = st.registry
         headers = forward_headers(self.request.headers, d.request_id)
+        query = self.request.scope.get("query_string", b"").decode("latin-1")
         last_error = "no candidate worker"
         last_status = 503
         attempts = 0
@@ -242,17 +244,16 @@ class Forwarder:
             t_send = time.perf_counter()
             resp = None
             try:
-                req = st.client.build_request(self.request.method, w.url + self.path, content=self.body,
-                                              headers=headers, params=self.request.query_params)
-                resp = await race_disconnect(self.request, st.client.send(req, stream=True))
-                if resp.status_code >= 500:
-                    last_error, last_status = f"upstream_{resp.status_code}: worker {w.name}", 502
-                    await resp.aclose()
+                resp = await race_disconnect(self.request, st.upstream.open(
+                    self.request.method, w.url + self.path, self.body, headers, query))
+                if resp.status >= 500:
+                    last_error, last_status = f"upstream_{resp.status}: worker {w.name}", 502
+                    resp.close()
                     lease.release()
                     continue
                 self._tell_policy(w)
                 if resp.headers.get("content-type", "").startswith("text/event-stream"):
-                    it = resp.aiter_raw()
+                    it = resp.chunks()
                     try:
                         first = await race_disconnect(self.request, it.__anext__())
                     except StopAsyncIteration:
@@ -260,35 +261,34 @@ class Forwarder:
                     ttft = time.perf_counter() - t_send
                     lease.first_byte()
                     self._observe_ttft(w, cand, ttft)
-                    return StreamingResponse(self._stream(resp, it, first, lease), status_code=resp.status_code,
+                    return StreamingResponse(self._stream(resp, it, first, lease), status_code=resp.status,
                                              headers=response_headers(resp, d))
-                raw = b"".join(await race_disconnect(self.request, _aiter_to_list(resp)))
-                await resp.aclose()
+                raw = await race_disconnect(self.request, resp.read())
+                resp.close()
                 lease.release()
-                ok = resp.status_code < 400
-                self.finish("ok" if ok else f"http_{resp.status_code}", resp.status_code,
+                ok = resp.status < 400
+                self.finish("ok" if ok else f"http_{resp.status}", resp.status,
                             usage_from_body(raw) if ok else None)
-                return Response(raw, status_code=resp.status_code, headers=response_headers(resp, d))
+                return Response(raw, status_code=resp.status, headers=response_headers(resp, d))
             except ClientGone:
                 lease.release()
                 if resp is not None:
-                    await resp.aclose()
+                    resp.close()
                 self.finish("client_disconnected", 499)
                 return Response(status_code=499)
-            except _RETRYABLE as e:
+            except UpstreamError as e:
                 lease.release()
                 if resp is not None:
-                    await resp.aclose()
-                if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
-                    reg.mark_failed(w, f"{type(e).__name__}: {e}")
-                last_error, last_status = f"{type(e).__name__}: worker {w.name}", 502
-                if isinstance(e, (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout)):
-                    last_status = 504
+                    resp.close()
+                if e.kind == "connect":
+                    reg.mark_failed(w, str(e))
+                last_error = f"{e.kind}: worker {w.name}: {e}"
+                last_status = 504 if e.kind == "timeout" else 502
                 continue
             except BaseException:
                 lease.release()
                 if resp is not None:
-                    await resp.aclose()
+                    resp.close()
                 raise
         self.finish("failed", last_status)
         if attempts == 0:
@@ -305,7 +305,7 @@ class Forwarder:
         self.st.metrics.ttft.labels(self.d.model, w.name).observe(ttft)
         self.st.router.cost.observe_ttft(w, ttft, cand)
 
-    async def _stream(self, resp: httpx.Response, it, first: bytes, lease: _Lease):
+    async def _stream(self, resp: UpstreamResponse, it, first: bytes, lease: _Lease):
         tail = bytearray(first[-_TAIL_KEEP:])
         outcome = "ok"
         try:
@@ -317,7 +317,7 @@ class Forwarder:
                     if len(tail) > 2 * _TAIL_KEEP:
                         del tail[:-_TAIL_KEEP]
                     yield chunk
-            except httpx.HTTPError as e:
+            except UpstreamError as e:
                 outcome = "upstream_error_mid_stream"
                 log.warning("worker %s failed mid-stream: %s", self.d.chosen, e)
                 sep = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
@@ -327,13 +327,9 @@ class Forwarder:
             raise
         finally:
             lease.release()
-            self.finish(outcome, resp.status_code if outcome != "client_disconnected" else 499,
+            resp.close()
+            self.finish(outcome, resp.status if outcome != "client_disconnected" else 499,
                         usage_from_sse_tail(bytes(tail)) if outcome == "ok" else None)
-            await resp.aclose()
-
-
-async def _aiter_to_list(resp: httpx.Response) -> list[bytes]:
-    return [c async for c in resp.aiter_raw()]
 
 
 def build_router() -> APIRouter:

@@ -15,6 +15,7 @@ from router.prefetch import NoopPrefetcher, Prefetcher
 from router.registry import WorkerRegistry
 from router.routing import DecisionLog, Router
 from router.tokenize import Tokenizers
+from router.upstream import Upstream
 
 log = logging.getLogger("kvgate.state")
 
@@ -58,6 +59,7 @@ class GatewayState:
             limits=httpx.Limits(max_connections=settings.max_connections,
                                 max_keepalive_connections=settings.max_keepalive_connections),
             follow_redirects=False, trust_env=False)
+        self.upstream = Upstream(settings)
         self.ingestor = ingestor if ingestor is not None or not with_events else make_ingestor(
             self.index, self._on_events_reset)
         self.registry = WorkerRegistry(settings, self.client, self.index, self.ingestor, self.metrics)
@@ -104,6 +106,7 @@ class GatewayState:
         for t in list(self._background):
             t.cancel()
         await self.client.aclose()
+        await self.upstream.close()
         self.tokenizers.close()
         try:
             await self.index.close()
