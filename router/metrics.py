@@ -68,9 +68,28 @@ class GatewayMetrics:
         self.snapshot = _Snapshot()
         r.register(self.snapshot)
 
+        self._children: dict[tuple, object] = {}
+
+    def child(self, metric, *labels):
+        """``metric.labels(*labels)``, cached: the request path calls this several times per request."""
+        key = (id(metric), labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
+
+    def forget_worker(self, worker: str) -> None:
+        """Drop a removed worker's per-worker series (and their cached children)."""
+        self._children = {k: v for k, v in self._children.items() if worker not in k[1]}
+        for metric in (self.inflight,):
+            try:
+                metric.remove(worker)
+            except KeyError:
+                pass
+
     def observe_stages(self, timings: dict[str, float]) -> None:
         for stage, ms in timings.items():
-            self.routing_overhead.labels(stage).observe(ms / 1000.0)
+            self.child(self.routing_overhead, stage).observe(ms / 1000.0)
 
     async def refresh(self, state) -> None:
         """Copy the index, ingestion and health counts into the snapshot collector."""

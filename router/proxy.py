@@ -161,7 +161,7 @@ class _Lease:
         worker.pending_requests += 1
         worker.pending_tokens += self.tokens
         worker.mean_prompt_tokens = 0.9 * worker.mean_prompt_tokens + 0.1 * self.tokens
-        state.metrics.inflight.labels(worker.name).set(worker.inflight)
+        state.metrics.child(state.metrics.inflight, worker.name).set(worker.inflight)
 
     def first_byte(self) -> None:
         if self.pending:
@@ -174,7 +174,7 @@ class _Lease:
         if self.active:
             self.active = False
             self.worker.inflight -= 1
-            self.state.metrics.inflight.labels(self.worker.name).set(self.worker.inflight)
+            self.state.metrics.child(self.state.metrics.inflight, self.worker.name).set(self.worker.inflight)
 
 
 class Forwarder:
@@ -193,15 +193,15 @@ class Forwarder:
             details = usage.get("prompt_tokens_details")
             if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
                 d.delivered_cached_tokens = details["cached_tokens"]
-        m.requests.labels(d.model, d.chosen or "", d.policy, outcome).inc()
+        m.child(m.requests, d.model, d.chosen or "", d.policy, outcome).inc()
         if outcome == "ok" and d.model:
-            m.predicted_cached.labels(d.model).inc(d.predicted_cached_tokens)
+            m.child(m.predicted_cached, d.model).inc(d.predicted_cached_tokens)
             if d.delivered_cached_tokens is not None:
-                m.delivered_cached.labels(d.model).inc(d.delivered_cached_tokens)
+                m.child(m.delivered_cached, d.model).inc(d.delivered_cached_tokens)
             if d.prompt_tokens:
-                m.prompt_tokens.labels(d.model).inc(d.prompt_tokens)
+                m.child(m.prompt_tokens, d.model).inc(d.prompt_tokens)
                 if d.delivered_cached_tokens is not None:
-                    g = m.hit_rate.labels(d.model)
+                    g = m.child(m.hit_rate, d.model)
                     g.set(0.9 * g._value.get() + 0.1 * d.delivered_cached_tokens / d.prompt_tokens)
 
     def _prefetch(self, worker, cand) -> None:
@@ -302,7 +302,7 @@ class Forwarder:
 
     def _observe_ttft(self, w, cand, ttft: float) -> None:
         self.d.observed_ttft_ms = ttft * 1000.0
-        self.st.metrics.ttft.labels(self.d.model, w.name).observe(ttft)
+        self.st.metrics.child(self.st.metrics.ttft, self.d.model, w.name).observe(ttft)
         self.st.router.cost.observe_ttft(w, ttft, cand)
 
     async def _stream(self, resp: UpstreamResponse, it, first: bytes, lease: _Lease):

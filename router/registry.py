@@ -232,10 +232,7 @@ class WorkerRegistry:
         await self._unsubscribe(w)
         await self._clear_index(w)
         if self.metrics is not None:
-            try:
-                self.metrics.inflight.remove(name)
-            except KeyError:
-                pass
+            self.metrics.forget_worker(name)
         return w
 
     async def drain(self, name: str, draining: bool = True) -> Worker:

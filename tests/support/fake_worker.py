@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -32,6 +33,8 @@ class FakeState:
     events_endpoint: str | None = None
     words: int = 8
     fast: bool = False  # benchmark mode: no tokenizer, no cache bookkeeping
+    pause_after: int | None = None  # streaming: stop after this many content chunks until released
+    release: threading.Event = field(default_factory=threading.Event)
     requests: list = field(default_factory=list)
     cancelled: int = 0
     active: int = 0
@@ -126,6 +129,12 @@ def create_fake_worker(state: FakeState, tokenizer_dir: str | None = None) -> Fa
                 if kind == "chat":
                     yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
                 for i, w in enumerate(words):
+                    if st.pause_after is not None and i == st.pause_after:
+                        while not st.release.is_set():
+                            if await request.is_disconnected():
+                                st.cancelled += 1
+                                return
+                            await asyncio.sleep(0.02)
                     if st.mode == "die_mid_stream" and i == 2:
                         raise RuntimeError("worker died mid-stream")
                     piece = w if i == 0 else " " + w
