@@ -68,10 +68,12 @@ class RoutingConfig(BaseModel):
 
 
 class TokenizerConfig(BaseModel):
-    """Local tokenization: prompts longer than ``offload_chars`` run in a thread pool off the event loop;
-    token ids of rendered chat segments are cached (bounded) so a new turn re-tokenizes only new text."""
+    """Local tokenization: text to encode longer than ``offload_chars`` is encoded in a thread pool off the
+    event loop; token ids of rendered chat segments are cached (bounded) so a new turn encodes only new text."""
 
     offload_chars: int = 4096
+    # Chat bodies larger than this are also rendered (chat template) off the event loop.
+    offload_render_chars: int = 1_000_000
     threads: int = 2
     segment_cache_entries: int = 8192
     segment_cache_chars: int = 64 * 1024 * 1024

@@ -16,6 +16,7 @@ import logging
 import time
 import uuid
 
+import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response, StreamingResponse
 
@@ -57,9 +58,15 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+_decode_json = msgspec.json.Decoder().decode
+
+
 def parse_json_object(raw: bytes) -> dict:
     try:
-        body = json.loads(raw)
+        try:
+            body = _decode_json(raw)
+        except msgspec.DecodeError:
+            body = json.loads(raw)  # the reference parser decides (msgspec refuses e.g. huge integers)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"Invalid JSON body: {e}", code="invalid_json") from None
     if not isinstance(body, dict):

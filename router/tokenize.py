@@ -141,10 +141,11 @@ class LocalTokenizer:
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.fast.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_segmented(self, text: str) -> tuple[list[int], int, int]:
-        """Encode without special tokens added, reusing cached segment ids. Returns (ids, segments, hits)."""
-        ids: list[int] = []
-        segs = hits = 0
+    def split_cached(self, text: str) -> tuple[list, int]:
+        """Split rendered text at special tokens; each part is a list of ids (a special token or a cached
+        segment) or a str still to encode. Returns (parts, characters still to encode)."""
+        parts: list = []
+        missing = 0
         specials = self._specials
         cache = self.cache
         for piece in self._split.split(text):
@@ -152,17 +153,42 @@ class LocalTokenizer:
                 continue
             sid = specials.get(piece)
             if sid is not None:
-                ids.append(sid)
+                parts.append((sid,))
                 continue
-            segs += 1
             cached = cache.get(piece)
             if cached is None:
-                cached = self.fast.encode(piece, add_special_tokens=False).ids
-                cache.put(piece, cached)
+                parts.append(piece)
+                missing += len(piece)
             else:
-                hits += 1
-            ids.extend(cached)
-        return ids, segs, hits
+                parts.append(cached)
+        return parts, missing
+
+    def join_parts(self, parts: list) -> Tokenized:
+        """Encode the missing segments (one batch: the tokenizers library spreads it over cores) and join."""
+        todo = [p for p in parts if isinstance(p, str)]
+        encoded = iter(())
+        if todo:
+            encs = [e.ids for e in self.fast.encode_batch(todo, add_special_tokens=False)]
+            for piece, ids in zip(todo, encs):
+                self.cache.put(piece, ids)
+            encoded = iter(encs)
+        ids: list[int] = []
+        segs = 0
+        for p in parts:
+            if isinstance(p, str):
+                ids.extend(next(encoded))
+                segs += 1
+            elif isinstance(p, tuple):  # a special token
+                ids.append(p[0])
+            else:
+                ids.extend(p)
+                segs += 1
+        return Tokenized(ids, "local", segs, segs - len(todo))
+
+    def encode_segmented(self, text: str) -> tuple[list[int], int, int]:
+        """Encode without special tokens added, reusing cached segment ids. Returns (ids, segments, hits)."""
+        t = self.join_parts(self.split_cached(text)[0])
+        return t.tokens, t.segments, t.segments_cached
 
     def render_chat(self, body: dict) -> str:
         messages = normalize_messages(body["messages"])
@@ -254,12 +280,23 @@ class Tokenizers:
         local = self.for_model(model, namespace)
         if local is not None:
             try:
+                limit = self.settings.tokenizer.offload_chars
+                if kind == "chat" and local.segmenting and not body.get("add_special_tokens", False):
+                    # Render and look up cached segments here (cheap); encode what is new off the loop
+                    # when it is large.
+                    render = (local.render_chat, body)
+                    text = (await self._off_loop(*render) if size > self.settings.tokenizer.offload_render_chars
+                            else render[0](*render[1:]))
+                    parts, missing = local.split_cached(text)
+                    if missing > limit:
+                        return await self._off_loop(local.join_parts, parts)
+                    return local.join_parts(parts)
                 if kind == "chat":
                     job = (local.tokenize_chat, body)
                 else:
                     job = (local.tokenize_text, prompt, bool(body.get("add_special_tokens", True)))
-                if size > self.settings.tokenizer.offload_chars:
-                    return await asyncio.get_running_loop().run_in_executor(self._pool, *job)
+                if size > limit:
+                    return await self._off_loop(*job)
                 return job[0](*job[1:])
             except _NotText:
                 return Tokenized(None, "none", error="non-text content")
@@ -270,6 +307,9 @@ class Tokenizers:
         if worker_url is None or self.client is None:
             return Tokenized(None, "none", error="no tokenizer and no worker")
         return await self._remote(model, kind, body, worker_url)
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def _remote(self, model: str, kind: str, body: dict, worker_url: str) -> Tokenized:
         if kind == "chat":

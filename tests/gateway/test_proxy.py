@@ -218,16 +218,23 @@ async def test_retry_on_refused_connection(fleet, start_gateway):
 
 
 async def test_error_event_after_first_byte(fleet, start_gateway):
-    fleet.add("a", mode="die_mid_stream")
+    st = fleet.add("a", mode="die_mid_stream", pause_after=2)  # dies once released, after two chunks
     gw = start_gateway(fleet)
     async with httpx.AsyncClient(timeout=30) as c:
-        r = await c.post(gw.url + "/v1/chat/completions", json=chat_body(stream=True))
-    events = sse_payloads(r.content)
-    assert r.status_code == 200
+        async with c.stream("POST", gw.url + "/v1/chat/completions", json=chat_body(stream=True)) as r:
+            assert r.status_code == 200
+            got = b""
+            it = r.aiter_raw()
+            while b"a-says-1" not in got:  # content has reached the client
+                got += await asyncio.wait_for(it.__anext__(), 20)
+            st.release.set()
+            async for ch in it:
+                got += ch
+    events = sse_payloads(got)
     assert events[-1] == b"data: [DONE]"
     err = json.loads(events[-2][6:])
     assert set(err["error"]) == {"message", "type", "param", "code"}
-    assert any(b'"delta"' in e for e in events[:-2])  # content had started
+    assert gw.state.decisions.recent(1)[0].outcome == "upstream_error_mid_stream"
 
 
 async def test_all_workers_fail_gives_openai_error(fleet, start_gateway):
