@@ -410,8 +410,57 @@ def test_templates_guard_even_without_the_schema(tmp_path, values, message):
 
 # ---- docs ------------------------------------------------------------------------------------------------
 
-def test_chart_readme_and_docs_carry_a_valid_vllm_snippet():
-    for doc in (CHART / "README.md", ROOT / "docs" / "kubernetes.md"):
-        text = doc.read_text()
-        check_vllm_snippet(text, "/mnt/kvgate-g4")
-        assert "kvgate.io/events-endpoint" in text and "helm install" in text
+def _container_args_in_yaml_blocks(text: str) -> list[list[str]]:
+    found = []
+    for block in re.findall(r"```yaml\n(.*?)```", text, flags=re.S):
+        for doc in yaml.safe_load_all(block):
+            spec = ((doc or {}).get("spec") or {}).get("template", {}).get("spec", {}) if isinstance(doc, dict) else {}
+            found += [c.get("args") or [] for c in spec.get("containers", [])]
+    return found
+
+
+DOCS = ["README.md", "helm/kvgate/README.md", "docs/kubernetes.md"]
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_documented_helm_install_commands_render_and_lint(chart, doc):
+    """The exact `helm install` commands of the docs: `--set` parsed by Helm's own parser, and the doc's
+    `my-values.yaml` example where it shows one."""
+    text = (ROOT / doc).read_text()
+    commands = re.findall(r"helm install kvgate \./helm/kvgate([^\n]*)", text.replace("\\\n", " "))
+    assert commands
+    shown = re.search(r"`my-values\.yaml`.*?```yaml\n(.*?)```", text, flags=re.S)
+    for cmd in commands:
+        sets = re.findall(r"--set (\S+)", cmd)
+        values = helm.parse_set_string(",".join(sets)) if sets else {}
+        if "-f my-values.yaml" in cmd and shown:
+            values = _merge(yaml.safe_load(shown.group(1)), values)
+        r = render(chart, values)
+        assert r.container()["image"] == "registry.example.com/kvgate:0.1.0"
+        if values.get("config", {}).get("discovery", {}).get("kind") == "kubernetes":
+            assert r.one("Role")
+        if values.get("g4", {}).get("enabled"):
+            check_vllm_snippet(r.notes, values["g4"]["mountPath"])
+        report = helm.lint(str(CHART), values, strict=True)
+        assert report["errors"] == [] and report["messages"] == []
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_docs_carry_a_valid_vllm_snippet(doc):
+    text = (ROOT / doc).read_text()
+    check_vllm_snippet(text, "/mnt/kvgate-g4")
+    assert "kvgate.io/events-endpoint" in text and "helm install kvgate ./helm/kvgate" in text
+    # The manifest examples: a flag followed by its JSON value as the next list item.
+    manifests = _container_args_in_yaml_blocks(text)
+    if doc.startswith("helm/"):
+        assert manifests, "the chart README shows a vLLM Deployment"
+    for args in manifests:
+        as_shell = " ".join(f"'{a}'" if a.startswith("{") else a for a in args)
+        check_vllm_snippet(as_shell, "/mnt/kvgate-g4")
