@@ -11,10 +11,10 @@ import json
 import re
 from pathlib import Path
 
+import helm_python as helm  # helm-python-sdk (test extra): Helm v4's Go SDK through ctypes
 import pytest
 import yaml
 
-helm = pytest.importorskip("helm_python", reason="helm-python-sdk comes with the test extra")
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "kvgate"
@@ -209,6 +209,7 @@ def test_defaults(chart):
     assert redis_pod["volumes"] == [{"name": "data", "emptyDir": {}}]
     args = redis_pod["containers"][0]["args"]
     assert args[args.index("--appendonly") + 1] == "no"
+    assert args[args.index("--maxmemory-policy") + 1] == "allkeys-lru"
     assert redis_pod["containers"][0]["image"] == "redis:7.4-alpine"
     assert redis_pod["securityContext"]["runAsNonRoot"] is True
     assert redis_pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
@@ -376,6 +377,7 @@ BAD_VALUES = {
     "unknown-top-level-key": ({"replicas": 3}, "additional properties 'replicas'"),
     "chart-managed-config-key": ({"config": {"index": {"backend": "memory"}}}, "/config"),
     "bad-pull-policy": ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
+    "bad-eviction-policy": ({"redis": {"maxmemoryPolicy": "lru"}}, "/redis/maxmemoryPolicy"),
 }
 
 

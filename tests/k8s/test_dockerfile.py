@@ -211,7 +211,11 @@ def test_builder_stage_wheel_builds_from_the_copied_files_only(tmp_path):
         else:
             shutil.copy(s, src / item)
     dist = tmp_path / "dist"
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+    import importlib.util
+
+    # Reuse this venv's setuptools when it has one (Python 3.11 venvs do); else pip builds in isolation.
+    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation,
                            "--wheel-dir", str(dist), str(src)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     version = dict(re.findall(r"^ARG (\w+)=(\S+)$", DOCKERFILE.read_text(), flags=re.M))["KVGATE_VERSION"]
