@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -265,13 +266,18 @@ class KubernetesDiscovery:
 
     @staticmethod
     def _default_api_client():
+        """The pod's service account in a cluster, else ``$KUBECONFIG``; the client's global default
+        configuration is left alone."""
         from kubernetes import client, config
 
+        cfg = client.Configuration()
         try:
-            config.load_incluster_config()
+            config.load_incluster_config(client_configuration=cfg)
         except config.ConfigException:
-            config.load_kube_config()
-        return client.ApiClient()
+            # The client reads $KUBECONFIG once at import time; read it now.
+            config.load_kube_config(config_file=os.environ.get("KUBECONFIG"), client_configuration=cfg,
+                                    persist_config=False)
+        return client.ApiClient(cfg)
 
     def _list(self) -> None:
         from kubernetes import client

@@ -75,6 +75,7 @@ class FakeApiServer:
         self._closing = False
         self._refusing = False
         self.requests: list[tuple[str, dict[str, str]]] = []
+        self.authorizations: list[str | None] = []
         self.watches_open = 0
         server = self
 
@@ -185,14 +186,18 @@ class FakeApiServer:
     def _handle(self, h: BaseHTTPRequestHandler) -> None:
         url = urlparse(h.path)
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        with self._cond:  # before the request is visible to the test: a later drop_watches() cuts it
+            generation = self._generation
+            refusing = self._refusing
         self.requests.append((url.path, query))
+        self.authorizations.append(h.headers.get("Authorization"))
         parts = url.path.strip("/").split("/")
         if parts[:4] == ["apis", "discovery.k8s.io", "v1", "namespaces"] and len(parts) == 6 \
                 and parts[5] == "endpointslices":
             if query.get("watch") in ("true", "1"):
-                if self._refusing:
+                if refusing:
                     return self._send_json(h, 503, _status(503, "ServiceUnavailable", "held by the test"))
-                return self._watch(h, parts[4], query)
+                return self._watch(h, parts[4], query, generation)
             return self._list(h, parts[4], query)
         if parts[:3] == ["api", "v1", "namespaces"] and len(parts) == 6 and parts[4] == "pods":
             with self._cond:
@@ -211,7 +216,7 @@ class FakeApiServer:
         self._send_json(h, 200, {"kind": "EndpointSliceList", "apiVersion": "discovery.k8s.io/v1",
                                  "metadata": {"resourceVersion": rv}, "items": items})
 
-    def _watch(self, h, namespace: str, query: dict[str, str]) -> None:
+    def _watch(self, h, namespace: str, query: dict[str, str], generation: int) -> None:
         selector = query.get("labelSelector", "")
         since = int(query.get("resourceVersion") or 0)
         deadline = time.monotonic() + int(query.get("timeoutSeconds") or 1800)
@@ -228,7 +233,6 @@ class FakeApiServer:
 
         with self._cond:
             self.watches_open += 1
-            generation = self._generation
         try:
             with self._cond:
                 if since and since < self._compacted_rv:

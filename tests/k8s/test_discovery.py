@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import yaml
 from kubernetes import client
 
 from router.config import DiscoveryConfig, Settings, WorkerConfig
@@ -228,6 +229,29 @@ async def test_a_failing_callback_does_not_stop_discovery(apiserver):
         apiserver.put_slice(endpoint_slice("vllm-def", [{"ip": "10.0.0.2", "pod": "vllm-1"}]))
         await rec.until(lambda: "vllm-1" in rec.workers)
         assert ("add", d.workers()["vllm-0"]) in rec.calls
+    finally:
+        await d.stop()
+
+
+async def test_connects_with_the_kubeconfig_when_no_client_is_given(apiserver, tmp_path, monkeypatch):
+    """Outside a cluster (no service account) discovery uses $KUBECONFIG, with its credentials."""
+    kubeconfig = tmp_path / "config"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+        "clusters": [{"name": "fake", "cluster": {"server": apiserver.url}}],
+        "users": [{"name": "dev", "user": {"token": "s3cret"}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "dev"}}],
+    }))
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    apiserver.put_slice(endpoint_slice("vllm-abc", [{"ip": "10.0.0.1", "pod": "vllm-0"}]))
+    rec = Recorder()
+    d = KubernetesDiscovery(DiscoveryConfig(kind="kubernetes", namespace="default"), rec.on_add, rec.on_remove)
+    await d.start()
+    try:
+        assert await d.wait_synced(WAIT)
+        assert set(rec.workers) == {"vllm-0"}
+        assert apiserver.authorizations[0] == "Bearer s3cret"
     finally:
         await d.stop()
 
