@@ -228,6 +228,19 @@ def test_defaults(chart):
     assert "--kv-events-config" in r.notes and "--enable-prompt-tokens-details" in r.notes
 
 
+def test_helm_test_hook_probes_the_service(chart, tmp_path):
+    r = render(chart, {})
+    pod = r.one("Pod", f"{FULL}-test-health")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    c = pod["spec"]["containers"][0]
+    assert c["image"] == r.container()["image"] and c["securityContext"]["readOnlyRootFilesystem"] is True
+    code = c["command"][2]
+    assert f"http://{FULL}:8080/health" in code
+    compile(code, "helm-test", "exec")  # what `python -c` will run
+    svc = r.one("Service", FULL)
+    assert not _selected(svc["spec"]["selector"], pod["metadata"]["labels"])
+
+
 def test_config_change_rolls_the_pods(chart):
     a = render(chart, {}).gateway()["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
     b = render(chart, {"config": {"routing": {"policy": "round_robin"}}}).gateway()
