@@ -5,6 +5,7 @@ Discovery only announces workers; it never touches the gateway. The gateway pass
 sources can be swapped and tested without a gateway. A worker is identified by its name (for Kubernetes,
 the pod name); a changed worker is announced as ``on_remove(name)`` followed by ``on_add(new_config)``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -54,7 +55,7 @@ class StaticDiscovery:
         return None
 
 
-def create_discovery(settings: "Settings", on_add: OnAdd, on_remove: OnRemove, **kwargs) -> Discovery:
+def create_discovery(settings: Settings, on_add: OnAdd, on_remove: OnRemove, **kwargs) -> Discovery:
     """The discovery source that ``settings.discovery.kind`` names (static workers or Kubernetes)."""
     if settings.discovery.kind == "kubernetes":
         from router.discovery.kubernetes import KubernetesDiscovery  # needs the k8s extra

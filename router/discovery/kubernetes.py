@@ -1,4 +1,4 @@
-"""Kubernetes discovery: vLLM pods from the EndpointSlices selected by a label, watched with the official client.
+"""Kubernetes discovery: vLLM pods from the EndpointSlices selected by a label, via the official client.
 
 Why EndpointSlices: they carry exactly the pods a Service considers ready, with their IPs and ports, and they
 change when a pod starts, becomes ready, terminates or moves. Slices inherit their Service's labels, so
@@ -17,6 +17,7 @@ Each worker's events endpoint comes from its pod's annotation (``kvgate.io/event
 template annotation such as ``tcp://*:5557`` fits every replica. Without it the gateway asks the worker's
 ``/kv_event_sources``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -77,12 +78,14 @@ def endpoints_of_slice(slice_: dict[str, Any], config: DiscoveryConfig) -> list[
         ref = ep.get("targetRef") or {}
         pod = ref.get("name") if ref.get("kind") == "Pod" else None
         host = f"[{address}]" if ":" in address else address
-        out.append({
-            "name": pod or ep.get("hostname") or address,
-            "address": address,
-            "url": f"{config.scheme}://{host}:{port}",
-            "pod": pod or "",
-        })
+        out.append(
+            {
+                "name": pod or ep.get("hostname") or address,
+                "address": address,
+                "url": f"{config.scheme}://{host}:{port}",
+                "pod": pod or "",
+            }
+        )
     return out
 
 
@@ -179,7 +182,7 @@ class KubernetesDiscovery:
         try:
             await asyncio.wait_for(self._synced.wait(), timeout)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     def workers(self) -> dict[str, WorkerConfig]:
@@ -275,8 +278,9 @@ class KubernetesDiscovery:
             config.load_incluster_config(client_configuration=cfg)
         except config.ConfigException:
             # The client reads $KUBECONFIG once at import time; read it now.
-            config.load_kube_config(config_file=os.environ.get("KUBECONFIG"), client_configuration=cfg,
-                                    persist_config=False)
+            config.load_kube_config(
+                config_file=os.environ.get("KUBECONFIG"), client_configuration=cfg, persist_config=False
+            )
         return client.ApiClient(cfg)
 
     def _list(self) -> None:
@@ -284,7 +288,8 @@ class KubernetesDiscovery:
 
         api = client.DiscoveryV1Api(self._api_client)
         result = api.list_namespaced_endpoint_slice(
-            self.namespace, label_selector=self._config.label_selector,
+            self.namespace,
+            label_selector=self._config.label_selector,
             _request_timeout=self._request_timeout_s,
         )
         data = self._api_client.sanitize_for_serialization(result)
@@ -310,7 +315,8 @@ class KubernetesDiscovery:
         progressed = False
         try:
             stream = w.stream(
-                api.list_namespaced_endpoint_slice, self.namespace,
+                api.list_namespaced_endpoint_slice,
+                self.namespace,
                 label_selector=self._config.label_selector,
                 resource_version=self.resource_version,
                 allow_watch_bookmarks=True,
@@ -357,7 +363,10 @@ class KubernetesDiscovery:
                     seen_pods.add(key)
                     events, replay = self._pod_event_endpoints(key)
                 workers[ep["name"]] = WorkerConfig(
-                    url=ep["url"], name=ep["name"], events_endpoint=events, replay_endpoint=replay,
+                    url=ep["url"],
+                    name=ep["name"],
+                    events_endpoint=events,
+                    replay_endpoint=replay,
                 )
         for key in [k for k in self._pod_endpoints if k not in seen_pods]:  # keep the cache bounded
             del self._pod_endpoints[key]
@@ -372,17 +381,24 @@ class KubernetesDiscovery:
         pod_name, address = key
         try:
             pod = client.CoreV1Api(self._api_client).read_namespaced_pod(
-                pod_name, self.namespace, _request_timeout=self._request_timeout_s,
+                pod_name,
+                self.namespace,
+                _request_timeout=self._request_timeout_s,
             )
         except Exception as exc:  # no RBAC for pods, pod gone, API hiccup: fall back to /kv_event_sources
             status = getattr(exc, "status", None)
-            log.warning("discovery: cannot read the annotations of pod %s/%s: %s", self.namespace, pod_name,
-                        f"HTTP {status} {getattr(exc, 'reason', '')}" if status else exc)
+            log.warning(
+                "discovery: cannot read the annotations of pod %s/%s: %s",
+                self.namespace,
+                pod_name,
+                f"HTTP {status} {getattr(exc, 'reason', '')}" if status else exc,
+            )
             if status in (403, 404):  # will not change by asking again for this (pod, IP)
                 self._pod_endpoints[key] = (None, None)
             return (None, None)
         annotations = (self._api_client.sanitize_for_serialization(pod).get("metadata") or {}).get(
-            "annotations") or {}
+            "annotations"
+        ) or {}
         found = (
             _with_address(annotations.get(self._config.events_annotation), address),
             _with_address(annotations.get(self._config.replay_annotation), address),

