@@ -210,16 +210,20 @@ class KubernetesDiscovery:
             if old == worker:
                 continue
             if old is not None:  # same pod name, new IP or endpoints: re-register it
+                del self._announced[name]
                 await self._call(self._on_remove, name)
-            self._announced[name] = worker
-            await self._call(self._on_add, worker)
+            # A refused add is not recorded, so the next snapshot offers the worker again.
+            if await self._call(self._on_add, worker):
+                self._announced[name] = worker
 
     @staticmethod
-    async def _call(callback, arg) -> None:
+    async def _call(callback, arg) -> bool:
         try:
             await callback(arg)
+            return True
         except Exception:  # a failing callback must not stop discovery
             log.exception("discovery: callback %s(%r) failed", getattr(callback, "__name__", callback), arg)
+            return False
 
     def _publish(self, snapshot: dict[str, WorkerConfig]) -> None:
         """Called in the thread: keep only the newest snapshot and wake the loop."""
