@@ -142,6 +142,8 @@ class MemoryIndex(BlockIndex):
         for name, m in self._models.items():
             if model is not None and name != model:
                 continue
+            if not m.holders and not m.g4:
+                continue
             per_worker: dict[str, dict[str, int]] = defaultdict(dict)
             per_tier = {t.value: 0 for t in _LOCAL}
             for (w, t), blocks in m.owned.items():
@@ -149,7 +151,7 @@ class MemoryIndex(BlockIndex):
                     per_worker[w][t.value] = len(blocks)
                     per_tier[t.value] += len(blocks)
             out[name] = {
-                "blocks": len(m.holders),
+                "blocks": len(m.holders) + sum(1 for h in m.g4 if h not in m.holders),
                 "entries_per_tier": per_tier,
                 "g4_blocks": len(m.g4),
                 "workers": dict(per_worker),
