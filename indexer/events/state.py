@@ -36,12 +36,8 @@ class Ops:
     items: list[tuple[str, Tier | None, list[int] | None]] = field(default_factory=list)
 
 
-class _Handle:
-    __slots__ = ("rh", "counts")
-
-    def __init__(self, rh: int) -> None:
-        self.rh = rh
-        self.counts = {Tier.GPU: 0, Tier.CPU: 0}
+_TIERS = (Tier.GPU, Tier.CPU)  # tier codes 0 and 1 (ints: cheaper dict keys than the enum)
+_CODES = {"GPU": 0, None: 0, "CPU": 1}  # fast path of medium_tier for the common spellings
 
 
 def medium_tier(medium: str | None) -> Tier | str | None:
@@ -75,16 +71,26 @@ def _touch(changes: dict[int, tuple[bool, bool]], rh: int, on: bool) -> None:
     changes[rh] = (not on if prev is None else prev[0], on)
 
 
+def _key(group: int, eh: int):
+    """Handle key: the engine hash alone for group 0 (the common case, no tuple), else (group, hash)."""
+    return eh if group == 0 else (group, eh)
+
+
 class WorkerState:
-    """State of one event source (one worker, one data-parallel rank)."""
+    """State of one event source (one worker, one data-parallel rank).
+
+    ``_handles``: handle key -> ``[kvgate hash, count on GPU, count on CPU]``;
+    ``_held[code]``: kvgate hash -> number of handles holding it on that tier (an index entry exists
+    while it is > 0).
+    """
 
     def __init__(self, block_size: int | None = None, storage_handles: int = 100_000) -> None:
         self.block_size = block_size
-        self._handles: dict[tuple[int, int], _Handle] = {}
-        self._held: dict[tuple[Tier, int], int] = {}
+        self._handles: dict = {}
+        self._held: tuple[dict[int, int], dict[int, int]] = ({}, {})
         # STORAGE blocks are never removed by vLLM; remember a bounded number of their handles so that
         # later events can chain from them.
-        self._storage: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self._storage: OrderedDict = OrderedDict()
         self._storage_max = storage_handles
         self.counters = {"unknown_parent": 0, "size_mismatch": 0, "unmapped": 0, "skipped": 0,
                          "malformed": 0}
@@ -95,53 +101,58 @@ class WorkerState:
     def reset(self) -> None:
         """Forget everything but the G4 handles (the worker restarted or the index was cleared)."""
         self._handles.clear()
-        self._held.clear()
+        for held in self._held:
+            held.clear()
 
     # -- bookkeeping ------------------------------------------------------------------------------------
-    def _rh(self, key: tuple[int, int]) -> int | None:
+    def _rh(self, key) -> int | None:
         h = self._handles.get(key)
         if h is not None:
-            return h.rh
+            return h[0]
         return self._storage.get(key)
 
-    def _remember_storage(self, key: tuple[int, int], rh: int) -> None:
+    def _remember_storage(self, key, rh: int) -> None:
         self._storage[key] = rh
         self._storage.move_to_end(key)
         if len(self._storage) > self._storage_max:
             self._storage.popitem(last=False)
 
-    def _incr(self, key: tuple[int, int], rh: int, tier: Tier, pending: dict) -> None:
+    def _incr(self, key, rh: int, code: int, pending: dict[int, tuple[bool, bool]]) -> None:
         h = self._handles.get(key)
         if h is None:
-            h = self._handles[key] = _Handle(rh)
-        h.counts[tier] += 1
-        if h.counts[tier] == 1:
-            k = (tier, h.rh)
-            n = self._held.get(k, 0) + 1
-            self._held[k] = n
+            h = self._handles[key] = [rh, 0, 0]
+        c = h[code + 1] + 1
+        h[code + 1] = c
+        if c == 1:
+            held = self._held[code]
+            rh = h[0]
+            n = held.get(rh, 0) + 1
+            held[rh] = n
             if n == 1:
-                _touch(pending[tier], h.rh, True)
+                _touch(pending, rh, True)
 
-    def _decr(self, key: tuple[int, int], tier: Tier, pending: dict) -> None:
+    def _decr(self, key, code: int, pending: dict[int, tuple[bool, bool]]) -> None:
         h = self._handles.get(key)
-        if h is None or h.counts[tier] == 0:
+        if h is None or h[code + 1] == 0:
             return
-        h.counts[tier] -= 1
-        if h.counts[tier] == 0:
-            k = (tier, h.rh)
-            n = self._held.get(k, 1) - 1
+        c = h[code + 1] - 1
+        h[code + 1] = c
+        if c == 0:
+            held = self._held[code]
+            rh = h[0]
+            n = held.get(rh, 1) - 1
             if n <= 0:
-                self._held.pop(k, None)
-                _touch(pending[tier], h.rh, False)
+                held.pop(rh, None)
+                _touch(pending, rh, False)
             else:
-                self._held[k] = n
-            if not any(h.counts.values()):
+                held[rh] = n
+            if h[1] == 0 and h[2] == 0:
                 del self._handles[key]
 
     # -- events -----------------------------------------------------------------------------------------
     def apply(self, events: list[Event]) -> Ops:
         ops = Ops()
-        pending: dict[Tier, dict[int, tuple[bool, bool]]] = {Tier.GPU: {}, Tier.CPU: {}}
+        pending: tuple[dict, dict] = ({}, {})  # per tier code: kvgate hash -> (present before, present now)
         g4: list[int] = []
         for ev in events:
             if isinstance(ev, BlockStored):
@@ -150,10 +161,15 @@ class WorkerState:
                 except (TypeError, ValueError, OverflowError):
                     self.counters["malformed"] += 1
             elif isinstance(ev, BlockRemoved):
-                tier = medium_tier(ev.medium)
-                if isinstance(tier, Tier):  # G4 entries are never removed by a worker
-                    for eh in ev.block_hashes:
-                        self._decr((ev.group_idx, eh), tier, pending)
+                code = _CODES.get(ev.medium)
+                if code is None:
+                    tier = medium_tier(ev.medium)
+                    if not isinstance(tier, Tier):  # G4 entries are never removed by a worker
+                        continue
+                    code = _TIERS.index(tier)
+                g = ev.group_idx
+                for eh in ev.block_hashes:
+                    self._decr(_key(g, eh), code, pending[code])
             elif isinstance(ev, AllBlocksCleared):
                 self._flush(ops, pending, g4)
                 self.reset()
@@ -162,37 +178,40 @@ class WorkerState:
         return ops
 
     @staticmethod
-    def _flush(ops: Ops, pending: dict, g4: list[int]) -> None:
-        for tier, changes in pending.items():
+    def _flush(ops: Ops, pending: tuple[dict, dict], g4: list[int]) -> None:
+        for code, changes in enumerate(pending):
             if changes:
                 gone = [h for h, (was, on) in changes.items() if was and not on]
                 new = [h for h, (was, on) in changes.items() if on and not was]
                 if gone:
-                    ops.items.append(("remove", tier, gone))
+                    ops.items.append(("remove", _TIERS[code], gone))
                 if new:
-                    ops.items.append(("store", tier, new))
+                    ops.items.append(("store", _TIERS[code], new))
                 changes.clear()
         if g4:
             ops.items.append(("g4", None, list(dict.fromkeys(g4))))
             g4.clear()
 
-    def _stored(self, ev: BlockStored, pending: dict, g4: list[int]) -> None:
-        tier = medium_tier(ev.medium)
-        if tier is None or ev.kv_cache_spec_kind not in ACCEPTED_KINDS:
+    def _stored(self, ev: BlockStored, pending: tuple[dict, dict], g4: list[int]) -> None:
+        code = _CODES.get(ev.medium)
+        if code is None:
+            tier = medium_tier(ev.medium)
+            code = G4 if tier == G4 else (_TIERS.index(tier) if tier is not None else None)
+        if code is None or ev.kv_cache_spec_kind not in ACCEPTED_KINDS:
             self.counters["skipped"] += 1
             return
         g = ev.group_idx
         if not ev.token_ids:  # offload placeholder: only hashes we already know can be placed
             for eh in ev.block_hashes:
-                key = (g, eh)
+                key = _key(g, eh)
                 rh = self._rh(key)
                 if rh is None:
                     self.counters["unmapped"] += 1
-                elif tier == G4:
+                elif code == G4:
                     g4.append(rh)
                     self._remember_storage(key, rh)
                 else:
-                    self._incr(key, rh, tier, pending)
+                    self._incr(key, rh, code, pending[code])
             return
         bs = ev.block_size
         if self.block_size is None and bs > 0:
@@ -205,16 +224,21 @@ class WorkerState:
             parent = None
             salt = cache_salt_of(ev.extra_keys, ev.lora_name)
         else:
-            parent = self._rh((g, ev.parent_block_hash))
+            parent = self._rh(_key(g, ev.parent_block_hash))
             if parent is None:
                 self.counters["unknown_parent"] += 1
                 return
             salt = None
         rhs = hashing.chain(hashing.local_hashes(ev.token_ids, bs, ev.lora_name, salt), parent)
-        for eh, rh in zip(ev.block_hashes, rhs):
-            key = (g, eh)
-            if tier == G4:
+        if code == G4:
+            for eh, rh in zip(ev.block_hashes, rhs):
                 g4.append(rh)
-                self._remember_storage(key, rh)
-            else:
-                self._incr(key, rh, tier, pending)
+                self._remember_storage(_key(g, eh), rh)
+            return
+        changes = pending[code]
+        if g == 0:
+            for eh, rh in zip(ev.block_hashes, rhs):
+                self._incr(eh, rh, code, changes)
+        else:
+            for eh, rh in zip(ev.block_hashes, rhs):
+                self._incr((g, eh), rh, code, changes)

@@ -30,12 +30,11 @@ class DecodeError(ValueError):
     """A frame or payload that is not a vLLM KV-event batch."""
 
 
-@dataclass(slots=True)
-class BlockStored:
+class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
     block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
+    parent_block_hash: int | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
     medium: str | None = None
     lora_name: str | None = None
     extra_keys: list | None = None
@@ -43,15 +42,13 @@ class BlockStored:
     kv_cache_spec_kind: str | None = None
 
 
-@dataclass(slots=True)
-class BlockRemoved:
+class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False):
     block_hashes: list[int]
     medium: str | None = None
     group_idx: int = 0
 
 
-@dataclass(slots=True)
-class AllBlocksCleared:
+class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", gc=False):
     pass
 
 
@@ -155,8 +152,39 @@ def decode_event(ev: Any) -> Event | None:
     return None
 
 
+class _TypedBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+# The common case (this vLLM: array batch, tagged map events, int hashes) decodes straight into the event
+# structs in C; anything else (bytes hashes, array events, unknown types, odd values) takes the generic path.
+_typed_decoder = msgspec.msgpack.Decoder(_TypedBatch)
+
+
+def _fast(payload: bytes) -> Batch | None:
+    try:
+        b = _typed_decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    for ev in b.events:
+        if isinstance(ev, BlockStored):
+            if ev.block_hashes and min(ev.block_hashes) < 0:
+                ev.block_hashes = [h & _MASK for h in ev.block_hashes]
+            if ev.parent_block_hash is not None and ev.parent_block_hash < 0:
+                ev.parent_block_hash &= _MASK
+        elif isinstance(ev, BlockRemoved):
+            if ev.block_hashes and min(ev.block_hashes) < 0:
+                ev.block_hashes = [h & _MASK for h in ev.block_hashes]
+    return Batch(ts=b.ts, events=b.events, dp_rank=b.data_parallel_rank)
+
+
 def decode_batch(payload: bytes) -> Batch:
     """Decode one payload frame; raises :class:`DecodeError` when it is not a batch."""
+    fast = _fast(payload)
+    if fast is not None:
+        return fast
     try:
         raw = _decoder.decode(payload)
     except (msgspec.DecodeError, ValueError, TypeError) as e:

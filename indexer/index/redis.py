@@ -25,9 +25,10 @@ reverse buckets -- no SCAN of the keyspace. Entries carry no unbounded data: nam
 
 Why a server-side Lua script and not a pipeline for ``lookup``: a pipeline must ask for every hash of the
 prompt (8K SMEMBERS for a 128K-token prompt at block size 16) even when the first block already misses,
-and returns all of it to Python. The script walks the hashes in Redis, stops as soon as no worker and not
-G4 can extend its run, and returns only the per-worker counts: one round trip, an early exit, and an
-atomic snapshot. Writes use scripts too: one EVALSHA per event batch whatever its number of blocks, with
+and returns all of it to Python. The script walks the hashes in Redis -- SMEMBERS on the first block, then
+one SMISMEMBER per block asking only about the members whose run is still alive --, stops as soon as no
+worker and not G4 can extend its run, and returns only the per-worker counts: one round trip, an early
+exit, work proportional to the runs rather than blocks x workers, and an atomic snapshot. Writes use scripts too: one EVALSHA per event batch whatever its number of blocks, with
 the hashes packed into one binary argument (Python's work per block is a numpy byte copy).
 Scripts are run with EVALSHA and fall back to EVAL when the server answers NOSCRIPT (after a restart or a
 SCRIPT FLUSH). Keys other than the declared one are built inside the scripts; they share the declared
@@ -147,52 +148,67 @@ if #ARGV > 2 then
     if id then allowed[tonumber(id)] = true end
   end
 end
+-- block 0: who holds it (SMEMBERS); runs[wid] = {gpu, cpu, local, gpu alive, cpu alive}
 local wids, runs = {}, {}
-local g4, g4_alive = 0, true
-for off = 1, #packed, 8 do
-  local members = redis.call('SMEMBERS', bpre .. string.sub(packed, off, off + 7))
-  local has, g4here = {}, false
-  for _, s in ipairs(members) do
-    local m = tonumber(s)
-    if m < 0 then
-      g4here = true
-    else
-      local wid = math.floor(m / 2)
-      has[wid] = (has[wid] or 0) + (m % 2 == 0 and 1 or 2)
-    end
-  end
-  if off == 1 then
-    for wid, _ in pairs(has) do
-      if allowed == nil or allowed[wid] then
+local g4, g4_alive = 0, false
+for _, s in ipairs(redis.call('SMEMBERS', bpre .. string.sub(packed, 1, 8))) do
+  local m = tonumber(s)
+  if m < 0 then
+    g4, g4_alive = 1, true
+  else
+    local wid = math.floor(m / 2)
+    if allowed == nil or allowed[wid] then
+      local r = runs[wid]
+      if r == nil then
+        r = {0, 0, 1, false, false}
+        runs[wid] = r
         wids[#wids + 1] = wid
-        runs[wid] = {0, 0, 0, true, true, true}
       end
+      if m % 2 == 0 then r[1], r[4] = 1, true else r[2], r[5] = 1, true end
     end
   end
-  local any = false
-  for _, wid in ipairs(wids) do
-    local r = runs[wid]
-    if r[4] or r[5] or r[6] then
-      local bits = has[wid] or 0
-      if r[4] and bits % 2 == 1 then r[1] = r[1] + 1; any = true else r[4] = false end
-      if r[5] and bits >= 2 then r[2] = r[2] + 1; any = true else r[5] = false end
-      if r[6] and bits > 0 then r[3] = r[3] + 1; any = true else r[6] = false end
+end
+-- later blocks: SMISMEMBER for the members still alive only; stop when nothing can grow
+local alive, args, stale = wids, nil, true
+local off = 9
+while off <= #packed and (#alive > 0 or g4_alive) do
+  if stale then
+    args = {}
+    for _, wid in ipairs(alive) do
+      args[#args + 1] = wid * 2
+      args[#args + 1] = wid * 2 + 1
+    end
+    if g4_alive then args[#args + 1] = -1 end
+    stale = false
+  end
+  local res = redis.call('SMISMEMBER', bpre .. string.sub(packed, off, off + 7), unpack(args))
+  local nxt = {}
+  for j, wid in ipairs(alive) do
+    local g, c = res[2 * j - 1] == 1, res[2 * j] == 1
+    if g or c then
+      local r = runs[wid]
+      r[3] = r[3] + 1
+      if r[4] then if g then r[1] = r[1] + 1 else r[4] = false end end
+      if r[5] then if c then r[2] = r[2] + 1 else r[5] = false end end
+      nxt[#nxt + 1] = wid
     end
   end
-  if g4_alive and g4here then g4 = g4 + 1 else g4_alive = false end
-  if not any and not g4_alive then break end
+  if #nxt ~= #alive then stale = true end
+  alive = nxt
+  if g4_alive then
+    if res[#res] == 1 then g4 = g4 + 1 else g4_alive = false; stale = true end
+  end
+  off = off + 8
 end
 local out = {g4}
 for _, wid in ipairs(wids) do
   local r = runs[wid]
-  if r[3] > 0 then
-    local name = redis.call('HGET', KEYS[1], tostring(wid))
-    if name then
-      out[#out + 1] = name
-      out[#out + 1] = r[1]
-      out[#out + 1] = r[2]
-      out[#out + 1] = r[3]
-    end
+  local name = redis.call('HGET', KEYS[1], tostring(wid))
+  if name then
+    out[#out + 1] = name
+    out[#out + 1] = r[1]
+    out[#out + 1] = r[2]
+    out[#out + 1] = r[3]
   end
 end
 return out
