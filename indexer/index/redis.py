@@ -6,33 +6,35 @@ so every key of a model lives in one slot and one script can touch them all):
 ==============================  =====  ===========================================================
 key                             type   content
 ==============================  =====  ===========================================================
-``P:{M}:b:<8 bytes>``           set    one per block, named by the sequence hash (8 raw bytes, big
-                                       endian); members are small ints: ``wid*2 + tier`` (tier 0 GPU,
-                                       1 CPU) and ``-1`` for G4. Tiny sets stay intset-encoded.
-``P:{M}:r:<member>:<bucket>``   set    reverse index of one (worker, tier) -- or of G4 for member -1 --
-                                       sharded into 2048 buckets by ``hash & 2047``; members are
-                                       ``hash >> 11`` (53 bits: exact in Lua's doubles, intset-encoded).
+``P:{M}:blocks``                hash   field = a block's sequence hash as 8 raw bytes (big endian);
+                                       value = its holders, ``",m1,m2,"`` with ``m = wid*2 + tier``
+                                       (tier 0 GPU, 1 CPU) and ``m = -1`` for G4.
+``P:{M}:r:<m>:<bucket>``        set    reverse index of member ``m`` (one worker's tier, or G4),
+                                       sharded into 2048 buckets by ``hash & 2047``; set members are
+                                       ``hash >> 11`` (53 bits: exact in Lua's doubles; intset-encoded
+                                       up to 512 per bucket, i.e. ~1M blocks per worker tier).
 ``P:{M}:w`` / ``P:{M}:i``       hash   worker name -> id and id -> name (ids are never reused).
 ``P:{M}:seq``                   str    the next worker id.
-``P:{M}:n``                     hash   entry counts per member, and ``blocks`` (distinct block keys).
+``P:{M}:n``                     hash   entry count per member ``m``.
 ``P:models``                    set    model names that have entries (outside the hash tag).
 ==============================  =====  ===========================================================
 
-Why this shape: a (block, worker) entry costs one small int in an intset plus 8 bytes in a reverse
-bucket, and the block key itself is paid once per block whatever the number of holders (see
-docs/BENCHMARKS.md for the measured bytes per entry). Dropping a worker walks only that worker's 2048
-reverse buckets -- no SCAN of the keyspace. Entries carry no unbounded data: names live once in ``w``/``i``.
+Why this shape: a block costs one hash field (no per-key overhead), each holder a few bytes in that
+field's value plus 8 bytes in an intset bucket -- about 100 bytes for the first (block, worker) entry and
+~26 for each further holder (measured: docs/BENCHMARKS.md). Entries carry no unbounded data: names live
+once in ``w``/``i``. Dropping a worker walks only its own 2048 reverse buckets -- no SCAN of the keyspace.
 
 Why a server-side Lua script and not a pipeline for ``lookup``: a pipeline must ask for every hash of the
-prompt (8K SMEMBERS for a 128K-token prompt at block size 16) even when the first block already misses,
-and returns all of it to Python. The script walks the hashes in Redis -- SMEMBERS on the first block, then
-one SMISMEMBER per block asking only about the members whose run is still alive --, stops as soon as no
-worker and not G4 can extend its run, and returns only the per-worker counts: one round trip, an early
-exit, work proportional to the runs rather than blocks x workers, and an atomic snapshot. Writes use scripts too: one EVALSHA per event batch whatever its number of blocks, with
-the hashes packed into one binary argument (Python's work per block is a numpy byte copy).
-Scripts are run with EVALSHA and fall back to EVAL when the server answers NOSCRIPT (after a restart or a
-SCRIPT FLUSH). Keys other than the declared one are built inside the scripts; they share the declared
-key's hash tag, so this holds on Redis Cluster.
+prompt (8K fields for a 128K-token prompt at block size 16) even when the first block already misses, and
+ships all of it back to Python. The script reads block 0's holders, then fetches the following fields
+with HMGET in growing chunks (16, 64, 256, 1024) and checks only the members whose run is still alive;
+it stops as soon as no worker and not G4 can extend its run, and returns only the per-worker counts. One
+round trip, an early exit, work proportional to the runs (not blocks x workers), an atomic snapshot.
+Writes are scripts too: one EVALSHA per event batch whatever its number of blocks, the hashes packed into
+one binary argument (Python's work per block is a numpy byte copy), one HMGET + one HSET per 1000 blocks.
+Scripts run with EVALSHA and fall back to EVAL when the server answers NOSCRIPT (after a restart or a
+SCRIPT FLUSH). Keys other than the declared ones are built inside the scripts from the same hash-tagged
+base, so they live in the declared keys' slot on Redis Cluster.
 """
 from __future__ import annotations
 
@@ -69,89 +71,121 @@ local function join(bucket, hi)
 end
 """
 
-# KEYS[1] = counts hash; ARGV = key base "P:{M}:", member, packed hashes
+# Writes. KEYS[1] = counts hash, KEYS[2] = blocks hash; ARGV = key base "P:{M}:", member, packed hashes
+# (unique). Fields are read with one HMGET and written with one HSET/HDEL per chunk of 1000 blocks.
 _STORE = _LUA_SPLIT + """
 local base, m, packed = ARGV[1], ARGV[2], ARGV[3]
-local bpre, rpre = base .. 'b:', base .. 'r:' .. m .. ':'
-local added, fresh = 0, 0
-for off = 1, #packed, 8 do
-  local h8 = string.sub(packed, off, off + 7)
-  local key = bpre .. h8
-  if redis.call('SADD', key, m) == 1 then
-    added = added + 1
-    if redis.call('SCARD', key) == 1 then fresh = fresh + 1 end
-    local bucket, hi = split(h8)
-    redis.call('SADD', rpre .. bucket, hi)
+local rpre, tok = base .. 'r:' .. m .. ':', ',' .. m .. ','
+local added = 0
+for start = 1, #packed, 8000 do
+  local fields = {}
+  for off = start, math.min(#packed, start + 7999), 8 do fields[#fields + 1] = string.sub(packed, off, off + 7) end
+  local vals = redis.call('HMGET', KEYS[2], unpack(fields))
+  local sets = {}
+  for i, f in ipairs(fields) do
+    local v = vals[i]
+    local nv = nil
+    if not v then nv = tok elseif not string.find(v, tok, 1, true) then nv = v .. m .. ',' end
+    if nv then
+      sets[#sets + 1] = f
+      sets[#sets + 1] = nv
+      local bucket, hi = split(f)
+      redis.call('SADD', rpre .. bucket, hi)
+    end
+  end
+  if #sets > 0 then
+    redis.call('HSET', KEYS[2], unpack(sets))
+    added = added + #sets / 2
   end
 end
-if added > 0 then
-  redis.call('HINCRBY', KEYS[1], m, added)
-  if fresh > 0 then redis.call('HINCRBY', KEYS[1], 'blocks', fresh) end
-end
+if added > 0 then redis.call('HINCRBY', KEYS[1], m, added) end
 return added
 """
 
-_REMOVE = _LUA_SPLIT + """
-local base, m, packed = ARGV[1], ARGV[2], ARGV[3]
-local bpre, rpre = base .. 'b:', base .. 'r:' .. m .. ':'
-local removed, gone = 0, 0
-for off = 1, #packed, 8 do
-  local h8 = string.sub(packed, off, off + 7)
-  local key = bpre .. h8
-  if redis.call('SREM', key, m) == 1 then
-    removed = removed + 1
-    if redis.call('EXISTS', key) == 0 then gone = gone + 1 end
-    local bucket, hi = split(h8)
-    redis.call('SREM', rpre .. bucket, hi)
+_LUA_DROP = """
+-- drop member token tok from the given fields; returns the number of fields that held it
+local function drop(blocks, fields, vals, tok)
+  local sets, dels = {}, {}
+  for i, f in ipairs(fields) do
+    local v = vals[i]
+    if v then
+      local s, e = string.find(v, tok, 1, true)
+      if s then
+        local nv = string.sub(v, 1, s) .. string.sub(v, e + 1)
+        if nv == ',' then
+          dels[#dels + 1] = f
+        else
+          sets[#sets + 1] = f
+          sets[#sets + 1] = nv
+        end
+      end
+    end
   end
+  if #sets > 0 then redis.call('HSET', blocks, unpack(sets)) end
+  if #dels > 0 then redis.call('HDEL', blocks, unpack(dels)) end
+  return #sets / 2 + #dels
 end
-if removed > 0 then
-  redis.call('HINCRBY', KEYS[1], m, -removed)
-  if gone > 0 then redis.call('HINCRBY', KEYS[1], 'blocks', -gone) end
+"""
+
+_REMOVE = _LUA_SPLIT + _LUA_DROP + """
+local base, m, packed = ARGV[1], ARGV[2], ARGV[3]
+local rpre, tok = base .. 'r:' .. m .. ':', ',' .. m .. ','
+local removed = 0
+for start = 1, #packed, 8000 do
+  local fields = {}
+  for off = start, math.min(#packed, start + 7999), 8 do fields[#fields + 1] = string.sub(packed, off, off + 7) end
+  local vals = redis.call('HMGET', KEYS[2], unpack(fields))
+  for i, f in ipairs(fields) do
+    local v = vals[i]
+    if v and string.find(v, tok, 1, true) then
+      local bucket, hi = split(f)
+      redis.call('SREM', rpre .. bucket, hi)
+    end
+  end
+  removed = removed + drop(KEYS[2], fields, vals, tok)
 end
+if removed > 0 then redis.call('HINCRBY', KEYS[1], m, -removed) end
 return removed
 """
 
 # ARGV = key base, member, first bucket, end bucket (exclusive)
-_CLEAR = _LUA_SPLIT + """
+_CLEAR = _LUA_SPLIT + _LUA_DROP + """
 local base, m = ARGV[1], ARGV[2]
-local bpre, rpre = base .. 'b:', base .. 'r:' .. m .. ':'
-local removed, gone = 0, 0
+local rpre, tok = base .. 'r:' .. m .. ':', ',' .. m .. ','
+local removed = 0
 for bucket = tonumber(ARGV[3]), tonumber(ARGV[4]) - 1 do
   local rkey = rpre .. bucket
   local his = redis.call('SMEMBERS', rkey)
-  for _, s in ipairs(his) do
-    local key = bpre .. join(bucket, tonumber(s))
-    if redis.call('SREM', key, m) == 1 then
-      removed = removed + 1
-      if redis.call('EXISTS', key) == 0 then gone = gone + 1 end
-    end
+  for start = 1, #his, 1000 do
+    local fields = {}
+    for i = start, math.min(#his, start + 999) do fields[#fields + 1] = join(bucket, tonumber(his[i])) end
+    removed = removed + drop(KEYS[2], fields, redis.call('HMGET', KEYS[2], unpack(fields)), tok)
   end
   if #his > 0 then redis.call('DEL', rkey) end
 end
-if removed > 0 then
-  redis.call('HINCRBY', KEYS[1], m, -removed)
-  if gone > 0 then redis.call('HINCRBY', KEYS[1], 'blocks', -gone) end
-end
+if removed > 0 then redis.call('HINCRBY', KEYS[1], m, -removed) end
 return removed
 """
 
-# KEYS[1] = id->name hash, KEYS[2] = name->id hash; ARGV = key base, packed hashes, [allowed names...]
-# Returns {g4_run, name, gpu, cpu, local, name, ...} for workers whose local run is > 0.
+# KEYS[1] = id->name hash, KEYS[2] = name->id hash, KEYS[3] = blocks hash; ARGV = packed hashes,
+# [allowed names...]. Returns {g4_run, name, gpu, cpu, local, name, ...} for workers that hold block 0.
 _LOOKUP = """
-local bpre, packed = ARGV[1] .. 'b:', ARGV[2]
+local packed = ARGV[1]
 local allowed = nil
-if #ARGV > 2 then
+if #ARGV > 1 then
   allowed = {}
-  for i = 3, #ARGV do
+  for i = 2, #ARGV do
     local id = redis.call('HGET', KEYS[2], ARGV[i])
     if id then allowed[tonumber(id)] = true end
   end
 end
--- block 0: who holds it (SMEMBERS); runs[wid] = {gpu, cpu, local, gpu alive, cpu alive}
+local n = #packed / 8
+local v0 = redis.call('HGET', KEYS[3], string.sub(packed, 1, 8))
+if not v0 then return {0} end
+-- block 0: who holds it; runs[wid] = {gpu, cpu, local, gpu alive, cpu alive, gpu token, cpu token}
 local wids, runs = {}, {}
 local g4, g4_alive = 0, false
-for _, s in ipairs(redis.call('SMEMBERS', bpre .. string.sub(packed, 1, 8))) do
+for s in string.gmatch(v0, '-?%d+') do
   local m = tonumber(s)
   if m < 0 then
     g4, g4_alive = 1, true
@@ -160,7 +194,7 @@ for _, s in ipairs(redis.call('SMEMBERS', bpre .. string.sub(packed, 1, 8))) do
     if allowed == nil or allowed[wid] then
       local r = runs[wid]
       if r == nil then
-        r = {0, 0, 1, false, false}
+        r = {0, 0, 1, false, false, ',' .. (wid * 2) .. ',', ',' .. (wid * 2 + 1) .. ','}
         runs[wid] = r
         wids[#wids + 1] = wid
       end
@@ -168,37 +202,42 @@ for _, s in ipairs(redis.call('SMEMBERS', bpre .. string.sub(packed, 1, 8))) do
     end
   end
 end
--- later blocks: SMISMEMBER for the members still alive only; stop when nothing can grow
-local alive, args, stale = wids, nil, true
-local off = 9
-while off <= #packed and (#alive > 0 or g4_alive) do
-  if stale then
-    args = {}
-    for _, wid in ipairs(alive) do
-      args[#args + 1] = wid * 2
-      args[#args + 1] = wid * 2 + 1
+-- later blocks, fetched in growing chunks (early exit stays cheap); only live runs are checked
+local alive = {}
+for i, wid in ipairs(wids) do alive[i] = runs[wid] end
+local pos, chunk = 2, 16
+while pos <= n and (#alive > 0 or g4_alive) do
+  local last = math.min(n, pos + chunk - 1)
+  local fields = {}
+  for i = pos, last do fields[#fields + 1] = string.sub(packed, i * 8 - 7, i * 8) end
+  local vals = redis.call('HMGET', KEYS[3], unpack(fields))
+  for j = 1, #fields do
+    local v = vals[j]
+    if not v then
+      alive, g4_alive = {}, false
+      break
     end
-    if g4_alive then args[#args + 1] = -1 end
-    stale = false
-  end
-  local res = redis.call('SMISMEMBER', bpre .. string.sub(packed, off, off + 7), unpack(args))
-  local nxt = {}
-  for j, wid in ipairs(alive) do
-    local g, c = res[2 * j - 1] == 1, res[2 * j] == 1
-    if g or c then
-      local r = runs[wid]
-      r[3] = r[3] + 1
-      if r[4] then if g then r[1] = r[1] + 1 else r[4] = false end end
-      if r[5] then if c then r[2] = r[2] + 1 else r[5] = false end end
-      nxt[#nxt + 1] = wid
+    if #alive > 0 then
+      local nxt = {}
+      for _, r in ipairs(alive) do
+        local g = string.find(v, r[6], 1, true)
+        local c = (r[5] or not g) and string.find(v, r[7], 1, true)
+        if g or c then
+          r[3] = r[3] + 1
+          if r[4] then if g then r[1] = r[1] + 1 else r[4] = false end end
+          if r[5] then if c then r[2] = r[2] + 1 else r[5] = false end end
+          nxt[#nxt + 1] = r
+        end
+      end
+      alive = nxt
     end
+    if g4_alive then
+      if string.find(v, ',-1,', 1, true) then g4 = g4 + 1 else g4_alive = false end
+    end
+    if #alive == 0 and not g4_alive then break end
   end
-  if #nxt ~= #alive then stale = true end
-  alive = nxt
-  if g4_alive then
-    if res[#res] == 1 then g4 = g4 + 1 else g4_alive = false; stale = true end
-  end
-  off = off + 8
+  pos = last + 1
+  chunk = math.min(chunk * 4, 1024)
 end
 local out = {g4}
 for _, wid in ipairs(wids) do
@@ -241,9 +280,11 @@ class _Script:
             return await client.eval(self.source, len(keys), *keys, *args)
 
 
-def pack_hashes(hashes: Sequence[int]) -> bytes:
+def pack_hashes(hashes: Sequence[int], unique: bool = False) -> bytes:
     """Sequence hashes as one string of 8-byte big-endian values (the scripts' input)."""
-    if isinstance(hashes, np.ndarray):
+    if unique:
+        hashes = list(dict.fromkeys(int(h) for h in hashes))
+    elif isinstance(hashes, np.ndarray):
         return hashes.astype(">u8", copy=False).tobytes()
     return np.array(hashes, dtype=">u8").tobytes()
 
@@ -271,8 +312,9 @@ class RedisIndex(BlockIndex):
         """Common prefix of a model's keys, with the model as the Redis Cluster hash tag."""
         return f"{self.prefix}:{{{model}}}:"
 
-    def block_key(self, model: str, block_hash: int) -> bytes:
-        return self.base(model).encode() + b"b:" + int(block_hash).to_bytes(8, "big")
+    def blocks_key(self, model: str) -> str:
+        """The model's block hash: field = 8-byte sequence hash, value = ``,member,member,``."""
+        return self.base(model) + "blocks"
 
     @property
     def models_key(self) -> str:
@@ -303,7 +345,8 @@ class RedisIndex(BlockIndex):
         if len(hashes) == 0:
             return 0
         b = self.base(model)
-        return int(await script(self._r, [b + "n"], [b, member, pack_hashes(hashes)]))
+        packed = pack_hashes(hashes, unique=True)  # the write scripts expect each field once
+        return int(await script(self._r, [b + "n", b + "blocks"], [b, member, packed]))
 
     async def store(self, model: str, worker: str, tier: Tier, hashes: Sequence[int]) -> None:
         if len(hashes) == 0:
@@ -333,7 +376,9 @@ class RedisIndex(BlockIndex):
         b = self.base(model)
         removed = 0
         for start in range(0, BUCKETS, _CLEAR_CHUNK):
-            removed += int(await self._clear(self._r, [b + "n"], [b, member, start, start + _CLEAR_CHUNK]))
+            removed += int(
+                await self._clear(self._r, [b + "n", b + "blocks"], [b, member, start, start + _CLEAR_CHUNK])
+            )
         return removed
 
     async def clear_worker(self, model: str, worker: str, tier: Tier | None = None) -> int:
@@ -348,14 +393,14 @@ class RedisIndex(BlockIndex):
 
     async def clear_model(self, model: str) -> int:
         b = self.base(model)
-        ids = await self._r.hkeys(b + "i")
-        removed = await self._clear_member(model, G4_MEMBER)
-        for raw in ids:
-            wid = int(raw)
-            for code in _TIER_CODE.values():
-                removed += await self._clear_member(model, wid * 2 + code)
-        # Worker ids stay (other gateways may hold them in their caches); counts and the registry go.
-        await self._r.delete(b + "n")
+        counts = await self._r.hgetall(b + "n")
+        removed = sum(int(v) for v in counts.values())
+        # UNLINK frees the big hash in a background thread; the reverse buckets go 2048 at a time.
+        await self._r.unlink(b + "blocks", b + "n")
+        for raw in counts:
+            rpre = f"{b}r:{raw.decode()}:"
+            await self._r.unlink(*(rpre + str(k) for k in range(BUCKETS)))
+        # Worker ids stay (other gateways may hold them in their caches); the registry entry goes.
         await self._r.srem(self.models_key, model)
         self._known_models.discard(model)
         return removed
@@ -368,10 +413,10 @@ class RedisIndex(BlockIndex):
         if n == 0 or (workers is not None and len(workers) == 0):
             return LookupResult(num_blocks=n)
         b = self.base(model)
-        args: list = [b, pack_hashes(hashes)]
+        args: list = [pack_hashes(hashes)]
         if workers is not None:
             args.extend(workers)
-        out = await self._lookup(self._r, [b + "i", b + "w"], args)
+        out = await self._lookup(self._r, [b + "i", b + "w", b + "blocks"], args)
         found = {}
         for j in range(1, len(out), 4):
             name = out[j].decode()
@@ -381,13 +426,15 @@ class RedisIndex(BlockIndex):
     async def locate(self, model: str, block_hash: int) -> BlockLocation:
         b = self.base(model)
         async with self._r.pipeline(transaction=False) as p:
-            p.smembers(self.block_key(model, block_hash))
+            p.hget(b + "blocks", int(block_hash).to_bytes(8, "big"))
             p.hgetall(b + "i")
-            members, names = await p.execute()
+            value, names = await p.execute()
         by_id = {int(k): v.decode() for k, v in names.items()}
         workers: dict[str, set[Tier]] = {}
         g4 = False
-        for raw in members:
+        for raw in (value or b"").split(b","):
+            if not raw:
+                continue
             m = int(raw)
             if m == G4_MEMBER:
                 g4 = True
@@ -405,17 +452,14 @@ class RedisIndex(BlockIndex):
             async with self._r.pipeline(transaction=False) as p:
                 p.hgetall(b + "n")
                 p.hgetall(b + "i")
-                counts, ids = await p.execute()
+                p.hlen(b + "blocks")
+                counts, ids, blocks = await p.execute()
             by_id = {int(k): v.decode() for k, v in ids.items()}
             per_tier = {t.value: 0 for t in _TIER_CODE}
             per_worker: dict[str, dict[str, int]] = {}
-            g4 = blocks = 0
+            g4 = 0
             for k, v in counts.items():
-                key, val = k.decode(), int(v)
-                if key == "blocks":
-                    blocks = val
-                    continue
-                m = int(key)
+                m, val = int(k), int(v)
                 if m == G4_MEMBER:
                     g4 = val
                 elif val > 0:
