@@ -49,14 +49,20 @@ from indexer.index.base import BlockIndex, BlockLocation, LookupResult, Tier, Wo
 G4_MEMBER = -1
 BUCKETS = 2048  # fixed: members are hash >> 11, which must fit a double's 53 bits
 _TIER_CODE = {Tier.GPU: 0, Tier.CPU: 1}
-_CLEAR_CHUNK = 256  # buckets per clear script call: bounds how long one call blocks Redis
+_CLEAR_CHUNK = 128  # buckets per clear script call: bounds how long one call blocks Redis
 
-_LUA_SPLIT = """
+_LUA_LOCALS = """
+local call, find, sub, byte, char, format, floor = redis.call, string.find, string.sub, string.byte, string.char, string.format, math.floor
+local gmatch, ipairs, unpack, tonumber, tostring, min = string.gmatch, ipairs, unpack, tonumber, tostring, math.min
+"""
+
+# Globals are slow in Redis's sandbox (each access goes through a protected table): scripts use locals.
+_LUA_SPLIT = _LUA_LOCALS + """
 local function split(h8)
-  local b1, b2, b3, b4, b5, b6, b7, b8 = string.byte(h8, 1, 8)
+  local b1, b2, b3, b4, b5, b6, b7, b8 = byte(h8, 1, 8)
   local bucket = (b7 % 8) * 256 + b8
   local hi = ((((b1 * 256 + b2) * 256 + b3) * 256 + b4) * 256 + b5) * 256 + b6
-  return bucket, string.format('%.0f', hi * 32 + math.floor(b7 / 8))
+  return bucket, format('%.0f', hi * 32 + floor(b7 / 8))
 end
 local function join(bucket, hi)
   local low5 = hi % 32
@@ -67,7 +73,7 @@ local function join(bucket, hi)
     b[i] = x
     rest = (rest - x) / 256
   end
-  return string.char(b[1], b[2], b[3], b[4], b[5], b[6], low5 * 8 + math.floor(bucket / 256), bucket % 256)
+  return char(b[1], b[2], b[3], b[4], b[5], b[6], low5 * 8 + floor(bucket / 256), bucket % 256)
 end
 """
 
@@ -79,26 +85,26 @@ local rpre, tok = base .. 'r:' .. m .. ':', ',' .. m .. ','
 local added = 0
 for start = 1, #packed, 8000 do
   local fields = {}
-  for off = start, math.min(#packed, start + 7999), 8 do fields[#fields + 1] = string.sub(packed, off, off + 7) end
-  local vals = redis.call('HMGET', KEYS[2], unpack(fields))
+  for off = start, min(#packed, start + 7999), 8 do fields[#fields + 1] = sub(packed, off, off + 7) end
+  local vals = call('HMGET', KEYS[2], unpack(fields))
   local sets = {}
   for i, f in ipairs(fields) do
     local v = vals[i]
     local nv = nil
-    if not v then nv = tok elseif not string.find(v, tok, 1, true) then nv = v .. m .. ',' end
+    if not v then nv = tok elseif not find(v, tok, 1, true) then nv = v .. m .. ',' end
     if nv then
       sets[#sets + 1] = f
       sets[#sets + 1] = nv
       local bucket, hi = split(f)
-      redis.call('SADD', rpre .. bucket, hi)
+      call('SADD', rpre .. bucket, hi)
     end
   end
   if #sets > 0 then
-    redis.call('HSET', KEYS[2], unpack(sets))
+    call('HSET', KEYS[2], unpack(sets))
     added = added + #sets / 2
   end
 end
-if added > 0 then redis.call('HINCRBY', KEYS[1], m, added) end
+if added > 0 then call('HINCRBY', KEYS[1], m, added) end
 return added
 """
 
@@ -109,9 +115,9 @@ local function drop(blocks, fields, vals, tok)
   for i, f in ipairs(fields) do
     local v = vals[i]
     if v then
-      local s, e = string.find(v, tok, 1, true)
+      local s, e = find(v, tok, 1, true)
       if s then
-        local nv = string.sub(v, 1, s) .. string.sub(v, e + 1)
+        local nv = sub(v, 1, s) .. sub(v, e + 1)
         if nv == ',' then
           dels[#dels + 1] = f
         else
@@ -121,8 +127,8 @@ local function drop(blocks, fields, vals, tok)
       end
     end
   end
-  if #sets > 0 then redis.call('HSET', blocks, unpack(sets)) end
-  if #dels > 0 then redis.call('HDEL', blocks, unpack(dels)) end
+  if #sets > 0 then call('HSET', blocks, unpack(sets)) end
+  if #dels > 0 then call('HDEL', blocks, unpack(dels)) end
   return #sets / 2 + #dels
 end
 """
@@ -133,18 +139,18 @@ local rpre, tok = base .. 'r:' .. m .. ':', ',' .. m .. ','
 local removed = 0
 for start = 1, #packed, 8000 do
   local fields = {}
-  for off = start, math.min(#packed, start + 7999), 8 do fields[#fields + 1] = string.sub(packed, off, off + 7) end
-  local vals = redis.call('HMGET', KEYS[2], unpack(fields))
+  for off = start, min(#packed, start + 7999), 8 do fields[#fields + 1] = sub(packed, off, off + 7) end
+  local vals = call('HMGET', KEYS[2], unpack(fields))
   for i, f in ipairs(fields) do
     local v = vals[i]
-    if v and string.find(v, tok, 1, true) then
+    if v and find(v, tok, 1, true) then
       local bucket, hi = split(f)
-      redis.call('SREM', rpre .. bucket, hi)
+      call('SREM', rpre .. bucket, hi)
     end
   end
   removed = removed + drop(KEYS[2], fields, vals, tok)
 end
-if removed > 0 then redis.call('HINCRBY', KEYS[1], m, -removed) end
+if removed > 0 then call('HINCRBY', KEYS[1], m, -removed) end
 return removed
 """
 
@@ -155,42 +161,42 @@ local rpre, tok = base .. 'r:' .. m .. ':', ',' .. m .. ','
 local removed = 0
 for bucket = tonumber(ARGV[3]), tonumber(ARGV[4]) - 1 do
   local rkey = rpre .. bucket
-  local his = redis.call('SMEMBERS', rkey)
+  local his = call('SMEMBERS', rkey)
   for start = 1, #his, 1000 do
     local fields = {}
-    for i = start, math.min(#his, start + 999) do fields[#fields + 1] = join(bucket, tonumber(his[i])) end
-    removed = removed + drop(KEYS[2], fields, redis.call('HMGET', KEYS[2], unpack(fields)), tok)
+    for i = start, min(#his, start + 999) do fields[#fields + 1] = join(bucket, tonumber(his[i])) end
+    removed = removed + drop(KEYS[2], fields, call('HMGET', KEYS[2], unpack(fields)), tok)
   end
-  if #his > 0 then redis.call('DEL', rkey) end
+  if #his > 0 then call('DEL', rkey) end
 end
-if removed > 0 then redis.call('HINCRBY', KEYS[1], m, -removed) end
+if removed > 0 then call('HINCRBY', KEYS[1], m, -removed) end
 return removed
 """
 
 # KEYS[1] = id->name hash, KEYS[2] = name->id hash, KEYS[3] = blocks hash; ARGV = packed hashes,
 # [allowed names...]. Returns {g4_run, name, gpu, cpu, local, name, ...} for workers that hold block 0.
-_LOOKUP = """
+_LOOKUP = _LUA_LOCALS + """
 local packed = ARGV[1]
 local allowed = nil
 if #ARGV > 1 then
   allowed = {}
   for i = 2, #ARGV do
-    local id = redis.call('HGET', KEYS[2], ARGV[i])
+    local id = call('HGET', KEYS[2], ARGV[i])
     if id then allowed[tonumber(id)] = true end
   end
 end
 local n = #packed / 8
-local v0 = redis.call('HGET', KEYS[3], string.sub(packed, 1, 8))
+local v0 = call('HGET', KEYS[3], sub(packed, 1, 8))
 if not v0 then return {0} end
 -- block 0: who holds it; runs[wid] = {gpu, cpu, local, gpu alive, cpu alive, gpu token, cpu token}
 local wids, runs = {}, {}
 local g4, g4_alive = 0, false
-for s in string.gmatch(v0, '-?%d+') do
+for s in gmatch(v0, '-?%d+') do
   local m = tonumber(s)
   if m < 0 then
     g4, g4_alive = 1, true
   else
-    local wid = math.floor(m / 2)
+    local wid = floor(m / 2)
     if allowed == nil or allowed[wid] then
       local r = runs[wid]
       if r == nil then
@@ -203,46 +209,51 @@ for s in string.gmatch(v0, '-?%d+') do
   end
 end
 -- later blocks, fetched in growing chunks (early exit stays cheap); only live runs are checked
-local alive = {}
+local alive, na = {}, #wids
 for i, wid in ipairs(wids) do alive[i] = runs[wid] end
 local pos, chunk = 2, 16
-while pos <= n and (#alive > 0 or g4_alive) do
-  local last = math.min(n, pos + chunk - 1)
+while pos <= n and (na > 0 or g4_alive) do
+  local last = min(n, pos + chunk - 1)
   local fields = {}
-  for i = pos, last do fields[#fields + 1] = string.sub(packed, i * 8 - 7, i * 8) end
-  local vals = redis.call('HMGET', KEYS[3], unpack(fields))
+  for i = pos, last do fields[i - pos + 1] = sub(packed, i * 8 - 7, i * 8) end
+  local vals = call('HMGET', KEYS[3], unpack(fields))
   for j = 1, #fields do
     local v = vals[j]
     if not v then
-      alive, g4_alive = {}, false
+      na, g4_alive = 0, false
       break
     end
-    if #alive > 0 then
-      local nxt = {}
-      for _, r in ipairs(alive) do
-        local g = string.find(v, r[6], 1, true)
-        local c = (r[5] or not g) and string.find(v, r[7], 1, true)
-        if g or c then
-          r[3] = r[3] + 1
-          if r[4] then if g then r[1] = r[1] + 1 else r[4] = false end end
-          if r[5] then if c then r[2] = r[2] + 1 else r[5] = false end end
-          nxt[#nxt + 1] = r
-        end
+    local died = false
+    for k = 1, na do
+      local r = alive[k]
+      local g = find(v, r[6], 1, true)
+      local c = (r[5] or not g) and find(v, r[7], 1, true)
+      if g or c then
+        r[3] = r[3] + 1
+        if r[4] then if g then r[1] = r[1] + 1 else r[4] = false end end
+        if r[5] then if c then r[2] = r[2] + 1 else r[5] = false end end
+      else
+        r[8] = true
+        died = true
       end
-      alive = nxt
+    end
+    if died then
+      local keep = {}
+      for k = 1, na do if not alive[k][8] then keep[#keep + 1] = alive[k] end end
+      alive, na = keep, #keep
     end
     if g4_alive then
-      if string.find(v, ',-1,', 1, true) then g4 = g4 + 1 else g4_alive = false end
+      if find(v, ',-1,', 1, true) then g4 = g4 + 1 else g4_alive = false end
     end
-    if #alive == 0 and not g4_alive then break end
+    if na == 0 and not g4_alive then break end
   end
   pos = last + 1
-  chunk = math.min(chunk * 4, 1024)
+  chunk = min(chunk * 4, 1024)
 end
 local out = {g4}
 for _, wid in ipairs(wids) do
   local r = runs[wid]
-  local name = redis.call('HGET', KEYS[1], tostring(wid))
+  local name = call('HGET', KEYS[1], tostring(wid))
   if name then
     out[#out + 1] = name
     out[#out + 1] = r[1]
@@ -254,12 +265,12 @@ return out
 """
 
 # KEYS[1] = name->id, KEYS[2] = id->name, KEYS[3] = id counter; ARGV[1] = name
-_WORKER_ID = """
-local id = redis.call('HGET', KEYS[1], ARGV[1])
+_WORKER_ID = _LUA_LOCALS + """
+local id = call('HGET', KEYS[1], ARGV[1])
 if id then return tonumber(id) end
-id = redis.call('INCR', KEYS[3]) - 1
-redis.call('HSET', KEYS[1], ARGV[1], id)
-redis.call('HSET', KEYS[2], id, ARGV[1])
+id = call('INCR', KEYS[3]) - 1
+call('HSET', KEYS[1], ARGV[1], id)
+call('HSET', KEYS[2], id, ARGV[1])
 return id
 """
 

@@ -233,3 +233,21 @@ async def test_redis_timeout_is_an_error_not_a_hang():
     finally:
         await idx.close()
         srv.close()
+
+
+async def test_extreme_hash_values_round_trip_through_clear(index):
+    """The Redis scripts split hashes into bucket + 53-bit member in Lua doubles: edges must survive."""
+    edge = [0, 1, 2**11 - 1, 2**11, 2**53 - 1, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 2, 2**64 - 1]
+    await index.store(M, "w1", GPU, edge)
+    await index.store(M, "w2", GPU, edge[:3])
+    await index.store_g4(M, edge)
+    for h in edge:
+        assert (await index.locate(M, h)).workers["w1"] == frozenset({GPU})
+    assert (await index.lookup(M, edge)).match("w1").gpu == len(edge)
+    assert await index.clear_worker(M, "w1") == len(edge)
+    for h in edge:
+        assert "w1" not in (await index.locate(M, h)).workers
+    assert (await index.lookup(M, edge)).match("w2").gpu == 3
+    assert (await index.lookup(M, edge)).g4 == len(edge)
+    st = (await index.stats(M))[M]
+    assert st["workers"] == {"w2": {"GPU": 3}} and st["blocks"] == len(edge)
