@@ -293,10 +293,12 @@ class _Script:
 
 def pack_hashes(hashes: Sequence[int], unique: bool = False) -> bytes:
     """Sequence hashes as one string of 8-byte big-endian values (the scripts' input)."""
-    if unique:
-        hashes = list(dict.fromkeys(int(h) for h in hashes))
-    elif isinstance(hashes, np.ndarray):
+    if isinstance(hashes, np.ndarray):
+        if unique:
+            hashes = np.unique(hashes)
         return hashes.astype(">u8", copy=False).tobytes()
+    if unique:
+        hashes = list(dict.fromkeys(hashes))
     return np.array(hashes, dtype=">u8").tobytes()
 
 

@@ -143,3 +143,16 @@ def test_bad_token_ids_are_malformed_not_fatal():
     ev = BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=["a", None], block_size=2, medium="GPU")
     assert s.apply([ev]).items == []
     assert s.counters["malformed"] == 1
+
+
+def test_lora_and_salt_identity_through_the_wire():
+    """vLLM-shaped BlockStored (extra_keys per block) -> msgpack -> decode -> state == router's hashes."""
+    from indexer.events import vllm_format as vf
+    from indexer.events.wire import decode_batch
+
+    tok = list(range(7, 7 + 3 * B))
+    ev = vf.stored([1, 2, 3], tok, B, None, lora_name="adapterA", lora_id=1, cache_salt="t1")
+    assert ev.extra_keys == [("adapterA", "t1"), ("adapterA",), ("adapterA",)]
+    batch = decode_batch(vf.encode_batch(vf.KVEventBatch(ts=0.0, events=[ev], data_parallel_rank=0)))
+    ops = WorkerState(block_size=B).apply(batch.events)
+    assert items(ops) == [("store", "GPU", sequence_hashes(tok, B, lora_name="adapterA", cache_salt="t1"))]
