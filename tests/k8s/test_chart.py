@@ -261,7 +261,8 @@ def test_defaults(chart):
     assert redis_pod["volumes"] == [{"name": "data", "emptyDir": {}}]
     args = redis_pod["containers"][0]["args"]
     assert args[args.index("--appendonly") + 1] == "no"
-    assert args[args.index("--maxmemory-policy") + 1] == "allkeys-lru"
+    # The index's keys are whole hashes and id maps: never let Redis evict them.
+    assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
     assert redis_pod["containers"][0]["image"] == "redis:7.4-alpine"
     assert redis_pod["securityContext"]["runAsNonRoot"] is True
     assert redis_pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
