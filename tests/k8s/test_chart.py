@@ -267,6 +267,16 @@ def test_defaults(chart):
     assert redis_pod["securityContext"]["runAsNonRoot"] is True
     assert redis_pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
     assert r.one("Service", f"{FULL}-redis")["spec"]["ports"][0]["port"] == 6379
+    # Redis has no password: only the gateway pods may connect.
+    np = r.one("NetworkPolicy", f"{FULL}-redis")
+    redis_labels = sts["spec"]["template"]["metadata"]["labels"]
+    gateway_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert _selected(np["spec"]["podSelector"]["matchLabels"], redis_labels)
+    assert not _selected(np["spec"]["podSelector"]["matchLabels"], gateway_labels)
+    (rule,) = np["spec"]["ingress"]
+    assert _selected(rule["from"][0]["podSelector"]["matchLabels"], gateway_labels)
+    assert not _selected(rule["from"][0]["podSelector"]["matchLabels"], redis_labels)
+    assert rule["ports"] == [{"port": "redis", "protocol": "TCP"}]
     # Admin token: generated into the chart's Secret and passed by reference.
     secret = r.one("Secret", f"{FULL}-admin")
     assert len(base64.b64decode(secret["data"]["token"])) >= 32
@@ -306,6 +316,7 @@ def test_config_change_rolls_the_pods(chart):
 def test_external_redis(chart):
     r = render(chart, SCENARIOS["external-redis"])
     assert not r.kinds("StatefulSet") and [s["metadata"]["name"] for s in r.kinds("Service")] == [FULL]
+    assert not r.kinds("NetworkPolicy")
     assert r.env()["KVGATE_INDEX__REDIS_URL"]["value"] == "redis://redis.example:6379/2"
     r = render(chart, SCENARIOS["external-redis-secret"])
     assert r.env()["KVGATE_INDEX__REDIS_URL"]["valueFrom"]["secretKeyRef"] == {
