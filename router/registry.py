@@ -126,21 +126,6 @@ def parse_metrics(text: str) -> tuple[WorkerLoad, int | None]:
     return load, block_size
 
 
-def _event_source_type():
-    try:
-        from indexer.events import EventSource
-    except ImportError:  # the events part is absent: a plain record with the same fields
-        @dataclass
-        class EventSource:  # type: ignore[no-redef]
-            worker: str
-            model: str
-            endpoint: str
-            replay_endpoint: str | None = None
-            topic: str = ""
-            block_size: int | None = None
-    return EventSource
-
-
 class WorkerRegistry:
     """Workers by name. ``add``/``remove``/``drain`` work at run time (the admin API calls them)."""
 
@@ -154,6 +139,7 @@ class WorkerRegistry:
         self._task: asyncio.Task | None = None
         self._last_refresh: dict[str, float] = {}
         self._subscribed: dict[str, tuple] = {}
+        self._discovery = None
 
     # --- queries -------------------------------------------------------------------------------
     def workers(self) -> list[Worker]:
@@ -199,12 +185,29 @@ class WorkerRegistry:
 
     # --- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
-        for cfg in self.settings.workers:
-            await self.add(cfg, probe=False)
-        await asyncio.gather(*(self._probe(w, full=True) for w in self.workers()))
+        """Start discovery (static workers or Kubernetes), probe what it announced, start health checks."""
+        from router.discovery import create_discovery
+
+        self._discovery = create_discovery(self.settings, self._on_discovered, self._on_lost)
+        await self._discovery.start()
+        await asyncio.gather(*(self._probe(w, full=True) for w in self.workers() if not w.last_check),
+                             return_exceptions=True)
         self._task = asyncio.create_task(self._loop(), name="kvgate-health")
 
+    async def _on_discovered(self, cfg: WorkerConfig) -> None:
+        await self.add(cfg, probe=self._task is not None)
+
+    async def _on_lost(self, name: str) -> None:
+        if name in self._workers:
+            await self.remove(name)
+
     async def stop(self) -> None:
+        if self._discovery is not None:
+            try:
+                await self._discovery.stop()
+            except Exception as e:
+                log.warning("stopping discovery: %s", e)
+            self._discovery = None
         if self._task is not None:
             self._task.cancel()
             try:
@@ -364,13 +367,20 @@ class WorkerRegistry:
         key = (model, tuple((s["endpoint"], s["replay_endpoint"], s["topic"]) for s in w.event_sources))
         if self._subscribed.get(w.name) == key:
             return
-        EventSource = _event_source_type()
+        from indexer.events import EventSource
+
         if w.name in self._subscribed:
             await self._unsubscribe(w, clear=False)
-        for s in w.event_sources:
+        # The ingestor keeps one stream per worker: data-parallel rank 0 (the first source listed).
+        s = w.event_sources[0]
+        try:
             await self.ingestor.add_source(EventSource(
                 worker=w.name, model=model, endpoint=s["endpoint"], replay_endpoint=s["replay_endpoint"],
-                topic=s["topic"], block_size=w.block_size))
+                topic=s["topic"], block_size=w.block_size, worker_url=w.url))
+        except Exception as e:  # a bad endpoint must not take the worker out of routing
+            w.last_error = f"events: {type(e).__name__}: {e}"
+            log.warning("subscribing to the events of %s: %s", w.name, e)
+            return
         self._subscribed[w.name] = key
 
     async def _unsubscribe(self, w: Worker, clear: bool = True) -> None:

@@ -1,5 +1,5 @@
 """Gateway test fixtures: fake vLLM workers (tests/support/fake_worker.py) and the gateway itself, each a
-real uvicorn server on a loopback port; the index is a real Redis when the Redis backend is present."""
+real uvicorn server on a loopback port; the index is RedisIndex on a real redis-server."""
 from __future__ import annotations
 
 import pytest
@@ -20,12 +20,8 @@ def tokenizer_dir(tmp_path_factory):
 
 
 def make_index(redis_url: str):
-    try:
-        from indexer.index.redis import RedisIndex
-    except ImportError:  # until the Redis backend lands: the in-memory one, same interface
-        from indexer.index.memory import MemoryIndex
+    from indexer.index.redis import RedisIndex
 
-        return MemoryIndex()
     return RedisIndex(redis_url)
 
 
