@@ -69,7 +69,7 @@ def start_gateway(redis_url, tokenizer_dir):
     started: list[ThreadServer] = []
 
     def start(fleet: Fleet, *, policy: str = "kv", local_tokenizer: bool = True, ingestor=None,
-              **settings_kw) -> Gateway:
+              events: bool = False, **settings_kw) -> Gateway:
         workers = [WorkerConfig(url=s.url, name=st.name) for s, st in zip(fleet.servers, fleet.states)]
         models = {MODEL: ModelConfig(tokenizer=tokenizer_dir if local_tokenizer else None)}
         kw = dict(workers=workers, models=models, index=IndexConfig(backend="redis", redis_url=redis_url),
@@ -79,7 +79,7 @@ def start_gateway(redis_url, tokenizer_dir):
         settings = Settings(**kw)
         settings.routing.policy = policy
         app = create_app(settings, index=make_index(redis_url), ingestor=ingestor,
-                         with_events=False)
+                         with_events=events)
         srv = ThreadServer(app).start()
         started.append(srv)
         return Gateway(srv)

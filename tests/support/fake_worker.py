@@ -35,6 +35,7 @@ class FakeState:
     fast: bool = False  # benchmark mode: no tokenizer, no cache bookkeeping
     pause_after: int | None = None  # streaming: stop after this many content chunks until released
     release: threading.Event = field(default_factory=threading.Event)
+    publisher: object = None  # an indexer.events.vllm_format.EventPublisher: BlockStored for new blocks
     requests: list = field(default_factory=list)
     cancelled: int = 0
     active: int = 0
@@ -85,7 +86,15 @@ def create_fake_worker(state: FakeState, tokenizer_dir: str | None = None) -> Fa
             if h not in st.cache:
                 break
             hit += 1
+        new = [i for i, h in enumerate(hashes) if h not in st.cache]
         st.cache.update(hashes)
+        if st.publisher is not None and new:
+            from indexer.events.vllm_format import stored
+
+            bs = st.block_size
+            # Engine block hashes are opaque to kvgate: reuse our own as the engine's.
+            st.publisher.publish([stored([hashes[i] for i in new], tokens[new[0] * bs:(new[-1] + 1) * bs], bs,
+                                         parent=hashes[new[0] - 1] if new[0] else None)])
         return hit * st.block_size
 
     async def generate(request: Request, kind: str):
@@ -191,6 +200,9 @@ def create_fake_worker(state: FakeState, tokenizer_dir: str | None = None) -> Fa
 
     @app.get("/kv_event_sources")
     async def sources():
+        if st.publisher is not None:
+            return {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "",
+                          "endpoint": st.publisher.endpoint, "replay_endpoint": st.publisher.replay_endpoint}}
         if not st.events_endpoint:
             return {}
         return {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": st.events_endpoint,
