@@ -71,6 +71,12 @@ class Conn:
             self.writer.close()
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads), from /proc."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -91,7 +97,7 @@ async def latency(port: int, bodies: list[bytes], path="/v1/chat/completions") -
     return out
 
 
-async def throughput(ports: list[int], bodies: list[bytes], conc: int, seconds: float) -> float:
+async def throughput(ports: list[int], bodies: list[bytes], conc: int, seconds: float) -> tuple[float, int]:
     done = 0
     stop = time.perf_counter() + seconds
     idx = 0
@@ -112,7 +118,7 @@ async def throughput(ports: list[int], bodies: list[bytes], conc: int, seconds: 
 
     t0 = time.perf_counter()
     await asyncio.gather(*(one(i) for i in range(conc)))
-    return done / (time.perf_counter() - t0)
+    return done / (time.perf_counter() - t0), done
 
 
 # ---- payloads -------------------------------------------------------------------------------------
@@ -224,14 +230,16 @@ async def run(args) -> dict:
             "workers": [{"url": f"http://127.0.0.1:{p}", "name": f"w{i}"} for i, p in enumerate(wports)],
             "models": {MODEL: {"tokenizer": str(tok_dir)}}, "index": index_cfg,
             "health_interval_s": 2.0}))
-        procs.append(subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)],
-                                      cwd=ROOT, start_new_session=True))
+        gw_proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)],
+                                   cwd=ROOT, start_new_session=True)
+        procs.append(gw_proc)
         wait_http(gport, "/ready")
         q = args.quick
         n_small = 300 if q else 2000
         n_big = 40 if q else 200
         secs = 2.0 if q else 6.0
-        results: dict = {"machine": f"{os.cpu_count()} cores", "index": args.index}
+        results: dict = {"machine": f"{os.cpu_count()} cores", "index": args.index,
+                         "loadavg": " ".join(Path("/proc/loadavg").read_text().split()[:3])}
 
         small = [small_chat(i) for i in range(n_small)]
         big_cold = [chat_of(conversation(f"cold{i}")) for i in range(n_big + 20)]
@@ -245,11 +253,13 @@ async def run(args) -> dict:
         async def pair(bodies, warm=20):
             await latency(gport, bodies[:warm])
             await latency(wports[0], bodies[:warm])
+            c0 = cpu_s(gw_proc.pid)
             g = await latency(gport, bodies[warm:])
+            cpu = (cpu_s(gw_proc.pid) - c0) / len(g) * 1e3
             d = await latency(wports[0], bodies[warm:])
             return {"direct_p50_ms": pct(d, .5), "direct_p99_ms": pct(d, .99), "gateway_p50_ms": pct(g, .5),
                     "gateway_p99_ms": pct(g, .99), "added_p50_ms": pct(g, .5) - pct(d, .5),
-                    "added_p99_ms": pct(g, .99) - pct(d, .99), "n": len(g)}
+                    "added_p99_ms": pct(g, .99) - pct(d, .99), "gateway_cpu_ms_per_req": cpu, "n": len(g)}
 
         results["c1_small"] = await pair(small)
         results["c1_big_unseen"] = await pair(big_cold)
@@ -258,9 +268,12 @@ async def run(args) -> dict:
 
         big_seen = [chat_of(base_conv)] * 50
         for name, bodies in (("small", small), ("big_seen", big_seen), ("big_unseen", big_cold)):
-            direct = await throughput(wports, bodies, 32, secs)
-            via = await throughput([gport], bodies, 32, secs)
-            results[f"c32_{name}"] = {"direct_rps": direct, "gateway_rps": via, "ratio": via / direct}
+            direct, _ = await throughput(wports, bodies, 32, secs)
+            c0 = cpu_s(gw_proc.pid)
+            via, n = await throughput([gport], bodies, 32, secs)
+            cpu = (cpu_s(gw_proc.pid) - c0) / max(1, n) * 1e3
+            results[f"c32_{name}"] = {"direct_rps": direct, "gateway_rps": via, "ratio": via / direct,
+                                      "gateway_cpu_ms_per_req": cpu}
         results["stages_ms"] = await stages(wports, tok_dir, {
             "small": small[:200], "big_unseen": big_cold[: min(60, len(big_cold))],
             "big_new_turn": [chat_of(base_conv)] + turns[:60]}, index_cfg)
@@ -274,19 +287,23 @@ async def run(args) -> dict:
 
 
 def report(r: dict) -> str:
-    lines = [f"Index: {r['index']}; bodies: small {r['sizes']['small_bytes']} B, 100 KB chat "
+    lines = [f"Load average at start: {r.get('loadavg', '?')}. Index: {r['index']}; bodies: small {r['sizes']['small_bytes']} B, 100 KB chat "
              f"{r['sizes']['big_bytes']} B, new turn {r['sizes']['turn_bytes']} B.", "",
-             "| c=1 | direct p50 | gateway p50 | added p50 | added p99 |", "|---|---|---|---|---|"]
+             "| c=1 | direct p50 | gateway p50 | added p50 | added p99 | gateway CPU/request |",
+             "|---|---|---|---|---|---|"]
     for k, label in (("c1_small", "~300 B chat"), ("c1_big_unseen", "~100 KB chat, unseen"),
                      ("c1_big_new_turn", "new turn of a seen 100 KB chat")):
         x = r[k]
         lines.append(f"| {label} | {x['direct_p50_ms']:.2f} ms | {x['gateway_p50_ms']:.2f} ms | "
-                     f"{x['added_p50_ms']:.2f} ms | {x['added_p99_ms']:.2f} ms |")
-    lines += ["", "| c=32 | direct req/s | gateway req/s | gateway/direct |", "|---|---|---|---|"]
+                     f"{x['added_p50_ms']:.2f} ms | {x['added_p99_ms']:.2f} ms | "
+                     f"{x['gateway_cpu_ms_per_req']:.2f} ms |")
+    lines += ["", "| c=32 | direct req/s | gateway req/s | gateway/direct | gateway CPU/request |",
+              "|---|---|---|---|---|"]
     for k, label in (("c32_small", "~300 B chat"), ("c32_big_seen", "~100 KB chat, seen (segment cache)"),
                      ("c32_big_unseen", "~100 KB chat, unseen")):
         x = r[k]
-        lines.append(f"| {label} | {x['direct_rps']:.0f} | {x['gateway_rps']:.0f} | {x['ratio']:.2f} |")
+        lines.append(f"| {label} | {x['direct_rps']:.0f} | {x['gateway_rps']:.0f} | {x['ratio']:.2f} | "
+                     f"{x['gateway_cpu_ms_per_req']:.2f} ms |")
     lines += ["", "| stage (median, in-process) | tokens | tokenize | hash | lookup | decide | total |",
               "|---|---|---|---|---|---|---|"]
     for k, x in r["stages_ms"].items():

@@ -112,6 +112,26 @@ class _NotText(Exception):
     pass
 
 
+_PLAIN_KEYS = frozenset({"role", "content", "name"})
+
+
+def _plain_chat(messages: list[dict], body: dict) -> bool:
+    """A conversation the direct renderer reproduces exactly: string roles/contents only (no None values,
+    reasoning fields or tool calls, which apply_chat_template rewrites), no continue_final_message."""
+    if body.get("continue_final_message") or body.get("documents") is not None:
+        return False
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        return False
+    for m in messages:
+        if not _PLAIN_KEYS.issuperset(m):
+            return False
+        for v in m.values():
+            if type(v) is not str:
+                return False
+    return True
+
+
 class LocalTokenizer:
     """A model's own tokenizer and chat template, loaded once at start-up."""
 
@@ -137,6 +157,49 @@ class LocalTokenizer:
                                                 sorted(self._specials, key=len, reverse=True)) + ")")
                        if self._specials else None)
         self.segmenting = splittable and self._split is not None and self._self_check()
+        self.fast_render = self._render_check()
+
+    def _render_fast(self, messages: list[dict], body: dict, kwargs: dict) -> str:
+        """The chat template rendered directly with transformers' compiled template (the same Jinja
+        environment apply_chat_template uses), skipping its generic per-leaf normalization of the
+        conversation, which costs milliseconds on a long chat. Used only for plain JSON conversations
+        (see ``_plain_chat``) and only when a start-up check shows identical output."""
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        tools = body.get("tools")
+        template = self.hf.get_chat_template(body.get("chat_template"), tools)
+        return _compile_jinja_template(template).render(
+            messages=messages, tools=tools, documents=body.get("documents"),
+            add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+            **{**self.hf.special_tokens_map, **kwargs})
+
+    def _render_check(self) -> bool:
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template  # noqa: F401
+        except ImportError:
+            return False
+        convs = [
+            [{"role": "user", "content": "Hi there"}],
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a\n b "},
+             {"role": "assistant", "content": " ok.\n"}, {"role": "user", "content": "again"}],
+        ]
+        tools = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {}}}]
+        try:
+            for conv in convs:
+                for body in ({"messages": conv}, {"messages": conv, "add_generation_prompt": False},
+                             {"messages": conv, "tools": tools},
+                             {"messages": conv, "chat_template_kwargs": {"enable_thinking": False}}):
+                    kwargs = dict(body.get("chat_template_kwargs") or {})
+                    want = self.hf.apply_chat_template(
+                        conv, tools=body.get("tools"), add_generation_prompt=body.get("add_generation_prompt", True),
+                        tokenize=False, **kwargs)
+                    if self._render_fast(conv, body, kwargs) != want:
+                        log.warning("%s: direct template rendering differs; using apply_chat_template", self.path)
+                        return False
+        except Exception as e:
+            log.warning("%s: direct template rendering unavailable (%s)", self.path, e)
+            return False
+        return True
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.fast.encode(text, add_special_tokens=add_special_tokens).ids
@@ -193,6 +256,8 @@ class LocalTokenizer:
     def render_chat(self, body: dict) -> str:
         messages = normalize_messages(body["messages"])
         kwargs = dict(body.get("chat_template_kwargs") or {})
+        if self.fast_render and _plain_chat(messages, body):
+            return self._render_fast(messages, body, kwargs)
         return self.hf.apply_chat_template(
             messages, tools=body.get("tools"), documents=body.get("documents"),
             chat_template=body.get("chat_template"),

@@ -33,7 +33,7 @@ def local(tokenizer_dir):
 
 
 def test_segment_cache_equals_whole_text(local):
-    assert local.segmenting
+    assert local.segmenting and local.fast_render
     turns = list(CONVERSATION)
     for i in range(6):
         turns = turns + [{"role": "assistant", "content": f"answer {i} " * (i + 1)},
