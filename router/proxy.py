@@ -15,6 +15,7 @@ import json
 import logging
 import time
 import uuid
+from functools import partial
 
 import msgspec
 from fastapi import APIRouter, Request
@@ -158,6 +159,21 @@ async def race_disconnect(request: Request, aw):
     raise ClientGone()
 
 
+class _PassThrough(StreamingResponse):
+    """A streamed upstream response whose clean-up runs even if the body was never iterated (a client gone
+    before the response started never reaches the generator's ``finally``)."""
+
+    def __init__(self, content, on_close, **kw) -> None:
+        super().__init__(content, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
 class _Lease:
     """Gateway-side load a request puts on a worker: in flight until done, pending until its first byte."""
 
@@ -190,8 +206,17 @@ class Forwarder:
     def __init__(self, state, request: Request, d: Decision, body: bytes, path: str, hashes: list[int]):
         self.st, self.request, self.d, self.body, self.path = state, request, d, body, path
         self.hashes = hashes
+        self._finished = False
+
+    def _closed(self, resp: UpstreamResponse, lease: _Lease) -> None:
+        lease.release()
+        resp.close()
+        self.finish("client_disconnected", 499)
 
     def finish(self, outcome: str, status: int | None, usage: dict | None = None) -> None:
+        if self._finished:
+            return
+        self._finished = True
         d, m = self.d, self.st.metrics
         d.outcome, d.status = outcome, status
         if usage:
@@ -268,8 +293,9 @@ class Forwarder:
                     ttft = time.perf_counter() - t_send
                     lease.first_byte()
                     self._observe_ttft(w, cand, ttft)
-                    return StreamingResponse(self._stream(resp, it, first, lease), status_code=resp.status,
-                                             headers=response_headers(resp, d))
+                    return _PassThrough(self._stream(resp, it, first, lease),
+                                        partial(self._closed, resp, lease), status_code=resp.status,
+                                        headers=response_headers(resp, d))
                 raw = await race_disconnect(self.request, resp.read())
                 resp.close()
                 lease.release()
