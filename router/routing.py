@@ -5,12 +5,16 @@ record keeps each candidate's inputs and prediction, the stage timings, and late
 """
 from __future__ import annotations
 
+import array
 import asyncio
 import logging
+import sys
 import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from indexer.hashing import routable_blocks, sequence_hashes
 from indexer.index.base import LookupResult
@@ -115,6 +119,19 @@ class DecisionLog:
         return len(self._d)
 
 
+_NATIVE_U32 = array.array("I").itemsize == 4 and sys.byteorder == "little"
+
+
+def _as_u32(tokens: list[int]):
+    """Token ids as a uint32 array: array.array converts a list ~4x faster than numpy does."""
+    if not _NATIVE_U32:
+        return tokens
+    try:
+        return np.frombuffer(array.array("I", tokens), dtype="<u4")
+    except (OverflowError, TypeError):  # ids outside uint32: let the hashing module decide
+        return tokens
+
+
 def kind_of(path: str) -> str:
     if path.endswith("/chat/completions"):
         return "chat"
@@ -175,7 +192,7 @@ class Router:
         if tokens:
             d.num_tokens = len(tokens)
             salt = body.get("cache_salt")
-            d.hashes = sequence_hashes(tokens, bs, lora_name=lora,
+            d.hashes = sequence_hashes(_as_u32(tokens), bs, lora_name=lora,
                                        cache_salt=salt if isinstance(salt, str) else None,
                                        max_blocks=routable_blocks(len(tokens), bs))
             d.num_blocks = len(d.hashes)
