@@ -190,6 +190,8 @@ class EventIngestor:
         elif seq <= s.last_seq:
             log.info("%s: sequence went from %d to %d (restart)", s.src.worker, s.last_seq, seq)
             await self._reset(s, "restart")
+            if seq > 0 and s.sub.replay_endpoint:  # the restarted publisher's first batches were missed
+                await self._fill(s, 0, seq, first=True)
         elif seq > s.last_seq + 1:
             s.counters["gaps"] += 1
             if not await self._fill(s, s.last_seq + 1, seq):

@@ -20,8 +20,8 @@ key                             type   content
 ==============================  =====  ===========================================================
 
 Why this shape: a block costs one hash field (no per-key overhead), each holder a few bytes in that
-field's value plus 8 bytes in an intset bucket -- about 100 bytes for the first (block, worker) entry and
-~26 for each further holder (measured: docs/BENCHMARKS.md). Entries carry no unbounded data: names live
+field's value plus 8 bytes in an intset bucket -- about 80-100 bytes for the first (block, worker) entry and
+13-26 for each further holder (measured: docs/BENCHMARKS.md). Entries carry no unbounded data: names live
 once in ``w``/``i``. Dropping a worker walks only its own 2048 reverse buckets -- no SCAN of the keyspace.
 
 Why a server-side Lua script and not a pipeline for ``lookup``: a pipeline must ask for every hash of the

@@ -269,3 +269,17 @@ async def test_index_failure_resets_the_source_on_the_next_message(index):
         st = r.ing.status("w1")
         assert st["resets"] == 1
         assert (await index.lookup(M, SEQ)).match("w1").gpu == 1
+
+
+async def test_restart_with_lost_first_batches_replays_them(index):
+    async with Rig(index) as r:
+        for i in range(4):
+            r.pub.publish([blk(i, 1)])
+        await r.wait_seq(3)
+        r.pub.restart()
+        r.pub.publish([blk(0, 2, parent=False)], send=False)  # the restarted vLLM's seq 0 is lost
+        r.pub.publish([blk(2, 1)])  # seq 1 < last_seq 3: restart detected, 0 replayed
+        await r.wait_seq(1)
+        st = r.ing.status("w1")
+        assert st["resets"] == 1 and st["replays"] == 1 and st["unknown_parent"] == 0
+        assert await r.gpu_run() == 3
