@@ -59,6 +59,7 @@ class Rig:
         await self.ing.start()
         await self.ing.add_source(self.src)
         await until(lambda: self.ing.status("w1")["connected"], what="SUB connected")
+        assert await asyncio.to_thread(self.pub.wait_subscribed), "no subscription reached the publisher"
         return self
 
     async def __aexit__(self, *exc):
@@ -189,7 +190,7 @@ async def test_late_subscriber_replays_from_zero(index):
         pub.flush()
         await ing.add_source(EventSource("w1", M, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}"))
         await until(lambda: ing.status("w1")["connected"], what="connected")
-        await asyncio.sleep(0.2)
+        assert await asyncio.to_thread(pub.wait_subscribed)
         pub.publish([blk(3, 1)])
         await until(lambda: ing.status("w1")["last_seq"] == 2, what="seq 2")
         assert (await index.lookup(M, SEQ)).match("w1").gpu == 4
@@ -215,7 +216,7 @@ async def test_workers_do_not_block_each_other(index):
         await ing.add_source(EventSource("stuck", M, f"tcp://127.0.0.1:{p1}", f"tcp://127.0.0.1:{mport}"))
         await ing.add_source(EventSource("w2", M, f"tcp://127.0.0.1:{p2}"))
         await until(lambda: ing.status("stuck")["connected"] and ing.status("w2")["connected"])
-        await asyncio.sleep(0.2)
+        assert await asyncio.to_thread(pub1.wait_subscribed) and await asyncio.to_thread(pub2.wait_subscribed)
         pub1.publish([blk(0, 1)], send=False)
         pub1.publish([blk(0, 1)])  # seq 1 first: replay of 0 hangs for 3 s
         await asyncio.sleep(0.3)
