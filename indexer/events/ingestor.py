@@ -278,6 +278,7 @@ class EventIngestor:
             except Exception:
                 log.exception("event observer failed")
 
-    # direct entry for tests and the simulator: apply one message without sockets
-    def _source(self, worker: str) -> _Source:
-        return self._sources[worker]
+    async def feed(self, worker: str, frames: list[bytes]) -> None:
+        """Apply one message (``[topic, seq, payload]``) of a source directly, bypassing its socket and
+        queue (benchmarks, tests); not to be mixed with a live source's own receiving."""
+        await self.handle_message(self._sources[worker], frames)

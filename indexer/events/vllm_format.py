@@ -14,7 +14,7 @@ import itertools
 import queue
 import threading
 from collections import deque
-from typing import Any
+from typing import Any, Self
 
 import msgspec
 import zmq
@@ -261,7 +261,7 @@ class EventPublisher:
             self._replay.close(0)
         self._ctx.term()
 
-    def __enter__(self) -> "EventPublisher":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -10,7 +10,6 @@ import pytest
 from indexer.events import EventIngestor, EventSource, resolve_endpoint
 from indexer.events import vllm_format as vf
 from indexer.hashing import sequence_hashes
-from indexer.index import Tier
 from tests.support.procs import free_port
 
 B = 16
@@ -47,7 +46,9 @@ class Rig:
         self.index = index
         port = free_port()
         rport = free_port() if replay else None
-        self.pub = vf.EventPublisher(f"tcp://*:{port}", f"tcp://*:{rport}" if replay else None, topic="kv@w1@m")
+        self.pub = vf.EventPublisher(
+            f"tcp://*:{port}", f"tcp://*:{rport}" if replay else None, topic="kv@w1@m"
+        )
         self.resets: list[str] = []
         self.seen: list[tuple[str, str, int]] = []
         self.ing = EventIngestor(index, on_reset=self.resets.append,
