@@ -55,6 +55,12 @@ async def test_non_streaming_byte_exact_and_headers(fleet, start_gateway):
     assert fwd["authorization"] == "Bearer sk-test"
     assert fwd["x-request-id"] == "req-1"
     assert st.requests[0]["raw"] == json.dumps(body).encode()  # the body is forwarded byte for byte
+    # Without X-Request-Id the gateway makes one up and sends it to the worker.
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(gw.url + "/v1/chat/completions", json=body)
+    rid = r.headers["x-request-id"]
+    assert len(rid) == 32 and st.requests[-1]["headers"]["x-request-id"] == rid
+    assert r.json()["id"] == "chatcmpl-" + rid
 
 
 async def test_streaming_byte_exact_with_usage(fleet, start_gateway):
