@@ -103,15 +103,16 @@ def cache_root() -> Path:
     return Path(os.environ.get("KVGATE_CACHE") or Path.home() / ".cache" / "kvgate")
 
 
-def build_tokenizer(out: Path) -> "object":
-    """Train the byte-level BPE tokenizer and write tokenizer.json + tokenizer_config.json."""
+def build_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE) -> "object":
+    """Train the byte-level BPE tokenizer and write tokenizer.json + tokenizer_config.json (another
+    ``vocab_size`` gives another tokenizer: what the parity tests use as a mismatching one)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, min_frequency=2, special_tokens=SPECIAL_TOKENS,
+        vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(_corpus_texts(), trainer=trainer)
@@ -120,6 +121,7 @@ def build_tokenizer(out: Path) -> "object":
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)],
     )
+    out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -19,6 +19,20 @@ E2E_MAX_MODEL_LEN = 4096
 # 400 blocks x 32 tokens = 12,800 tokens per server: room for the tests' sessions, small enough to evict.
 E2E_GPU_BLOCKS = 400
 
+# Figures the tests report (e.g. round_robin's hit rate beside kv's), printed at the end of the session.
+_REPORT: list[str] = []
+
+
+def e2e_report(line: str) -> None:
+    _REPORT.append(line)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _REPORT:
+        terminalreporter.section("kvgate against real vLLM")
+        for line in _REPORT:
+            terminalreporter.write_line(line)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> str:
@@ -58,3 +72,25 @@ def vllm_servers(vllm_fleet) -> list[VllmServer]:
 def vllm_server(vllm_servers) -> VllmServer:
     """The first server."""
     return vllm_servers[0]
+
+
+@pytest.fixture
+def kvgate(vllm_servers, redis_url, tiny_model_dir):
+    """Factory: ``kvgate(policy="kv", **settings)`` starts a gateway (Redis index, the tiny model's
+    tokenizer) in front of the two servers and waits until it is ready; stopped after the test."""
+    from tests.e2e.kvgate import kvgate_settings, start_kvgate
+
+    started = []
+
+    def start(policy: str = "kv", *, tokenizer: str | None = None, block_size: int | None = None,
+              wait_parity: bool = True, **kw):
+        settings = kvgate_settings(vllm_servers, redis_url, tokenizer or tiny_model_dir, E2E_MODEL_NAME,
+                                   policy=policy, block_size=block_size, **kw)
+        gw = start_kvgate(settings, vllm_servers, E2E_MODEL_NAME)
+        started.append(gw)
+        gw.wait_ready(parity=wait_parity)
+        return gw
+
+    yield start
+    for gw in started:
+        gw.stop()

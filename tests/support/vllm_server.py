@@ -13,7 +13,8 @@ from typing import Any
 
 from bench.vllm_server import VllmServer, VllmStartError, free_port, start_all, vllm_python
 
-__all__ = ["VllmServer", "VllmStartError", "capture_frames", "free_port", "start_all", "unique_prompt",
+__all__ = ["VllmServer", "VllmStartError", "capture_frames", "free_port", "replay_batches", "start_all",
+           "stored_chains", "unique_prompt",
            "vllm_python"]
 
 
@@ -81,3 +82,46 @@ def capture_frames(
         return frames
     finally:
         sub.close()
+
+
+def replay_batches(server: VllmServer, start_seq: int = 0, timeout_s: float = 20.0) -> list[tuple[int, bytes]]:
+    """Every batch the server's publisher still buffers from ``start_seq`` on, as (seq, msgpack payload),
+    asked from its replay endpoint (a DEALER: ``[b"", seq_be8]``; replies ``[b"", topic, seq, payload]``
+    up to the end marker). No subscription race: what was published is there."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.replay_endpoint)
+    out: list[tuple[int, bytes]] = []
+    try:
+        sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
+        while True:
+            if not sock.poll(int(timeout_s * 1000)):
+                raise TimeoutError(f"{server.name}: replay stopped without its end marker")
+            msg = sock.recv_multipart()
+            if len(msg) >= 3 and msg[2] == b"\xff" * 8:
+                return out
+            out.append((int.from_bytes(msg[2], "big"), msg[3]))
+    finally:
+        sock.close()
+
+
+def stored_chains(server: VllmServer) -> list[list[dict]]:
+    """The BlockStored events the server still buffers, linked into chains (root: parent None)."""
+    import msgspec
+
+    stored = [ev for _, payload in replay_batches(server) for ev in msgspec.msgpack.decode(payload)[1]
+              if ev.get("type") == "BlockStored"]
+    children: dict[int, list[dict]] = {}
+    for ev in stored:
+        if ev["parent_block_hash"] is not None:
+            children.setdefault(ev["parent_block_hash"], []).append(ev)
+    chains = []
+    for root in (ev for ev in stored if ev["parent_block_hash"] is None):
+        chain, ev = [root], root
+        while children.get(ev["block_hashes"][-1]):
+            ev = children[ev["block_hashes"][-1]][0]
+            chain.append(ev)
+        chains.append(chain)
+    return chains
