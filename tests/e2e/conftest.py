@@ -1,9 +1,9 @@
-"""Session fixtures for the end-to-end tests against real vLLM servers on the CPU (marker ``vllm``).
+"""Fixtures for the end-to-end tests against real vLLM servers on the CPU (marker ``vllm``).
 
 Two servers run the tiny model built offline by ``bench.tiny_model`` (cached under ``$KVGATE_CACHE``),
 one per core (``VLLM_CPU_OMP_THREADS_BIND=auto`` binds core 0, ``=1`` core 1), started side by side, with
 a KV cache of ``E2E_GPU_BLOCKS`` blocks so the eviction test can fill it. They are shared by every test
-of the session and stopped by process group at the end, even when tests fail. A server that does not
+of this package and stopped by process group when it is done, even when tests fail. A server that does not
 start fails the tests with its log; nothing is skipped.
 """
 from __future__ import annotations
@@ -42,9 +42,11 @@ def tiny_model_dir() -> str:
     return str(tiny_model.ensure("tiny"))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def vllm_fleet(tiny_model_dir) -> list[VllmServer]:
-    """Two real vLLM servers, ``vllm-0`` on core 0 and ``vllm-1`` on core 1, for the whole session."""
+    """Two real vLLM servers, ``vllm-0`` on core 0 and ``vllm-1`` on core 1, shared by every test of
+    tests/e2e and stopped when the package is done (before other packages start servers of their own:
+    two more would not fit beside them on a 2-core, 24 GiB machine)."""
     binds = ["auto", "1"] if (os.cpu_count() or 1) >= 2 else ["auto", "auto"]
     servers = [
         VllmServer(tiny_model_dir, name=f"vllm-{i}", served_model_name=E2E_MODEL_NAME, omp_threads_bind=bind,
