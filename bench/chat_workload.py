@@ -82,7 +82,7 @@ class TurnResult:
     prompt_tokens: int
     cached_tokens: int
     worker: str | None = None  # from kvgate's response header, when there is one
-    status: int = 200
+    request_id: str | None = None
 
 
 async def chat_turn(client: httpx.AsyncClient, base_url: str, model: str, messages: list[dict],
@@ -100,6 +100,7 @@ async def chat_turn(client: httpx.AsyncClient, base_url: str, model: str, messag
             text = (await r.aread()).decode(errors="replace")
             raise RuntimeError(f"chat turn failed with {r.status_code}: {text[:500]}")
         worker = r.headers.get("x-kvgate-worker")
+        request_id = r.headers.get("x-request-id")
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
                 continue
@@ -120,15 +121,18 @@ async def chat_turn(client: httpx.AsyncClient, base_url: str, model: str, messag
     return "".join(parts), TurnResult(
         session="", turn=0, ttft_s=ttft if ttft is not None else total, total_s=total,
         prompt_tokens=int(usage.get("prompt_tokens") or 0), cached_tokens=int(details.get("cached_tokens") or 0),
-        worker=worker)
+        worker=worker, request_id=request_id)
 
 
 async def run_session(client: httpx.AsyncClient, base_url: str, model: str, session: Session,
-                      max_tokens: int = 16, think_s: float = 0.0) -> list[TurnResult]:
-    """All turns of one session in order, each resending the whole conversation."""
+                      max_tokens: int = 16, think_s: float = 0.0, before_turn=None) -> list[TurnResult]:
+    """All turns of one session in order, each resending the whole conversation. ``before_turn(messages,
+    last_result)`` (async, optional) runs before every turn after the first: a user's think time."""
     session.messages = [{"role": "system", "content": session.system}]
     results = []
     for t, user in enumerate(session.users):
+        if before_turn is not None and results:
+            await before_turn(list(session.messages[:-1]), results[-1])
         session.messages.append({"role": "user", "content": user})
         answer, res = await chat_turn(client, base_url, model, session.messages, max_tokens,
                                       {"x-session-id": session.sid})
@@ -141,14 +145,15 @@ async def run_session(client: httpx.AsyncClient, base_url: str, model: str, sess
 
 
 async def run_sessions(base_url: str, model: str, sessions: list[Session], max_tokens: int = 16,
-                       timeout_s: float = 600.0, stagger_s: float = 0.0) -> list[TurnResult]:
+                       timeout_s: float = 600.0, stagger_s: float = 0.0, think_s: float = 0.0,
+                       before_turn=None) -> list[TurnResult]:
     """Run sessions concurrently (one client each); results of every turn, session by session."""
     limits = httpx.Limits(max_connections=len(sessions) + 4)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits, trust_env=False) as client:
         async def one(i: int, s: Session) -> list[TurnResult]:
             if stagger_s:
                 await asyncio.sleep(i * stagger_s)
-            return await run_session(client, base_url, model, s, max_tokens)
+            return await run_session(client, base_url, model, s, max_tokens, think_s, before_turn)
 
         per = await asyncio.gather(*(one(i, s) for i, s in enumerate(sessions)))
     return [r for rs in per for r in rs]
