@@ -11,6 +11,7 @@ seen by the client), total time, the cached share of prompt tokens that vLLM rep
 vLLM's own prefix-cache hit rate from its ``/metrics`` (hits/queries deltas over the run), with ratios
 against ``round_robin`` measured in the same run. Results go to ``bench/results/vllm_policies.json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,11 @@ def reset_caches(servers: list[VllmServer]) -> None:
             raise RuntimeError(f"{s.name}: /reset_prefix_cache refused: {r.text}")
         # AllBlocksCleared is published with the next request that reaches the engine: send one now, so
         # the next gateway's index does not see it arrive mid-run.
-        httpx.post(f"{s.url}/v1/completions", timeout=60.0,
-                   json={"model": s.served_model_name, "prompt": "reset", "max_tokens": 1}).raise_for_status()
+        httpx.post(
+            f"{s.url}/v1/completions",
+            timeout=60.0,
+            json={"model": s.served_model_name, "prompt": "reset", "max_tokens": 1},
+        ).raise_for_status()
 
 
 class Gateway:
@@ -70,22 +74,33 @@ class Gateway:
         self.url = f"http://127.0.0.1:{self.port}"
         self.config = workdir / f"kvgate-{policy}.yaml"
         self.log_path = workdir / f"kvgate-{policy}.log"
-        self.config.write_text(yaml.safe_dump({
-            "host": "127.0.0.1", "port": self.port, "log_level": "warning",
-            "workers": [s.worker_config() for s in servers],
-            "models": {MODEL: {"tokenizer": model_dir}},
-            "index": {"backend": "memory"},
-            "routing": {"policy": policy},
-            "health_interval_s": 1.0,
-        }))
+        self.config.write_text(
+            yaml.safe_dump(
+                {
+                    "host": "127.0.0.1",
+                    "port": self.port,
+                    "log_level": "warning",
+                    "workers": [s.worker_config() for s in servers],
+                    "models": {MODEL: {"tokenizer": model_dir}},
+                    "index": {"backend": "memory"},
+                    "routing": {"policy": policy},
+                    "health_interval_s": 1.0,
+                }
+            )
+        )
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "Gateway":
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--config", str(self.config)],
-                                         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "router.cli", "serve", "--config", str(self.config)],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -117,13 +132,15 @@ def p90(xs: list[float]) -> float:
 
 def run_policy(policy: str, servers: list[VllmServer], model_dir: str, args, workdir: Path) -> dict:
     reset_caches(servers)
-    sessions = make_sessions(model_dir, args.sessions, args.turns, args.first_tokens, args.turn_tokens,
-                             seed=args.seed)
+    sessions = make_sessions(
+        model_dir, args.sessions, args.turns, args.first_tokens, args.turn_tokens, seed=args.seed
+    )
     with Gateway(servers, model_dir, policy, workdir) as gw:
         before = [scrape_prefix_cache(s.url) for s in servers]
         t0 = time.perf_counter()
-        results = asyncio.run(run_sessions(gw.url, MODEL, sessions, max_tokens=args.max_tokens,
-                                           stagger_s=args.stagger))
+        results = asyncio.run(
+            run_sessions(gw.url, MODEL, sessions, max_tokens=args.max_tokens, stagger_s=args.stagger)
+        )
         total = time.perf_counter() - t0
         after = [scrape_prefix_cache(s.url) for s in servers]
     dq = sum(a[0] - b[0] for a, b in zip(after, before))
@@ -136,17 +153,25 @@ def run_policy(policy: str, servers: list[VllmServer], model_dir: str, args, wor
     for r in results:
         workers[r.worker or "?"] = workers.get(r.worker or "?", 0) + 1
     return {
-        "policy": policy, "turns": len(results), "total_s": total,
-        "ttft_mean_s": statistics.fmean(ttfts), "ttft_p90_s": p90(ttfts),
+        "policy": policy,
+        "turns": len(results),
+        "total_s": total,
+        "ttft_mean_s": statistics.fmean(ttfts),
+        "ttft_p90_s": p90(ttfts),
         "ttft_mean_later_turns_s": statistics.fmean(later) if later else 0.0,
-        "prompt_tokens": prompt, "cached_tokens": cached, "cached_share": cached / max(1, prompt),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "cached_share": cached / max(1, prompt),
         "vllm_prefix_cache_hit_rate": dh / dq if dq else 0.0,
-        "max_prompt_tokens": max(r.prompt_tokens for r in results), "requests_per_worker": workers,
+        "max_prompt_tokens": max(r.prompt_tokens for r in results),
+        "requests_per_worker": workers,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.bench_vllm_policies", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.bench_vllm_policies", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--policies", default="kv,round_robin,least_loaded")
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--turns", type=int, default=5)
@@ -161,9 +186,14 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = str(tiny_model.ensure(args.size))
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-bench-vllm-"))
-    servers = [VllmServer(model_dir, name=f"vllm-{i}", served_model_name=MODEL, omp_threads_bind=bind,
-                          max_model_len=8192) for i, bind in enumerate(["auto", "1"])]
-    print(f"starting two vLLM servers ({args.size}); logs under {workdir} and {[str(s.workdir) for s in servers]}")
+    servers = [
+        VllmServer(
+            model_dir, name=f"vllm-{i}", served_model_name=MODEL, omp_threads_bind=bind, max_model_len=8192
+        )
+        for i, bind in enumerate(["auto", "1"])
+    ]
+    logs = [str(s.workdir) for s in servers]
+    print(f"starting two vLLM servers ({args.size}); logs under {workdir} and {logs}")
     rows = []
     try:
         start_all(servers)
@@ -176,13 +206,18 @@ def main(argv: list[str] | None = None) -> int:
             s.close()
     base = next((r for r in rows if r["policy"] == "round_robin"), rows[0])
     print()
-    print("| policy | mean TTFT | p90 TTFT | mean TTFT turns 2+ | total | cached share (usage) | vLLM prefix-cache hit rate |")
+    print("| policy | mean TTFT | p90 TTFT | mean TTFT turns 2+ | total | cached share (usage) "
+          "| vLLM prefix-cache hit rate |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['policy']} | {r['ttft_mean_s']:.3f} s ({r['ttft_mean_s'] / base['ttft_mean_s']:.2f}x) "
-              f"| {r['ttft_p90_s']:.3f} s ({r['ttft_p90_s'] / base['ttft_p90_s']:.2f}x) "
-              f"| {r['ttft_mean_later_turns_s']:.3f} s | {r['total_s']:.1f} s ({r['total_s'] / base['total_s']:.2f}x) "
-              f"| {r['cached_share']:.1%} | {r['vllm_prefix_cache_hit_rate']:.1%} |")
+        print(
+            f"| {r['policy']} | {r['ttft_mean_s']:.3f} s ({r['ttft_mean_s'] / base['ttft_mean_s']:.2f}x) "
+            f"| {r['ttft_p90_s']:.3f} s ({r['ttft_p90_s'] / base['ttft_p90_s']:.2f}x) "
+            f"| {r['ttft_mean_later_turns_s']:.3f} s "
+            f"({r['ttft_mean_later_turns_s'] / base['ttft_mean_later_turns_s']:.2f}x) "
+            f"| {r['total_s']:.1f} s ({r['total_s'] / base['total_s']:.2f}x) "
+            f"| {r['cached_share']:.1%} | {r['vllm_prefix_cache_hit_rate']:.1%} |"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "results": rows}, indent=2) + "\n")

@@ -5,6 +5,7 @@ the way a user sees them: time to first token of each streamed turn, and vLLM's 
 Used by the real-vLLM benchmark (``bench.bench_vllm_policies``) and the end-to-end multi-turn test.
 Texts are deterministic (seeded word lists) and sized in the model's own tokens.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -15,11 +16,13 @@ from dataclasses import dataclass, field
 
 import httpx
 
-_WORDS = ("cache block prefix token route worker gateway latency memory storage tier event index hash "
-          "session turn prompt answer model layer head vector value key query batch queue load core "
-          "thread socket stream request response server client metric window context summary report "
-          "table figure ratio speed time cost plan order chain parent child node graph shard replica "
-          "region zone cluster volume file path name label field record entry column row page").split()
+_WORDS = (
+    "cache block prefix token route worker gateway latency memory storage tier event index hash "
+    "session turn prompt answer model layer head vector value key query batch queue load core "
+    "thread socket stream request response server client metric window context summary report "
+    "table figure ratio speed time cost plan order chain parent child node graph shard replica "
+    "region zone cluster volume file path name label field record entry column row page"
+).split()
 
 
 class TextMaker:
@@ -28,8 +31,11 @@ class TextMaker:
     def __init__(self, tokenizer_path: str, seed: int = 0) -> None:
         from tokenizers import Tokenizer
 
-        self.tok = Tokenizer.from_file(tokenizer_path.rstrip("/") + "/tokenizer.json"
-                                       if not tokenizer_path.endswith(".json") else tokenizer_path)
+        self.tok = Tokenizer.from_file(
+            tokenizer_path.rstrip("/") + "/tokenizer.json"
+            if not tokenizer_path.endswith(".json")
+            else tokenizer_path
+        )
         self.rng = random.Random(seed)
 
     def count(self, text: str) -> int:
@@ -58,8 +64,15 @@ class Session:
     messages: list[dict] = field(default_factory=list)
 
 
-def make_sessions(tokenizer_path: str, n_sessions: int, n_turns: int, first_tokens: int, turn_tokens: int,
-                  seed: int = 0, tag: str = "") -> list[Session]:
+def make_sessions(
+    tokenizer_path: str,
+    n_sessions: int,
+    n_turns: int,
+    first_tokens: int,
+    turn_tokens: int,
+    seed: int = 0,
+    tag: str = "",
+) -> list[Session]:
     """Sessions whose first turn carries ``first_tokens`` of context and each later turn ``turn_tokens``
     more (plus the assistant's answers)."""
     tm = TextMaker(tokenizer_path, seed)
@@ -85,17 +98,31 @@ class TurnResult:
     request_id: str | None = None
 
 
-async def chat_turn(client: httpx.AsyncClient, base_url: str, model: str, messages: list[dict],
-                    max_tokens: int, extra_headers: dict | None = None) -> tuple[str, TurnResult]:
+async def chat_turn(
+    client: httpx.AsyncClient,
+    base_url: str,
+    model: str,
+    messages: list[dict],
+    max_tokens: int,
+    extra_headers: dict | None = None,
+) -> tuple[str, TurnResult]:
     """One streamed chat completion: (assistant text, measurements)."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}, "temperature": 0.0, "ignore_eos": True}
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
     t0 = time.perf_counter()
     ttft = None
     parts: list[str] = []
     usage: dict = {}
-    async with client.stream("POST", f"{base_url}/v1/chat/completions", json=body,
-                             headers=extra_headers or {}) as r:
+    async with client.stream(
+        "POST", f"{base_url}/v1/chat/completions", json=body, headers=extra_headers or {}
+    ) as r:
         if r.status_code != 200:
             text = (await r.aread()).decode(errors="replace")
             raise RuntimeError(f"chat turn failed with {r.status_code}: {text[:500]}")
@@ -119,13 +146,26 @@ async def chat_turn(client: httpx.AsyncClient, base_url: str, model: str, messag
     total = time.perf_counter() - t0
     details = usage.get("prompt_tokens_details") or {}
     return "".join(parts), TurnResult(
-        session="", turn=0, ttft_s=ttft if ttft is not None else total, total_s=total,
-        prompt_tokens=int(usage.get("prompt_tokens") or 0), cached_tokens=int(details.get("cached_tokens") or 0),
-        worker=worker, request_id=request_id)
+        session="",
+        turn=0,
+        ttft_s=ttft if ttft is not None else total,
+        total_s=total,
+        prompt_tokens=int(usage.get("prompt_tokens") or 0),
+        cached_tokens=int(details.get("cached_tokens") or 0),
+        worker=worker,
+        request_id=request_id,
+    )
 
 
-async def run_session(client: httpx.AsyncClient, base_url: str, model: str, session: Session,
-                      max_tokens: int = 16, think_s: float = 0.0, before_turn=None) -> list[TurnResult]:
+async def run_session(
+    client: httpx.AsyncClient,
+    base_url: str,
+    model: str,
+    session: Session,
+    max_tokens: int = 16,
+    think_s: float = 0.0,
+    before_turn=None,
+) -> list[TurnResult]:
     """All turns of one session in order, each resending the whole conversation. ``before_turn(messages,
     last_result)`` (async, optional) runs before every turn after the first: a user's think time."""
     session.messages = [{"role": "system", "content": session.system}]
@@ -134,8 +174,9 @@ async def run_session(client: httpx.AsyncClient, base_url: str, model: str, sess
         if before_turn is not None and results:
             await before_turn(list(session.messages[:-1]), results[-1])
         session.messages.append({"role": "user", "content": user})
-        answer, res = await chat_turn(client, base_url, model, session.messages, max_tokens,
-                                      {"x-session-id": session.sid})
+        answer, res = await chat_turn(
+            client, base_url, model, session.messages, max_tokens, {"x-session-id": session.sid}
+        )
         res.session, res.turn = session.sid, t
         session.messages.append({"role": "assistant", "content": answer})
         results.append(res)
@@ -144,12 +185,20 @@ async def run_session(client: httpx.AsyncClient, base_url: str, model: str, sess
     return results
 
 
-async def run_sessions(base_url: str, model: str, sessions: list[Session], max_tokens: int = 16,
-                       timeout_s: float = 600.0, stagger_s: float = 0.0, think_s: float = 0.0,
-                       before_turn=None) -> list[TurnResult]:
+async def run_sessions(
+    base_url: str,
+    model: str,
+    sessions: list[Session],
+    max_tokens: int = 16,
+    timeout_s: float = 600.0,
+    stagger_s: float = 0.0,
+    think_s: float = 0.0,
+    before_turn=None,
+) -> list[TurnResult]:
     """Run sessions concurrently (one client each); results of every turn, session by session."""
     limits = httpx.Limits(max_connections=len(sessions) + 4)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits, trust_env=False) as client:
+
         async def one(i: int, s: Session) -> list[TurnResult]:
             if stagger_s:
                 await asyncio.sleep(i * stagger_s)

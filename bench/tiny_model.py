@@ -19,6 +19,7 @@ environment's python or the project's test environment.
     python -m bench.tiny_model --size tiny            # print the cached directory (build if missing)
     python -m bench.tiny_model --size 152m --out DIR  # build into DIR
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,23 +53,75 @@ CHAT_TEMPLATE = (
 )
 
 SIZES: dict[str, dict[str, int]] = {
-    "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-                 intermediate_size=688),
-    "152m": dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4,
-                 intermediate_size=2816),
+    "tiny": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=688,
+    ),
+    "152m": dict(
+        hidden_size=1024,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        intermediate_size=2816,
+    ),
 }
 
 # Standard-library modules whose sources train the tokenizer: present in every CPython 3.11+ install.
-CORPUS_FILES = sorted([
-    "argparse.py", "ast.py", "base64.py", "bisect.py", "calendar.py", "collections/__init__.py",
-    "configparser.py", "contextlib.py", "copy.py", "csv.py", "dataclasses.py", "datetime.py",
-    "decimal.py", "difflib.py", "email/message.py", "enum.py", "fractions.py", "functools.py",
-    "getopt.py", "gettext.py", "glob.py", "heapq.py", "html/parser.py", "http/client.py",
-    "inspect.py", "json/decoder.py", "json/encoder.py", "logging/__init__.py", "mailbox.py",
-    "operator.py", "optparse.py", "pathlib.py", "pickle.py", "pprint.py", "queue.py", "random.py",
-    "shutil.py", "statistics.py", "string.py", "subprocess.py", "tarfile.py", "textwrap.py",
-    "threading.py", "tokenize.py", "typing.py", "urllib/parse.py", "uuid.py", "zipfile/__init__.py",
-])
+CORPUS_FILES = sorted(
+    [
+        "argparse.py",
+        "ast.py",
+        "base64.py",
+        "bisect.py",
+        "calendar.py",
+        "collections/__init__.py",
+        "configparser.py",
+        "contextlib.py",
+        "copy.py",
+        "csv.py",
+        "dataclasses.py",
+        "datetime.py",
+        "decimal.py",
+        "difflib.py",
+        "email/message.py",
+        "enum.py",
+        "fractions.py",
+        "functools.py",
+        "getopt.py",
+        "gettext.py",
+        "glob.py",
+        "heapq.py",
+        "html/parser.py",
+        "http/client.py",
+        "inspect.py",
+        "json/decoder.py",
+        "json/encoder.py",
+        "logging/__init__.py",
+        "mailbox.py",
+        "operator.py",
+        "optparse.py",
+        "pathlib.py",
+        "pickle.py",
+        "pprint.py",
+        "queue.py",
+        "random.py",
+        "shutil.py",
+        "statistics.py",
+        "string.py",
+        "subprocess.py",
+        "tarfile.py",
+        "textwrap.py",
+        "threading.py",
+        "tokenize.py",
+        "typing.py",
+        "urllib/parse.py",
+        "uuid.py",
+        "zipfile/__init__.py",
+    ]
+)
 
 
 def _corpus_paths() -> list[Path]:
@@ -112,20 +165,27 @@ def build_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE) -> "object":
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(_corpus_texts(), trainer=trainer)
     bos_id = tok.token_to_id(BOS)
     # Completions get a BOS like a Llama tokenizer (chat templates add it themselves).
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)],
+        single=f"{BOS} $A",
+        pair=f"{BOS} $A {BOS} $B",
+        special_tokens=[(BOS, bos_id)],
     )
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
         "additional_special_tokens": ROLE_TOKENS,
         "model_max_length": MAX_POSITIONS,
         "clean_up_tokenization_spaces": False,
@@ -143,9 +203,16 @@ def build_model(out: Path, size: str, tok) -> None:
     dims = SIZES[size]
     bos, eos, pad, end = (tok.token_to_id(t) for t in (BOS, EOS, PAD, "<|end|>"))
     config = LlamaConfig(
-        vocab_size=tok.get_vocab_size(), max_position_embeddings=MAX_POSITIONS,
-        bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, tie_word_embeddings=False,
-        rms_norm_eps=1e-5, rope_theta=10000.0, torch_dtype="bfloat16", **dims,
+        vocab_size=tok.get_vocab_size(),
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        torch_dtype="bfloat16",
+        **dims,
     )
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config).to(torch.bfloat16)

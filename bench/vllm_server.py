@@ -8,6 +8,7 @@ worker entry stays valid), ``VLLM_SERVER_DEV_MODE=1`` (for ``/reset_prefix_cache
 ``--num-gpu-blocks-override`` for a KV cache small enough to evict. A server that does not become
 healthy raises :class:`VllmStartError` carrying the tail of its log: callers fail, never skip.
 """
+
 from __future__ import annotations
 
 import json
@@ -103,25 +104,43 @@ class VllmServer:
 
     def worker_config(self) -> dict:
         """This server as a kvgate ``WorkerConfig`` mapping."""
-        return {"name": self.name, "url": self.url, "events_endpoint": self.events_endpoint,
-                "replay_endpoint": self.replay_endpoint}
+        return {
+            "name": self.name,
+            "url": self.url,
+            "events_endpoint": self.events_endpoint,
+            "replay_endpoint": self.replay_endpoint,
+        }
 
     # -- command line ----------------------------------------------------------------------------
     def command(self) -> list[str]:
         events = {
-            "enable_kv_cache_events": True, "publisher": "zmq",
-            "endpoint": f"tcp://*:{self.events_port}", "replay_endpoint": f"tcp://*:{self.replay_port}",
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{self.events_port}",
+            "replay_endpoint": f"tcp://*:{self.replay_port}",
             "topic": self.topic,
         }
         cmd = [
-            str(self.python), str(LAUNCHER), "serve", self.model_dir,
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--served-model-name", self.served_model_name,
-            "--block-size", str(self.block_size),
-            "--enable-prefix-caching", "--enable-prompt-tokens-details",
-            "--max-model-len", str(self.max_model_len), "--enforce-eager",
+            str(self.python),
+            str(LAUNCHER),
+            "serve",
+            self.model_dir,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            self.served_model_name,
+            "--block-size",
+            str(self.block_size),
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--enforce-eager",
             "--enable-server-load-tracking",
-            "--kv-events-config", json.dumps(events),
+            "--kv-events-config",
+            json.dumps(events),
         ]
         if self.num_gpu_blocks is not None:
             cmd += ["--num-gpu-blocks-override", str(self.num_gpu_blocks)]
@@ -130,11 +149,17 @@ class VllmServer:
     def environment(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         env.update(
-            VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),
+            VLLM_TARGET_DEVICE="cpu",
+            VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),
             VLLM_CPU_OMP_THREADS_BIND=self.omp_threads_bind,
-            VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-            VLLM_CACHE_ROOT=str(self.workdir / "vllm-cache"), PYTHONHASHSEED="0",
-            VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1",
+            VLLM_NO_USAGE_STATS="1",
+            VLLM_DO_NOT_TRACK="1",
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            VLLM_CACHE_ROOT=str(self.workdir / "vllm-cache"),
+            PYTHONHASHSEED="0",
+            VLLM_SERVER_DEV_MODE="1",
+            PYTHONUNBUFFERED="1",
         )
         env.update(self.extra_env)
         return env
@@ -146,15 +171,21 @@ class VllmServer:
         if not self.python.exists():
             raise VllmStartError(
                 f"{self.name}: no vLLM environment at {self.python}; run tests/support/vllm-env.sh "
-                f"{self.python.parent.parent} (make test does)")
+                f"{self.python.parent.parent} (make test does)"
+            )
         self.starts += 1
         log = open(self.log_path, "ab")
         log.write(f"\n==== start {self.starts}: {' '.join(self.command())}\n".encode())
         log.flush()
         try:
             self.proc = subprocess.Popen(
-                self.command(), env=self.environment(), cwd=self.workdir, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                self.command(),
+                env=self.environment(),
+                cwd=self.workdir,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         finally:
             log.close()
@@ -178,14 +209,17 @@ class VllmServer:
             if self.proc.poll() is not None:
                 raise VllmStartError(
                     f"{self.name} exited with status {self.proc.returncode} while starting; "
-                    f"log {self.log_path}:\n{self.log_tail()}")
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
             if self.healthy():
                 self.startup_s = time.monotonic() - self._started_at
                 return self
             time.sleep(0.5)
         self.stop()
         raise VllmStartError(
-            f"{self.name} did not answer /health within {timeout_s:.0f}s; log {self.log_path}:\n{self.log_tail()}")
+            f"{self.name} did not answer /health within {timeout_s:.0f}s; "
+            f"log {self.log_path}:\n{self.log_tail()}"
+        )
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """TERM the process group, KILL what is left after ``timeout_s`` (vLLM's engine core included)."""

@@ -19,6 +19,7 @@ The probe is retried with a fresh nonce when the ingestor saw no event at all ye
 subscription misses what is published before it is live (the ingestor replays the missed batches when
 the next message shows the gap).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,9 +40,11 @@ CACHE_BLIND = "cache-blind"
 UNVERIFIED = "unverified"
 
 # Plain words, so any tokenizer produces many tokens from them; the nonce makes the prompt new.
-_WORDS = ("kvgate parity probe checks that the gateway and the worker agree on every token and block "
-          "of this prompt before routing on cached prefixes alpha beta gamma delta epsilon zeta eta theta "
-          "iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon phi chi psi omega").split()
+_WORDS = (
+    "kvgate parity probe checks that the gateway and the worker agree on every token and block "
+    "of this prompt before routing on cached prefixes alpha beta gamma delta epsilon zeta eta theta "
+    "iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon phi chi psi omega"
+).split()
 
 
 def probe_prompt(nonce: str, words: int = 160) -> str:
@@ -69,11 +72,19 @@ class ParityResult:
         return self.status == CACHE_BLIND
 
     def to_dict(self) -> dict:
-        return {"status": self.status, "reason": self.reason, "model": self.model,
-                "block_size": self.block_size, "expected_blocks": self.expected_blocks,
-                "matched_blocks": self.matched_blocks, "kvgate_tokens": self.kvgate_tokens,
-                "worker_tokens": self.worker_tokens, "attempts": self.attempts,
-                "elapsed_s": round(self.elapsed_s, 3), "checked_at": self.checked_at}
+        return {
+            "status": self.status,
+            "reason": self.reason,
+            "model": self.model,
+            "block_size": self.block_size,
+            "expected_blocks": self.expected_blocks,
+            "matched_blocks": self.matched_blocks,
+            "kvgate_tokens": self.kvgate_tokens,
+            "worker_tokens": self.worker_tokens,
+            "attempts": self.attempts,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "checked_at": self.checked_at,
+        }
 
 
 class _Watch:
@@ -160,8 +171,11 @@ class ParityChecker:
             watch = _Watch(loop, set(expected))
             self._watches.setdefault(result.worker, []).append(watch)
             try:
-                r = await self.client.post(f"{url}/v1/completions", timeout=self.request_timeout_s, json={
-                    "model": model, "prompt": text, "max_tokens": 1, "temperature": 0.0})
+                r = await self.client.post(
+                    f"{url}/v1/completions",
+                    timeout=self.request_timeout_s,
+                    json={"model": model, "prompt": text, "max_tokens": 1, "temperature": 0.0},
+                )
                 r.raise_for_status()
                 usage = (r.json() or {}).get("usage") or {}
                 result.worker_tokens = usage.get("prompt_tokens")
@@ -169,7 +183,7 @@ class ParityChecker:
                 # wait covers the trip through ZMQ and the ingestor.
                 try:
                     await asyncio.wait_for(watch.done.wait(), self.settle_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
             finally:
                 self._watches[result.worker].remove(watch)
@@ -193,11 +207,20 @@ class ParityChecker:
             m.cache_blind.labels(result.worker).set(1.0 if result.cache_blind else 0.0)
             m.parity_checks.labels(result.worker, result.status).inc()
         if result.status == OK:
-            log.info("parity check of worker %s: ok (%d blocks of %d tokens, block size %d)", result.worker,
-                     result.expected_blocks, result.kvgate_tokens, result.block_size)
+            log.info(
+                "parity check of worker %s: ok (%d blocks of %d tokens, block size %d)",
+                result.worker,
+                result.expected_blocks,
+                result.kvgate_tokens,
+                result.block_size,
+            )
         else:
-            log.warning("parity check of worker %s: %s: %s; routing ignores its cache entries",
-                        result.worker, result.status.upper(), result.reason)
+            log.warning(
+                "parity check of worker %s: %s: %s; routing ignores its cache entries",
+                result.worker,
+                result.status.upper(),
+                result.reason,
+            )
 
     def forget(self, worker: str) -> None:
         self.results.pop(worker, None)
@@ -218,12 +241,16 @@ def _leading(expected: list[int], seen: set[int]) -> int:
 
 
 def _mismatch_reason(r: ParityResult, events_during_probe: bool) -> str:
-    parts = [f"kvgate's hashes of the probe ({r.expected_blocks} blocks, block size {r.block_size}) "
-             f"{'do not match' if events_during_probe else 'never came back in'} the worker's KV events"
-             f" (leading blocks matched: {r.matched_blocks})"]
+    parts = [
+        f"kvgate's hashes of the probe ({r.expected_blocks} blocks, block size {r.block_size}) "
+        f"{'do not match' if events_during_probe else 'never came back in'} the worker's KV events"
+        f" (leading blocks matched: {r.matched_blocks})"
+    ]
     if r.worker_tokens is not None and r.worker_tokens != r.kvgate_tokens:
-        parts.append(f"the worker counts {r.worker_tokens} prompt tokens where kvgate counts "
-                     f"{r.kvgate_tokens}: different tokenizer")
+        parts.append(
+            f"the worker counts {r.worker_tokens} prompt tokens where kvgate counts "
+            f"{r.kvgate_tokens}: different tokenizer"
+        )
     elif r.worker_tokens is not None:
         parts.append("same token count: different block size, tokens or hash salt")
     return "; ".join(parts)

@@ -1,4 +1,5 @@
 """The offline model builder the real-vLLM tests, the demo and the G4 tests serve."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,13 @@ def model_dir():
 
 
 def test_builds_a_servable_llama_directory(model_dir):
-    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                 "tokenizer_config.json"):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
         assert (model_dir / name).is_file(), name
     config = json.loads((model_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
@@ -42,8 +48,10 @@ def test_chat_template_is_prefix_stable(model_dir):
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     turn1 = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a KV cache?"}]
-    turn2 = turn1 + [{"role": "assistant", "content": "Keys and values."},
-                     {"role": "user", "content": "And a prefix cache?"}]
+    turn2 = turn1 + [
+        {"role": "assistant", "content": "Keys and values."},
+        {"role": "user", "content": "And a prefix cache?"},
+    ]
 
     def ids(messages):
         out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)

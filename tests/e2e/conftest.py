@@ -6,6 +6,7 @@ a KV cache of ``E2E_GPU_BLOCKS`` blocks so the eviction test can fill it. They a
 of this package and stopped by process group when it is done, even when tests fail. A server that does not
 start fails the tests with its log; nothing is skipped.
 """
+
 from __future__ import annotations
 
 import os
@@ -49,8 +50,14 @@ def vllm_fleet(tiny_model_dir) -> list[VllmServer]:
     two more would not fit beside them on a 2-core, 24 GiB machine)."""
     binds = ["auto", "1"] if (os.cpu_count() or 1) >= 2 else ["auto", "auto"]
     servers = [
-        VllmServer(tiny_model_dir, name=f"vllm-{i}", served_model_name=E2E_MODEL_NAME, omp_threads_bind=bind,
-                   max_model_len=E2E_MAX_MODEL_LEN, num_gpu_blocks=E2E_GPU_BLOCKS)
+        VllmServer(
+            tiny_model_dir,
+            name=f"vllm-{i}",
+            served_model_name=E2E_MODEL_NAME,
+            omp_threads_bind=bind,
+            max_model_len=E2E_MAX_MODEL_LEN,
+            num_gpu_blocks=E2E_GPU_BLOCKS,
+        )
         for i, bind in enumerate(binds)
     ]
     try:
@@ -84,10 +91,23 @@ def kvgate(vllm_servers, redis_url, tiny_model_dir):
 
     started = []
 
-    def start(policy: str = "kv", *, tokenizer: str | None = None, block_size: int | None = None,
-              wait_parity: bool = True, **kw):
-        settings = kvgate_settings(vllm_servers, redis_url, tokenizer or tiny_model_dir, E2E_MODEL_NAME,
-                                   policy=policy, block_size=block_size, **kw)
+    def start(
+        policy: str = "kv",
+        *,
+        tokenizer: str | None = None,
+        block_size: int | None = None,
+        wait_parity: bool = True,
+        **kw,
+    ):
+        settings = kvgate_settings(
+            vllm_servers,
+            redis_url,
+            tokenizer or tiny_model_dir,
+            E2E_MODEL_NAME,
+            policy=policy,
+            block_size=block_size,
+            **kw,
+        )
         gw = start_kvgate(settings, vllm_servers, E2E_MODEL_NAME)
         started.append(gw)
         gw.wait_ready(parity=wait_parity)

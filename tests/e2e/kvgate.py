@@ -4,6 +4,7 @@ The app (``router.app.create_app``) runs on uvicorn on a free loopback port in a
 its own event loop (``tests.support.servers.ThreadServer``); its index is ``RedisIndex`` on the test
 session's real redis-server; its tokenizer is the served model's directory.
 """
+
 from __future__ import annotations
 
 import time
@@ -34,9 +35,12 @@ class KvGate:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             workers = self.state.registry.workers()
-            if workers and all(w.healthy for w in workers) and \
-                    all(w.name in self._statuses() for w in workers) and \
-                    (not parity or all(w.parity is not None for w in workers)):
+            if (
+                workers
+                and all(w.healthy for w in workers)
+                and all(w.name in self._statuses() for w in workers)
+                and (not parity or all(w.parity is not None for w in workers))
+            ):
                 return
             time.sleep(0.2)
         raise AssertionError(f"gateway not ready: {[w.to_dict() for w in self.state.registry.workers()]}")
@@ -75,14 +79,25 @@ class KvGate:
         self.server.stop()
 
 
-def kvgate_settings(servers: list[VllmServer], redis_url: str, tokenizer: str, model: str, *,
-                    policy: str = "kv", block_size: int | None = None, **kw) -> Settings:
+def kvgate_settings(
+    servers: list[VllmServer],
+    redis_url: str,
+    tokenizer: str,
+    model: str,
+    *,
+    policy: str = "kv",
+    block_size: int | None = None,
+    **kw,
+) -> Settings:
     base = dict(
         workers=[WorkerConfig(**s.worker_config()) for s in servers],
         models={model: ModelConfig(tokenizer=tokenizer, block_size=block_size)},
         index=IndexConfig(backend="redis", redis_url=redis_url),
         routing=RoutingConfig(policy=policy),
-        health_interval_s=0.5, refresh_interval_s=5.0, request_timeout_s=300.0, connect_timeout_s=5.0,
+        health_interval_s=0.5,
+        refresh_interval_s=5.0,
+        request_timeout_s=300.0,
+        connect_timeout_s=5.0,
     )
     base.update(kw)
     return Settings(**base)

@@ -3,6 +3,7 @@
 Decoded here with plain msgpack (msgspec) rather than kvgate's decoder, so these tests pin vLLM's side of
 the contract independently of the ingestion code that consumes it.
 """
+
 from __future__ import annotations
 
 import httpx
@@ -49,8 +50,15 @@ def test_event_frames_have_vllms_wire_structure(vllm_server):
     assert stored, "a fresh prompt must produce BlockStored"
     for ev in stored:
         # Fields without a default are always on the wire, even when nil.
-        for key in ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                    "lora_name"):
+        for key in (
+            "block_hashes",
+            "parent_block_hash",
+            "token_ids",
+            "block_size",
+            "lora_id",
+            "medium",
+            "lora_name",
+        ):
             assert key in ev
         assert ev["block_size"] == vllm_server.block_size
         assert ev["medium"] == "GPU"
@@ -62,22 +70,29 @@ def test_stored_blocks_carry_the_prompt_tokens(vllm_server):
     """A prompt sent as token ids comes back in BlockStored as one chain (parent None first) holding those
     exact tokens, so kvgate's hashes of the prompt equal its hashes of the events' tokens."""
     bs = vllm_server.block_size
-    tokens = httpx.post(f"{vllm_server.url}/tokenize", timeout=30.0, json={
-        "model": vllm_server.served_model_name, "prompt": unique_prompt(200)}).json()["tokens"]
+    tokens = httpx.post(
+        f"{vllm_server.url}/tokenize",
+        timeout=30.0,
+        json={"model": vllm_server.served_model_name, "prompt": unique_prompt(200)},
+    ).json()["tokens"]
     n_full = len(tokens) // bs
     assert n_full >= 4
 
     def send() -> None:
-        r = httpx.post(f"{vllm_server.url}/v1/completions", timeout=60.0, json={
-            "model": vllm_server.served_model_name, "prompt": tokens, "max_tokens": 1})
+        r = httpx.post(
+            f"{vllm_server.url}/v1/completions",
+            timeout=60.0,
+            json={"model": vllm_server.served_model_name, "prompt": tokens, "max_tokens": 1},
+        )
         r.raise_for_status()
 
     def chain_of_prompt(frames: list[list[bytes]]) -> list[int]:
         """Tokens of the BlockStored chain that starts with the prompt's first block."""
         stored = _stored_events(frames)
         by_parent = {ev["parent_block_hash"]: ev for ev in stored if ev["parent_block_hash"] is not None}
-        ev = next((e for e in stored if e["parent_block_hash"] is None and e["token_ids"][:bs] == tokens[:bs]),
-                  None)
+        ev = next(
+            (e for e in stored if e["parent_block_hash"] is None and e["token_ids"][:bs] == tokens[:bs]), None
+        )
         out: list[int] = []
         while ev is not None:
             out += ev["token_ids"]

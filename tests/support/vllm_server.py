@@ -4,6 +4,7 @@ The server class lives in ``bench.vllm_server`` (the benchmarks and the demo sta
 module re-exports it for the tests and adds :func:`capture_frames`, which other tests (e.g. the
 simulator's wire-format comparison) use to get real frames to decode with the same decoder.
 """
+
 from __future__ import annotations
 
 import time
@@ -13,15 +14,23 @@ from typing import Any
 
 from bench.vllm_server import VllmServer, VllmStartError, free_port, start_all, vllm_python
 
-__all__ = ["VllmServer", "VllmStartError", "capture_frames", "free_port", "replay_batches", "start_all",
-           "stored_chains", "unique_prompt",
-           "vllm_python"]
+__all__ = [
+    "VllmServer",
+    "VllmStartError",
+    "capture_frames",
+    "free_port",
+    "replay_batches",
+    "start_all",
+    "stored_chains",
+    "unique_prompt",
+    "vllm_python",
+]
 
 
 def unique_prompt(words: int = 120, tag: str | None = None) -> str:
     """A prompt nobody sent before (so its blocks are new and vLLM publishes BlockStored for them)."""
     tag = tag or uuid.uuid4().hex
-    return " ".join(f"{tag[i % len(tag):] or tag}{i}" for i in range(words))
+    return " ".join(f"{tag[i % len(tag) :] or tag}{i}" for i in range(words))
 
 
 def capture_frames(
@@ -45,8 +54,11 @@ def capture_frames(
     import zmq
 
     def fresh_request() -> None:
-        httpx.post(f"{server.url}/v1/completions", timeout=60.0, json={
-            "model": server.served_model_name, "prompt": unique_prompt(), "max_tokens": 1}).raise_for_status()
+        httpx.post(
+            f"{server.url}/v1/completions",
+            timeout=60.0,
+            json={"model": server.served_model_name, "prompt": unique_prompt(), "max_tokens": 1},
+        ).raise_for_status()
 
     def done(frames: list[list[bytes]]) -> bool:
         return len(frames) >= n and (until is None or until(frames))
@@ -77,14 +89,17 @@ def capture_frames(
                 if sub.poll(200):
                     frames.append(sub.recv_multipart())
         if not done(frames):
-            raise TimeoutError(f"{server.name}: {len(frames)} KV event messages in {timeout_s:.0f}s, "
-                               f"not what was awaited")
+            raise TimeoutError(
+                f"{server.name}: {len(frames)} KV event messages in {timeout_s:.0f}s, not what was awaited"
+            )
         return frames
     finally:
         sub.close()
 
 
-def replay_batches(server: VllmServer, start_seq: int = 0, timeout_s: float = 20.0) -> list[tuple[int, bytes]]:
+def replay_batches(
+    server: VllmServer, start_seq: int = 0, timeout_s: float = 20.0
+) -> list[tuple[int, bytes]]:
     """Every batch the server's publisher still buffers from ``start_seq`` on, as (seq, msgpack payload),
     asked from its replay endpoint (a DEALER: ``[b"", seq_be8]``; replies ``[b"", topic, seq, payload]``
     up to the end marker). No subscription race: what was published is there."""
@@ -111,8 +126,12 @@ def stored_chains(server: VllmServer) -> list[list[dict]]:
     """The BlockStored events the server still buffers, linked into chains (root: parent None)."""
     import msgspec
 
-    stored = [ev for _, payload in replay_batches(server) for ev in msgspec.msgpack.decode(payload)[1]
-              if ev.get("type") == "BlockStored"]
+    stored = [
+        ev
+        for _, payload in replay_batches(server)
+        for ev in msgspec.msgpack.decode(payload)[1]
+        if ev.get("type") == "BlockStored"
+    ]
     children: dict[int, list[dict]] = {}
     for ev in stored:
         if ev["parent_block_hash"] is not None:
