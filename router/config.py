@@ -55,6 +55,8 @@ class RoutingConfig(BaseModel):
     prefill_tokens_per_s: float = 10_000.0
     g4_bytes_per_s: float = 2e9
     decisions_kept: int = 1000
+    # Probe each worker when it registers (router/parity.py): a mismatch marks it cache-blind.
+    parity_check: bool = True
     max_attempts: int = 3
     # Queue model: each request running on a worker delays a new prefill by this much; a request vLLM
     # reports waiting that the gateway did not send counts as this many prompt tokens.
