@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="PUB on event-base-port + 2i, replay on + 2i + 1 (0: ephemeral)")
     p.add_argument("--model", default="sim-model", help="served model name")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=8192, help="KV cache capacity per worker, in blocks")
+    p.add_argument("--num-blocks", type=int, default=21_000, help="KV cache capacity per worker, in blocks")
     p.add_argument("--max-model-len", type=int, default=262_144)
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--time-scale", type=float, default=1.0, help="run this many times faster than real time")

@@ -28,7 +28,8 @@ class FleetConfig:
     event_base_port: int = 0           # 0: ephemeral; else PUB on event_base_port + 2i, replay on +2i+1
     model: str = "sim-model"
     block_size: int = 16
-    num_blocks: int = 8192             # per worker GPU KV capacity, in blocks
+    # per-worker GPU KV capacity in blocks: ~25 GB of KV for gpt-oss-120b (72 KiB/token) on a 96 GB card
+    num_blocks: int = 21_000
     max_model_len: int = 262_144
     vocab_size: int = DEFAULT_VOCAB
     timing: TimingModel = DEFAULT_TIMING
