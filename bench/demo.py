@@ -45,7 +45,7 @@ def run(args) -> int:
     fit = args.num_blocks * args.block_size - args.max_tokens_cap
     items = wl.trace_items(rows, start_s=args.start, duration_s=args.duration, max_tokens_cap=args.max_tokens_cap,
                            max_prompt_tokens=fit)
-    sliced = [r for r in rows if args.start <= r.timestamp_ms / 1000 < args.start + args.duration]
+    sliced = wl.select_rows(rows, start_s=args.start, duration_s=args.duration, max_prompt_tokens=fit)
     ceiling = wl.trace_ceiling(sliced)
     print(f"kvgate demo: {args.workers} simulated workers ({args.num_blocks} blocks x {args.block_size} tokens "
           f"each), {len(items)} trace requests from {args.start:.0f}s to {args.start + args.duration:.0f}s, "

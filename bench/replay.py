@@ -80,16 +80,24 @@ def summarize(r: RunResult) -> dict:
     if r.worker_counters:
         q, h = r.worker_counters.get("queries", 0), r.worker_counters.get("hits", 0)
         out["worker_hit_rate"] = h / q if q else 0.0
+        loads = list(r.worker_counters.get("per_worker_prompt_tokens", {}).values())
+        if loads and sum(loads):
+            # load imbalance: the busiest worker's share of prompt tokens relative to a fair share
+            out["max_worker_load_ratio"] = max(loads) / (sum(loads) / len(loads))
     out.update(r.extra)
     return out
 
 
-_METRIC = re.compile(r'^(vllm:prefix_cache_(?:queries|hits)_total)\{[^}]*\}\s+([0-9.eE+-]+)', re.M)
+_METRIC = re.compile(r'^(vllm:(?:prefix_cache_queries|prefix_cache_hits|prompt_tokens)_total)\{[^}]*\}\s+'
+                     r'([0-9.eE+-]+)', re.M)
+_KEYS = {"vllm:prefix_cache_queries_total": "queries", "vllm:prefix_cache_hits_total": "hits",
+         "vllm:prompt_tokens_total": "prompt_tokens"}
 
 
 async def scrape_prefix_counters(client: httpx.AsyncClient, worker_urls: Sequence[str]) -> dict:
-    """Sum of vllm:prefix_cache_queries/hits over the workers (their own accounting)."""
-    tot = {"queries": 0.0, "hits": 0.0}
+    """vllm:prefix_cache_queries/hits summed over the workers (their own accounting), and each worker's
+    vllm:prompt_tokens_total (how the router spread the load)."""
+    tot = {"queries": 0.0, "hits": 0.0, "per_worker_prompt_tokens": {}}
 
     async def one(url):
         try:
@@ -97,7 +105,11 @@ async def scrape_prefix_counters(client: httpx.AsyncClient, worker_urls: Sequenc
         except httpx.HTTPError:
             return
         for name, val in _METRIC.findall(text):
-            tot["queries" if name.endswith("queries_total") else "hits"] += float(val)
+            key = _KEYS[name]
+            if key == "prompt_tokens":
+                tot["per_worker_prompt_tokens"][url] = float(val)
+            else:
+                tot[key] += float(val)
 
     await asyncio.gather(*(one(u) for u in worker_urls))
     return tot
@@ -204,7 +216,10 @@ async def replay(items: Sequence[WorkItem], base_url: str, model: str, *, name: 
         counters = None
         if worker_urls:
             after = await scrape_prefix_counters(client, worker_urls)
-            counters = {k: after[k] - before[k] for k in after}
+            counters = {"queries": after["queries"] - before["queries"], "hits": after["hits"] - before["hits"],
+                        "per_worker_prompt_tokens": {
+                            u: v - before["per_worker_prompt_tokens"].get(u, 0.0)
+                            for u, v in after["per_worker_prompt_tokens"].items()}}
     if bar is not None:
         bar.close()
     records.sort(key=lambda r: r.at)
@@ -223,14 +238,16 @@ def table(summaries: Sequence[dict], baseline: str | None = None) -> str:
     """A plain-text (and Markdown-compatible) table; TTFT ratios against ``baseline`` when given."""
     base = next((s for s in summaries if s["name"] == baseline), None)
     head = ["policy", "hit rate", "ceiling", "TTFT p50 s", "p90 s", "p99 s", "mean TTFT s", "mean e2e s",
-            "req/s", "failed"]
+            "req/s", "busiest worker", "failed"]
     if base:
         head.append(f"mean TTFT vs {baseline}")
     rows = []
     for s in summaries:
         row = [s["name"], _fmt(s["hit_rate"], True), _fmt(s.get("ceiling"), True), _fmt(s["ttft_p50_s"]),
                _fmt(s["ttft_p90_s"]), _fmt(s["ttft_p99_s"]), _fmt(s["ttft_mean_s"]), _fmt(s["e2e_mean_s"]),
-               _fmt(s["throughput_rps"]), f"{s['failed']}/{s['requests']}"]
+               _fmt(s["throughput_rps"]),
+               "-" if s.get("max_worker_load_ratio") is None else f"{s['max_worker_load_ratio']:.2f}x fair",
+               f"{s['failed']}/{s['requests']}"]
         if base:
             ratio = (s["ttft_mean_s"] / base["ttft_mean_s"]) if s["ttft_mean_s"] and base["ttft_mean_s"] else None
             row.append("-" if ratio is None else f"{ratio:.2f}x")

@@ -40,7 +40,8 @@ def build_items(args) -> tuple[list[wl.WorkItem], float]:
         rows = wl.load_trace(args.trace)
         items = wl.trace_items(rows, start_s=args.start, duration_s=args.duration, limit=args.limit,
                                max_prompt_tokens=args.max_prompt_tokens, max_tokens_cap=args.max_tokens_cap)
-        sliced = [r for r in rows if r.timestamp_ms / 1000.0 >= args.start][: len(items)]
+        sliced = wl.select_rows(rows, start_s=args.start, duration_s=args.duration, limit=args.limit,
+                                max_prompt_tokens=args.max_prompt_tokens)
         return items, wl.trace_ceiling(sliced)
     gen = {"chat": wl.chat_items, "rag": wl.rag_items, "agent": wl.agent_items}[args.workload]
     items = gen()

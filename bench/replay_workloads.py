@@ -124,10 +124,9 @@ def token_ceiling(items: Sequence[WorkItem], block_size: int) -> float:
     return hit / total if total else 0.0
 
 
-def trace_items(rows: Sequence[TraceRow], *, start_s: float = 0.0, duration_s: float | None = None,
-                limit: int | None = None, max_prompt_tokens: int | None = None, max_tokens_cap: int | None = None,
-                vocab_size: int = 32000) -> list[WorkItem]:
-    """A slice of the trace: arrivals in [start_s, start_s + duration_s), re-based to 0."""
+def select_rows(rows: Sequence[TraceRow], *, start_s: float = 0.0, duration_s: float | None = None,
+                limit: int | None = None, max_prompt_tokens: int | None = None) -> list[TraceRow]:
+    """A slice of the trace: arrivals in [start_s, start_s + duration_s), prompts up to max_prompt_tokens."""
     out = []
     for r in rows:
         t = r.timestamp_ms / 1000.0
@@ -135,11 +134,22 @@ def trace_items(rows: Sequence[TraceRow], *, start_s: float = 0.0, duration_s: f
             continue
         if max_prompt_tokens is not None and r.input_length > max_prompt_tokens:
             continue
-        mt = max(1, r.output_length if max_tokens_cap is None else min(r.output_length, max_tokens_cap))
-        out.append(WorkItem(at=t - start_s, tokens=trace_prompt(r, vocab_size), max_tokens=mt, tag="trace",
-                            meta={"hash_ids": r.hash_ids}))
+        out.append(r)
         if limit is not None and len(out) >= limit:
             break
+    return out
+
+
+def trace_items(rows: Sequence[TraceRow], *, start_s: float = 0.0, duration_s: float | None = None,
+                limit: int | None = None, max_prompt_tokens: int | None = None, max_tokens_cap: int | None = None,
+                vocab_size: int = 32000) -> list[WorkItem]:
+    """Work items for ``select_rows(...)``, arrival times re-based to the slice start."""
+    out = []
+    for r in select_rows(rows, start_s=start_s, duration_s=duration_s, limit=limit,
+                         max_prompt_tokens=max_prompt_tokens):
+        mt = max(1, r.output_length if max_tokens_cap is None else min(r.output_length, max_tokens_cap))
+        out.append(WorkItem(at=r.timestamp_ms / 1000.0 - start_s, tokens=trace_prompt(r, vocab_size),
+                            max_tokens=mt, tag="trace", meta={"hash_ids": r.hash_ids}))
     return out
 
 
