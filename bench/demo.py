@@ -15,9 +15,9 @@ from bench import replay_workloads as wl
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--start", type=float, default=0.0, help="trace slice start (trace seconds)")
-    p.add_argument("--duration", type=float, default=600.0, help="trace slice length (trace seconds)")
-    p.add_argument("--time-scale", type=float, default=10.0, help="replay this many times faster")
-    p.add_argument("--num-blocks", type=int, default=21_000, help="KV capacity per worker (blocks)")
+    p.add_argument("--duration", type=float, default=300.0, help="trace slice length (trace seconds)")
+    p.add_argument("--time-scale", type=float, default=5.0, help="replay this many times faster")
+    p.add_argument("--num-blocks", type=int, default=62_500, help="KV capacity per worker (blocks): 1M tokens")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-tokens-cap", type=int, default=128, help="cap on each request's output tokens")
     p.add_argument("--policies", default="kv,round_robin")

@@ -53,6 +53,10 @@ def external(digest: bytes) -> int:
     return int.from_bytes(digest[-8:], "big")
 
 
+def _ints(tokens) -> list[int]:
+    return tokens.tolist() if isinstance(tokens, np.ndarray) else list(tokens)
+
+
 class _Block:
     __slots__ = ("bid", "hash", "ref")
 
@@ -66,6 +70,7 @@ class Allocation:
 
     blocks: list[int]
     digests: list[bytes]          # chained digests of the prompt's full blocks
+    hashes: list[int]             # their external (event) hashes
     hit_blocks: int               # local prefix hit, in blocks
     prompt_len: int
     g4_blocks: int = 0            # blocks loaded from the shared G4 store after the local hit
@@ -143,11 +148,14 @@ class PrefixCache:
     def digests(self, tokens, cache_salt: str | None = None) -> list[bytes]:
         return block_digests(tokens, self.block_size, self.root, cache_salt)
 
-    def longest_hit(self, digests: list[bytes], num_tokens: int) -> int:
+    def longest_hit(self, digests: list[bytes], num_tokens: int, hashes: list[int] | None = None) -> int:
         """Blocks of the prompt's prefix that are cached locally, never reaching the last token."""
         limit = min(len(digests), (num_tokens - 1) // self.block_size)
+        if hashes is None:
+            hashes = [external(d) for d in digests[:limit]]
+        cached = self._cached
         n = 0
-        while n < limit and self._cached.get(external(digests[n])):
+        while n < limit and cached.get(hashes[n]):
             n += 1
         return n
 
@@ -161,11 +169,12 @@ class PrefixCache:
         cannot hold it right now (the request waits). Queues BlockRemoved/BlockStored events."""
         n_tok = len(tokens)
         digests = self.digests(tokens, cache_salt) if digests is None else digests
-        hit = self.longest_hit(digests, n_tok)
+        hashes = [external(d) for d in digests]
+        hit = self.longest_hit(digests, n_tok, hashes)
         need_total = self.blocks_needed(reserve_tokens)
         if need_total > self.num_blocks:
             raise ValueError(f"request needs {need_total} blocks, the pool has {self.num_blocks}")
-        hit_ids = [self._cached[external(d)][0] for d in digests[:hit]]
+        hit_ids = [self._cached[h][0] for h in hashes[:hit]]
         # Hit blocks that are free stop being free once touched.
         free_hits = sum(1 for b in hit_ids if self._blocks[b].ref == 0)
         if len(self._free) - free_hits < need_total - hit:
@@ -182,13 +191,13 @@ class PrefixCache:
         if self.g4 is not None:
             limit = min(len(digests), (n_tok - 1) // self.block_size)
             self.external_queries += n_tok - hit * self.block_size
-            while hit + g4_hit < limit and external(digests[hit + g4_hit]) in self.g4:
-                self.g4.touch(external(digests[hit + g4_hit]))
+            while hit + g4_hit < limit and hashes[hit + g4_hit] in self.g4:
+                self.g4.touch(hashes[hit + g4_hit])
                 g4_hit += 1
             self.external_hits += g4_hit * self.block_size
             self.g4.reads += g4_hit
         new_ids = self._get_new_blocks(need_total - hit)
-        alloc = Allocation(blocks=hit_ids + new_ids, digests=digests, hit_blocks=hit, prompt_len=n_tok,
+        alloc = Allocation(blocks=hit_ids + new_ids, digests=digests, hashes=hashes, hit_blocks=hit, prompt_len=n_tok,
                            g4_blocks=g4_hit, cached_upto=hit)
         self.cache_full_blocks(alloc, tokens, len(digests))
         return alloc
@@ -215,23 +224,25 @@ class PrefixCache:
                           digests: list[bytes] | None = None) -> None:
         """Hash and announce blocks ``alloc.cached_upto..num_full`` (one BlockStored for the run)."""
         if digests is not None:
+            alloc.hashes = alloc.hashes + [external(d) for d in digests[len(alloc.digests):]]
             alloc.digests = digests
         start = alloc.cached_upto
         if num_full <= start:
             return
         B = self.block_size
-        hashes = []
-        for i in range(start, num_full):
-            h = external(alloc.digests[i])
-            blk = self._blocks[alloc.blocks[i]]
-            blk.hash = h
-            self._cached.setdefault(h, []).append(blk.bid)
-            hashes.append(h)
-        parent = external(alloc.digests[start - 1]) if start > 0 else None
-        toks = all_tokens[start * B:num_full * B]
+        hashes = alloc.hashes[start:num_full]
+        blocks, cached = self._blocks, self._cached
+        for h, bid in zip(hashes, alloc.blocks[start:num_full]):
+            blocks[bid].hash = h
+            lst = cached.get(h)
+            if lst is None:
+                cached[h] = [bid]
+            else:
+                lst.append(bid)
+        parent = alloc.hashes[start - 1] if start > 0 else None
         self.events.append(BlockStored(
             block_hashes=hashes, parent_block_hash=parent,
-            token_ids=[int(t) for t in toks], block_size=B, lora_id=None, medium=MEDIUM_GPU,
+            token_ids=_ints(all_tokens[start * B:num_full * B]), block_size=B, lora_id=None, medium=MEDIUM_GPU,
             lora_name=None))
         alloc.cached_upto = num_full
 
@@ -243,7 +254,7 @@ class PrefixCache:
         run: list[int] = []
         run_start = None
         for i in range(alloc.cached_upto):
-            h = external(alloc.digests[i])
+            h = alloc.hashes[i]
             if self.g4.put(h):
                 if run_start is None:
                     run_start = i
@@ -256,10 +267,10 @@ class PrefixCache:
 
     def _announce_g4(self, alloc, all_tokens, start: int, hashes: list[int]) -> None:
         B = self.block_size
-        parent = external(alloc.digests[start - 1]) if start > 0 else None
+        parent = alloc.hashes[start - 1] if start > 0 else None
         self.events.append(BlockStored(
             block_hashes=hashes, parent_block_hash=parent,
-            token_ids=[int(t) for t in all_tokens[start * B:(start + len(hashes)) * B]], block_size=B,
+            token_ids=_ints(all_tokens[start * B:(start + len(hashes)) * B]), block_size=B,
             lora_id=None, medium=MEDIUM_STORAGE, lora_name=None))
 
     def free(self, alloc: Allocation) -> None:
