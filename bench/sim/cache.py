@@ -53,6 +53,18 @@ def external(digest: bytes) -> int:
     return int.from_bytes(digest[-8:], "big")
 
 
+def _stored(hashes: list[int], parent: int | None, tokens, block_size: int, medium: str,
+            salt: str | None) -> BlockStored:
+    """A BlockStored as vLLM 0.32 fills it for a dense model: per-block extra keys (the cache salt on
+    block 0 only, else nil), group 0, spec kind full_attention."""
+    extra: list = [None] * len(hashes)
+    if salt is not None and extra:
+        extra[0] = (salt,)
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=_ints(tokens),
+                       block_size=block_size, lora_id=None, medium=medium, lora_name=None, extra_keys=extra,
+                       group_idx=0, kv_cache_spec_kind="full_attention")
+
+
 def _ints(tokens) -> list[int]:
     return tokens.tolist() if isinstance(tokens, np.ndarray) else list(tokens)
 
@@ -198,7 +210,7 @@ class PrefixCache:
             self.g4.reads += g4_hit
         new_ids = self._get_new_blocks(need_total - hit)
         alloc = Allocation(blocks=hit_ids + new_ids, digests=digests, hashes=hashes, hit_blocks=hit, prompt_len=n_tok,
-                           g4_blocks=g4_hit, cached_upto=hit)
+                           g4_blocks=g4_hit, cached_upto=hit, extra={"salt": cache_salt} if cache_salt else {})
         self.cache_full_blocks(alloc, tokens, len(digests))
         return alloc
 
@@ -213,7 +225,7 @@ class PrefixCache:
                     copies.remove(bid)
                     if not copies:
                         del self._cached[blk.hash]
-                self.events.append(BlockRemoved(block_hashes=[blk.hash], medium=MEDIUM_GPU))
+                self.events.append(BlockRemoved(block_hashes=[blk.hash], medium=MEDIUM_GPU, group_idx=0))
                 self.evictions += 1
                 blk.hash = None
             blk.ref = 1
@@ -240,10 +252,8 @@ class PrefixCache:
             else:
                 lst.append(bid)
         parent = alloc.hashes[start - 1] if start > 0 else None
-        self.events.append(BlockStored(
-            block_hashes=hashes, parent_block_hash=parent,
-            token_ids=_ints(all_tokens[start * B:num_full * B]), block_size=B, lora_id=None, medium=MEDIUM_GPU,
-            lora_name=None))
+        self.events.append(_stored(hashes, parent, all_tokens[start * B:num_full * B], B, MEDIUM_GPU,
+                                   alloc.extra.get("salt") if start == 0 else None))
         alloc.cached_upto = num_full
 
     def write_g4(self, alloc: Allocation, all_tokens) -> None:
@@ -268,10 +278,8 @@ class PrefixCache:
     def _announce_g4(self, alloc, all_tokens, start: int, hashes: list[int]) -> None:
         B = self.block_size
         parent = alloc.hashes[start - 1] if start > 0 else None
-        self.events.append(BlockStored(
-            block_hashes=hashes, parent_block_hash=parent,
-            token_ids=_ints(all_tokens[start * B:(start + len(hashes)) * B]), block_size=B,
-            lora_id=None, medium=MEDIUM_STORAGE, lora_name=None))
+        self.events.append(_stored(hashes, parent, all_tokens[start * B:(start + len(hashes)) * B], B,
+                                   MEDIUM_STORAGE, alloc.extra.get("salt") if start == 0 else None))
 
     def free(self, alloc: Allocation) -> None:
         """Release a finished request's blocks, tail first, so its tail is evicted before its head."""

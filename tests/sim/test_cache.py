@@ -136,3 +136,10 @@ def test_reset_clears_everything_when_idle():
     assert c.reset() is True
     assert type(c.take_events()[-1]).__name__ == "AllBlocksCleared"
     assert c.longest_hit(c.digests(toks(0, 33)), 33) == 0
+
+
+def test_cache_salt_is_announced_in_block_zeros_extra_keys():
+    c = PrefixCache(16, B)
+    c.allocate(toks(0, 40), 40, cache_salt="tenant-a")
+    (st,) = c.take_events()
+    assert st.extra_keys == [("tenant-a",), None]

@@ -11,7 +11,7 @@ import zmq
 import zmq.asyncio
 
 STORED_KEYS = ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-               "lora_name"]
+               "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind"]
 
 
 async def _sub(ctx, endpoint):
@@ -42,8 +42,10 @@ async def test_frames_and_batch_layout(fleet):
         ts, events, dp = batch
         assert isinstance(ts, float) and dp == 0
         for ev in events:
-            assert list(ev)[: len(STORED_KEYS)] == STORED_KEYS and ev["type"] == "BlockStored"
+            assert list(ev) == STORED_KEYS and ev["type"] == "BlockStored"
             assert ev["lora_id"] is None and ev["lora_name"] is None and ev["medium"] == "GPU"
+            assert ev["extra_keys"] == [None] * len(ev["block_hashes"]) and ev["group_idx"] == 0
+            assert ev["kv_cache_spec_kind"] == "full_attention"
     first = msgspec.msgpack.decode(frames[0][2])[1][0]
     decode = msgspec.msgpack.decode(frames[1][2])[1][0]
     assert first["parent_block_hash"] is None and first["token_ids"] == list(range(32))
@@ -70,7 +72,7 @@ async def test_eviction_batch_has_one_removal_per_block_before_the_store():
     kinds = [e["type"] for e in batches[1][1]]
     assert kinds == ["BlockRemoved"] * 3 + ["BlockStored"]
     for e in batches[1][1][:3]:
-        assert list(e) == ["type", "block_hashes", "medium"] and len(e["block_hashes"]) == 1
+        assert list(e) == ["type", "block_hashes", "medium", "group_idx"] and len(e["block_hashes"]) == 1
     assert {e["block_hashes"][0] for e in batches[1][1][:3]} == set(batches[0][1][0]["block_hashes"])
 
 
