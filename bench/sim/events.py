@@ -14,59 +14,19 @@ import itertools
 import logging
 import time
 from collections import deque
-from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
+# One definition of vLLM's structs for the whole project (indexer/events/vllm_format.py); the simulator
+# only adds an asyncio publisher (one event loop for many workers, no thread per worker).
+from indexer.events.vllm_format import (  # noqa: F401 - re-exported
+    AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVCacheEvent, KVEventBatch)
+
 log = logging.getLogger(__name__)
 
-ExternalBlockHash = bytes | int
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    """Base class for all KV cache-related events."""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[ExternalBlockHash]
-    parent_block_hash: ExternalBlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[ExternalBlockHash]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
 _encoder = msgspec.msgpack.Encoder()
