@@ -41,9 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.side_by_side", description=__doc__.split("\n")[0])
     p.add_argument("--fleets", default="4,16", help="fleet sizes")
     p.add_argument("--start", type=float, default=0.0)
-    p.add_argument("--duration", type=float, default=600.0, help="trace slice length (trace seconds)")
-    p.add_argument("--time-scale", type=float, default=10.0)
-    p.add_argument("--num-blocks", type=int, default=4096, help="KV capacity per worker (blocks): small")
+    p.add_argument("--duration", type=float, default=300.0, help="trace slice length (trace seconds)")
+    p.add_argument("--time-scale", type=float, default=5.0)
+    p.add_argument("--num-blocks", type=int, default=62_500,
+                   help="KV capacity per worker (blocks): 1M tokens, a tenth of the slice's working set")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-tokens-cap", type=int, default=128)
     p.add_argument("--only", default="", help="comma-separated substrings of target names to run")
