@@ -20,6 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=62_500, help="KV capacity per worker (blocks): 1M tokens")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-tokens-cap", type=int, default=128, help="cap on each request's output tokens")
+    p.add_argument("--max-prompt-tokens", type=int, default=32_000,
+                   help="leave out longer trace requests (the few 100K-token prompts would saturate 4 workers)")
     p.add_argument("--policies", default="kv,round_robin")
     p.add_argument("--out", default="kvgate-demo", help="directory for the plot, JSON and logs")
     p.add_argument("--no-progress", action="store_true")
@@ -42,7 +44,7 @@ def run(args) -> int:
         return 1
     rows = wl.load_trace()
     # requests that cannot fit in one worker's KV cache are left out (a real server would refuse them too)
-    fit = args.num_blocks * args.block_size - args.max_tokens_cap
+    fit = min(args.num_blocks * args.block_size - args.max_tokens_cap, args.max_prompt_tokens)
     items = wl.trace_items(rows, start_s=args.start, duration_s=args.duration, max_tokens_cap=args.max_tokens_cap,
                            max_prompt_tokens=fit)
     sliced = wl.select_rows(rows, start_s=args.start, duration_s=args.duration, max_prompt_tokens=fit)
