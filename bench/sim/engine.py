@@ -78,8 +78,9 @@ class SimEngine:
         if self.cache.blocks_needed(len(tokens) + max_tokens) > self.cache.num_blocks:
             raise RequestError(f"The request needs {self.cache.blocks_needed(len(tokens) + max_tokens)} KV blocks; "
                                f"this engine has {self.cache.num_blocks}.")
-        if any(t < 0 or t >= self.vocab_size + 16 for t in (tokens[0], tokens[-1])):
-            raise RequestError("Token id out of vocabulary range.")
+        lo, hi = min(tokens), max(tokens)
+        if lo < 0 or hi >= self.vocab_size + 5:  # words + the tokenizer's special tokens
+            raise RequestError(f"Token id {hi if hi >= 0 else lo} is out of vocabulary")
         req = SimRequest(tokens=tokens, max_tokens=max(1, max_tokens), cache_salt=cache_salt)
         self.waiting.append(req)
         self._schedule()

@@ -104,6 +104,10 @@ def gateway_settings(desc: dict, policy: str, port: int, tokenizer_dir: str, ind
         "routing": {"policy": policy},
         "index": {"backend": index},
         "health_interval_s": 1.0,
+        # one simulator process hosts the whole fleet: on a loaded machine its answers can be slow, and a
+        # benchmark of routing must not turn that into "no healthy worker"
+        "health_timeout_s": 15.0,
+        "unhealthy_after": 5,
     }
     if redis_url:
         s["index"]["redis_url"] = redis_url

@@ -120,6 +120,7 @@ async def test_discovery_models_health(fleet):
     ("/v1/completions", {"prompt": list(range(2000)), "max_tokens": 1}, 400),  # more than the 64-block pool
     ("/v1/chat/completions", {"messages": "hi"}, 400),
     ("/v1/completions", {"prompt": "w1", "cache_salt": "a/b"}, 400),
+    ("/v1/completions", {"prompt": [1, 2, 10**6]}, 400),
 ])
 async def test_bad_requests_get_openai_errors(fleet, path, body, status):
     async with httpx.AsyncClient(timeout=30) as c:
