@@ -187,7 +187,8 @@ async def replay(items: Sequence[WorkItem], base_url: str, model: str, *, name: 
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(items), desc=name, unit="req", leave=False, dynamic_ncols=True)
+        # disable=None: a bar on a terminal, nothing in logs and pipes
+        bar = tqdm(total=len(items), desc=name, unit="req", leave=False, dynamic_ncols=True, disable=None)
     async with httpx.AsyncClient(limits=limits, timeout=timeout_s) as client:
         before = await scrape_prefix_counters(client, worker_urls) if worker_urls else None
         t0 = time.monotonic()
@@ -271,6 +272,9 @@ def plot(results: Sequence[RunResult], path: str | Path, title: str = "") -> Pat
         if len(v):
             ax1.plot(v, np.arange(1, len(v) + 1) / len(v), label=r.name)
     ax1.set_xscale("log")
+    from matplotlib.ticker import NullFormatter
+
+    ax1.xaxis.set_minor_formatter(NullFormatter())
     ax1.set_xlabel("TTFT (s, workload time)")
     ax1.set_ylabel("fraction of requests")
     ax1.set_title("TTFT distribution")
