@@ -529,6 +529,8 @@ class _WorkerSide:
                 self.load_errors.add(op.block_id)
         for op, err in errors:
             logger.warning("kvgate G4: load of block %016x failed (%s); vLLM recomputes it", op.hash, err)
+            if isinstance(err, BlockCorrupt):  # never serve it again; a later save rewrites it
+                self.store.remove([op.hash])
         self._maybe_write_stats()
 
     def _safe_load(self, op: BlockOp):
@@ -575,6 +577,8 @@ class _WorkerSide:
                 with self.lock:
                     self.saved.append(op.hash)
                     self.counters["saves_written"] += 1
+                if self.q.empty():
+                    self._maybe_write_stats(force=True)
             except Exception as e:
                 logger.warning("kvgate G4: write of block %016x failed: %s", op.hash, e)
                 with self.lock:
