@@ -621,7 +621,7 @@ class _WorkerSide:
         import json
 
         p = self.cfg.stats_path
-        tmp = f"{p}.{os.getpid()}.tmp"
+        tmp = f"{p}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             with open(tmp, "w") as f:
                 json.dump(self.stats(), f)

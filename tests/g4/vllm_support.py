@@ -104,6 +104,10 @@ class VllmServer:
         return args + self.extra_args
 
     def start(self, timeout: float = 240.0) -> "VllmServer":
+        self.launch()
+        return self.wait_healthy(timeout)
+
+    def launch(self) -> "VllmServer":
         env = dict(os.environ)
         env.update({
             "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(self.kv_space_gib),
@@ -114,6 +118,9 @@ class VllmServer:
         with open(self.log, "ab") as logf:
             self.proc = subprocess.Popen(self.command(), stdout=logf, stderr=subprocess.STDOUT, env=env,
                                          cwd=self.tmp, start_new_session=True)
+        return self
+
+    def wait_healthy(self, timeout: float = 240.0) -> "VllmServer":
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -137,10 +144,10 @@ class VllmServer:
             stop(self.proc, timeout=30)
             self.proc = None
 
-    def complete(self, prompt_ids: list[int], max_tokens: int = 8) -> dict:
+    def complete(self, prompt_ids: list[int], max_tokens: int = 8, **extra) -> dict:
         r = httpx.post(self.url + "/v1/completions", timeout=300, json={
             "model": self.name, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True})
+            "ignore_eos": True, "return_token_ids": True, **extra})
         r.raise_for_status()
         return r.json()
 
