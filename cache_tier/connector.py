@@ -100,6 +100,7 @@ class ConnectorConfig:
     capacity_bytes: int | None = None
     save_decode_blocks: bool = True
     writer_queue_blocks: int = 4096
+    writer_queue_bytes: int = 512 * 1024 * 1024
     read_threads: int = 4
     prefetch_host: str = "127.0.0.1"
     prefetch_port: int | None = None
@@ -459,6 +460,7 @@ class _WorkerSide:
         self.bdim = 0
         self.pool = ThreadPoolExecutor(max(1, cfg.read_threads), thread_name_prefix="kvgate-g4-read")
         self.q: queue.Queue = queue.Queue(maxsize=max(1, cfg.writer_queue_blocks))
+        self._queued_bytes = 0
         self.writer = threading.Thread(target=self._write_loop, name="kvgate-g4-writer", daemon=True)
         self.writer.start()
         self.server = None
@@ -558,11 +560,20 @@ class _WorkerSide:
         with self.lock:
             self.counters["saves_planned"] += len(ops)
             self.counters["save_copy_seconds"] += time.perf_counter() - t0
+        row = host[0].numel() * host.element_size()
         for j, op in enumerate(ops):
+            with self.lock:
+                fits = self._queued_bytes + row <= self.cfg.writer_queue_bytes
+                if fits:
+                    self._queued_bytes += row
             try:
+                if not fits:
+                    raise queue.Full
                 self.q.put_nowait((op, host[j]))
-            except queue.Full:
+            except queue.Full:  # the store is slower than the engine: drop the save, never stall
                 with self.lock:
+                    if fits:
+                        self._queued_bytes -= row
                     self.dropped.append(op.hash)
                     self.counters["saves_dropped"] += 1
 
@@ -572,6 +583,8 @@ class _WorkerSide:
             if item is None:
                 return
             op, payload = item
+            with self.lock:
+                self._queued_bytes -= payload.numel() * payload.element_size()
             try:
                 self.store.put(op.hash, op.token_ids, op.parent, payload)
                 with self.lock:
