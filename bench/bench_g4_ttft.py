@@ -53,11 +53,8 @@ def run(sizes: list[int], reps: int) -> list[dict]:
                        name="g4-llama-152m")
     g4 = tempfile.mkdtemp(prefix="kvgate-g4-ttft-")
     srv = VllmServer(model, g4, name="m152", threads_bind="auto", kv_space_gib=4,
-                     extra_args=["--max-num-batched-tokens", "8192"])
-    srv_env_dev = {"VLLM_SERVER_DEV_MODE": "1"}
-    import os
-
-    os.environ.update(srv_env_dev)
+                     extra_args=["--max-num-batched-tokens", "8192"],
+                     env={"VLLM_SERVER_DEV_MODE": "1"})  # enables POST /reset_prefix_cache
     rng = random.Random(0)
     out = []
     with srv:

@@ -22,12 +22,10 @@ import os
 import queue
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -37,8 +35,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from cache_tier.kv_copy import block_dim, gather_blocks, scatter_block
 from cache_tier.stager import Stager
-from cache_tier.store import BlockCorrupt, BlockMissing, G4Store, Namespace
+from cache_tier.store import BlockCorrupt, G4Store, Namespace
 from indexer import hashing
 
 try:  # vLLM >= 0.11
@@ -477,10 +476,7 @@ class _WorkerSide:
             raise ValueError(f"KvgateConnector: KV tensors missing for layers {missing[:3]}")
         self.kv = [kv_caches[n] for n in self.layer_names]
         t = self.kv[0]
-        dims = [d for d, s in enumerate(t.shape) if s == self.num_blocks]
-        if not dims:
-            raise ValueError(f"KvgateConnector: no block dimension of size {self.num_blocks} in {tuple(t.shape)}")
-        self.bdim = dims[0]
+        self.bdim = block_dim(t, self.num_blocks)
         per_block = t.select(self.bdim, 0).numel()
         want = self.ns.layer_shapes[0][0]
         if per_block != want:
@@ -489,9 +485,6 @@ class _WorkerSide:
                     tuple(t.shape), self.bdim, t.device, self.store.dir)
 
     # -- loads --
-    def _block_views(self, block_id: int) -> list[torch.Tensor]:
-        return [kv.select(self.bdim, block_id) for kv in self.kv]
-
     def _load_one(self, op: BlockOp) -> int:
         """Copy one block into the paged KV; returns bytes loaded (raises G4Error on failure)."""
         staged = self.stager.take(op.hash, op.token_ids)
@@ -501,14 +494,7 @@ class _WorkerSide:
                 self.counters["prefetch_hits"] += 1
         else:
             raw = self.store.read(op.hash, op.token_ids)
-        off = 0
-        dst = self._block_views(op.block_id)
-        for d in dst:
-            nb = d.numel() * d.element_size()
-            src = raw[off:off + nb].view(d.dtype).view(d.shape)
-            d.copy_(src, non_blocking=False)
-            off += nb
-        return off
+        return scatter_block(self.kv, self.bdim, op.block_id, raw)
 
     def load(self, loads: dict[str, list[BlockOp]]) -> None:
         t0 = time.perf_counter()
@@ -553,10 +539,7 @@ class _WorkerSide:
         if not ops:
             return
         t0 = time.perf_counter()
-        ids = torch.tensor([op.block_id for op in ops], dtype=torch.long, device=self.kv[0].device)
-        # [n, layers, elems] on the host: one gather per layer, then one contiguous row per block
-        parts = [kv.index_select(self.bdim, ids).movedim(self.bdim, 0).reshape(len(ops), -1) for kv in self.kv]
-        host = torch.stack(parts, dim=1).to("cpu")
+        host = gather_blocks(self.kv, self.bdim, [op.block_id for op in ops])  # [n, layers, elems] on host
         with self.lock:
             self.counters["saves_planned"] += len(ops)
             self.counters["save_copy_seconds"] += time.perf_counter() - t0

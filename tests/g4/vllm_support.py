@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -67,7 +66,7 @@ class VllmServer:
 
     def __init__(self, model: Path, g4_path: str | None, *, name: str = "tiny", extra_config: dict | None = None,
                  extra_args: list[str] | None = None, threads_bind: str = "auto", kv_events: bool = True,
-                 kv_space_gib: int = 1):
+                 kv_space_gib: int = 1, env: dict | None = None):
         self.model, self.g4_path, self.name = model, g4_path, name
         self.port = free_port()
         self.zmq_port = free_port()
@@ -79,6 +78,7 @@ class VllmServer:
         self.threads_bind = threads_bind
         self.kv_events = kv_events
         self.kv_space_gib = kv_space_gib
+        self.env = dict(env or {})
         self.proc: subprocess.Popen | None = None
         self.log = os.path.join(self.tmp, "vllm.log")
 
@@ -115,6 +115,7 @@ class VllmServer:
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CACHE_ROOT": os.path.join(self.tmp, "cache"),
             "PYTHONHASHSEED": "0", "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
         })
+        env.update(self.env)
         with open(self.log, "ab") as logf:
             self.proc = subprocess.Popen(self.command(), stdout=logf, stderr=subprocess.STDOUT, env=env,
                                          cwd=self.tmp, start_new_session=True)
