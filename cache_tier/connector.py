@@ -249,6 +249,12 @@ class _ReqState:
     hashes: list[int] = field(default_factory=list)  # kvgate sequence hashes of full blocks seen so far
     saved_upto: int = 0  # blocks [0, saved_upto) are known to be on G4 or planned for saving
     plan: tuple[int, int] = (0, 0)  # (first block, count) of the last G4 match
+    eligible: bool = True  # False: the KV depends on more than the token ids (multimodal, embeddings)
+
+
+def _eligible(request) -> bool:
+    """Token ids name a block's KV only without multimodal inputs or prompt embeddings."""
+    return not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
 
 
 class _SchedulerSide:
@@ -275,7 +281,7 @@ class _SchedulerSide:
     def track(self, request) -> _ReqState:
         st = self.reqs.get(request.request_id)
         if st is None or st.request is not request:
-            st = _ReqState(request)
+            st = _ReqState(request, eligible=_eligible(request))
             self.reqs[request.request_id] = st
         return st
 
@@ -306,7 +312,7 @@ class _SchedulerSide:
         B = self.block_size
         i0 = num_computed_tokens // B
         limit = max(0, (request.num_tokens - 1) // B)  # never the last prompt token
-        if i0 >= limit:
+        if i0 >= limit or not st.eligible:
             st.plan = (i0, 0)
             return 0, False
         hs = self._hashes(st, limit)
@@ -347,7 +353,7 @@ class _SchedulerSide:
         now = time.monotonic()
         for req_id, computed in items:
             st = self.reqs.get(req_id)
-            if st is None or kv_cache_manager is None:
+            if st is None or kv_cache_manager is None or not st.eligible:
                 continue
             req = st.request
             full = (computed + so.num_scheduled_tokens.get(req_id, 0)) // B
