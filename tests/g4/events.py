@@ -72,3 +72,54 @@ def g4_hashes_from_events(events: list[dict], block_size: int) -> tuple[set[int]
                 and ev.get("ownership") == "kvgate-g4":
             removed.update(ev["block_hashes"])
     return stored, removed
+
+
+class IndexThread:
+    """kvgate's real event ingestion (indexer.events.EventIngestor) into a real MemoryIndex, on its own
+    event loop in a thread, so the synchronous vLLM tests can ask the index what it learned."""
+
+    def __init__(self):
+        import asyncio
+
+        from indexer.events import EventIngestor
+        from indexer.index.memory import MemoryIndex
+
+        self.asyncio = asyncio
+        self.loop = asyncio.new_event_loop()
+        self.t = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.t.start()
+        self.index = MemoryIndex()
+        self.ingestor = self.call(self._make(EventIngestor))
+
+    async def _make(self, cls):
+        ing = cls(self.index)
+        await ing.start()
+        return ing
+
+    def call(self, coro, timeout: float = 30.0):
+        return self.asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def add(self, worker: str, model: str, zmq_port: int, block_size: int, topic: str = "kv") -> None:
+        from indexer.events import EventSource
+
+        self.call(self.ingestor.add_source(EventSource(worker=worker, model=model,
+                                                       endpoint=f"tcp://127.0.0.1:{zmq_port}", topic=topic,
+                                                       block_size=block_size)))
+
+    def g4(self, model: str, hashes: list[int]) -> int:
+        """Length of the leading run of ``hashes`` the index records on G4."""
+        return self.call(self.index.lookup(model, hashes)).g4
+
+    def on_g4(self, model: str, hashes: list[int]) -> set[int]:
+        out = set()
+        for h in hashes:
+            if self.call(self.index.locate(model, h)).g4:
+                out.add(h)
+        return out
+
+    def close(self) -> None:
+        try:
+            self.call(self.ingestor.stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.t.join(5)

@@ -1,8 +1,8 @@
 """The G4 tier end to end with real vLLM CPU servers running kvgate's connector on one shared G4 dir.
 
-Worker A and worker B are two vLLM processes; nothing is mocked. The index parts are checked through
-the KV events the connector publishes (decoded and mapped as the gateway's ingestion does, see
-tests/g4/events.py) until the gateway and the index ingestion are on main.
+Worker A and worker B are two vLLM processes; nothing is mocked. kvgate's real event ingestion
+subscribes to both servers' KV event streams and feeds an in-memory index, whose G4 entries the tests
+check. (Requests go to the workers directly until the gateway is on main.)
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 from cache_tier.store import G4Store, store_for_dir
 from indexer.hashing import routable_blocks, sequence_hashes
-from tests.g4.events import EventTap, g4_hashes_from_events
+from tests.g4.events import EventTap, IndexThread, g4_hashes_from_events
 from tests.g4.vllm_support import BLOCK, VllmServer, tiny_model, vllm_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -68,8 +68,12 @@ def servers(model, g4):
         a.wait_healthy()
         b.wait_healthy()
         taps = {"a": EventTap(a.zmq_port), "b": EventTap(b.zmq_port)}
+        idx = IndexThread()
+        idx.add("a", a.name, a.zmq_port, BLOCK)
+        idx.add("b", b.name, b.zmq_port, BLOCK)
         time.sleep(1.0)  # ZMQ slow joiner
-        yield {"a": a, "b": b, "taps": taps}
+        yield {"a": a, "b": b, "taps": taps, "index": idx}
+        idx.close()
         for t in taps.values():
             t.close()
     finally:
@@ -94,6 +98,9 @@ def test_1_a_serves_p_blocks_land_in_store_and_events_mark_them_g4(servers, g4):
     # the connector announced them as STORAGE blocks, which map onto the same kvgate hashes
     stored = wait_for(lambda: set(want) <= g4_hashes_from_events(servers["taps"]["a"].snapshot(), BLOCK)[0])
     assert stored, "no BlockStored(medium=STORAGE) for P's blocks"
+    # ... and kvgate's ingestion marks them as on G4 in the index (model-wide)
+    idx = servers["index"]
+    assert wait_for(lambda: idx.g4(a.name, want) == len(want)), idx.g4(a.name, want)
     assert a.g4_stats()["saves_written"] >= len(want)
 
 
@@ -193,17 +200,29 @@ def test_5_store_over_capacity_evicts_oldest_and_index_forgets(model, tmp_path):
     tap.close()
     cap = 12 * block_bytes
     srv = VllmServer(model, g4, extra_config={"capacity_bytes": cap})
+    idx = IndexThread()
     with srv:
         tap = EventTap(srv.zmq_port)
+        idx.add("c", srv.name, srv.zmq_port, BLOCK)
         time.sleep(1.0)
+        # the index learned the first prompt's G4 blocks from the inventory before the restart
+        from cache_tier.inventory import rebuild_index
+
+        assert idx.call(rebuild_index(idx.index, srv.name, g4)) == 8
+        assert idx.g4(srv.name, hs_first) == 8
         second = prompt(7, 8 * BLOCK + 1)  # 8 more blocks: 16 > 12 -> the oldest go first
         srv.complete(second, max_tokens=1)
         hs_second = sequence_hashes(second, BLOCK)[:8]
         st = store_of(g4)
         assert wait_for(lambda: all(st.contains(h) for h in hs_second))
         ev = wait_for(lambda: g4_hashes_from_events(tap.snapshot(), BLOCK)[1])
+        forgotten = wait_for(lambda: ev and not idx.on_g4(srv.name, sorted(ev)))
+        kept = idx.on_g4(srv.name, hs_second)
         tap.close()
         stats = srv.g4_stats()
+    idx.close()
+    assert forgotten, "the index still lists evicted blocks on G4"
+    assert kept == set(hs_second), "the index lost blocks that are still on G4"
     assert ev and ev <= set(hs_first), "evicted blocks must be the oldest (the first prompt's)"
     assert all(not st.contains(h) for h in ev)
     assert all(st.contains(h) for h in hs_second)
