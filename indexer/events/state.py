@@ -171,7 +171,8 @@ class WorkerState:
                     if not isinstance(tier, Tier):  # only kvgate's G4 GC removes G4 entries
                         if tier == G4 and ev.ownership == G4_OWNERSHIP and ev.block_hashes:
                             self._flush(ops, pending, g4)
-                            ops.items.append(("g4_remove", None, [h & _MASK64 for h in ev.block_hashes if isinstance(h, int)]))
+                            gone = [h & _MASK64 for h in ev.block_hashes if isinstance(h, int)]
+                            ops.items.append(("g4_remove", None, gone))
                         continue
                     code = _TIERS.index(tier)
                 g = ev.group_idx
