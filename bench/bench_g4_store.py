@@ -12,6 +12,7 @@ Default (disk) mode: each side's write time includes ``sync()`` of what it wrote
 from the page cache before reading, so the figures are the disk's. ``--cached`` measures the page cache instead (memory bandwidth), where the
 store's per-block fixed costs (checksum, rename, syscalls) show most.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -121,9 +122,13 @@ def run(root: str, mib: int, rounds: int, disk: bool = True) -> list[dict]:
                     best["st_r"] = min(best["st_r"], _store_read(s, n))
         total = n * size
         res = {
-            "blocks": label, "block_bytes": size, "n": n,
-            "raw_write_MBps": total / best["raw_w"] / 1e6, "store_write_MBps": total / best["st_w"] / 1e6,
-            "raw_read_MBps": total / best["raw_r"] / 1e6, "store_read_MBps": total / best["st_r"] / 1e6,
+            "blocks": label,
+            "block_bytes": size,
+            "n": n,
+            "raw_write_MBps": total / best["raw_w"] / 1e6,
+            "store_write_MBps": total / best["st_w"] / 1e6,
+            "raw_read_MBps": total / best["raw_r"] / 1e6,
+            "store_read_MBps": total / best["st_r"] / 1e6,
         }
         res["write_ratio"] = res["store_write_MBps"] / res["raw_write_MBps"]
         res["read_ratio"] = res["store_read_MBps"] / res["raw_read_MBps"]
@@ -138,22 +143,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="directory to benchmark (default: a temp dir)")
     ap.add_argument("--mib", type=int, default=256, help="data per size and side per round")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--cached", action="store_true",
-                    help="page-cache mode: no sync() after writes, no cache eviction before reads")
+    ap.add_argument(
+        "--cached",
+        action="store_true",
+        help="page-cache mode: no sync() after writes, no cache eviction before reads",
+    )
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     root = a.dir or tempfile.gettempdir()
     res = run(root, a.mib, a.rounds, disk=not a.cached)
-    print(f"mode: {'page cache' if a.cached else 'disk (writes include sync(), cache evicted before reads)'}; dir {root}")
+    print(
+        f"mode: {'page cache' if a.cached else 'disk (writes include sync(), cache evicted before reads)'}; dir {root}"
+    )
     if a.json:
         print(json.dumps(res, indent=1))
         return 0
     print("| blocks | block file | raw write | store write | ratio | raw read | store read | ratio |")
     print("|---|---|---|---|---|---|---|---|")
     for r in res:
-        print(f"| {r['blocks']} | {r['block_bytes'] / 1024:.0f} KiB | {r['raw_write_MBps']:.0f} MB/s | "
-              f"{r['store_write_MBps']:.0f} MB/s | {r['write_ratio']:.0%} | {r['raw_read_MBps']:.0f} MB/s | "
-              f"{r['store_read_MBps']:.0f} MB/s | {r['read_ratio']:.0%} |")
+        print(
+            f"| {r['blocks']} | {r['block_bytes'] / 1024:.0f} KiB | {r['raw_write_MBps']:.0f} MB/s | "
+            f"{r['store_write_MBps']:.0f} MB/s | {r['write_ratio']:.0%} | {r['raw_read_MBps']:.0f} MB/s | "
+            f"{r['store_read_MBps']:.0f} MB/s | {r['read_ratio']:.0%} |"
+        )
     return 0
 
 

@@ -9,6 +9,7 @@ own prefix cache hits), then, after ``POST /reset_prefix_cache`` empties vLLM's 
 connector loads every full block before prefill). Medians are reported, with the ratios to cold
 measured in the same run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,14 @@ from tests.g4.vllm_support import VllmServer, tiny_model
 
 
 def ttft(srv: VllmServer, prompt: list[int]) -> tuple[float, int]:
-    body = {"model": srv.name, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": srv.name,
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     cached = -1
     t0 = time.perf_counter()
     first = None
@@ -49,12 +56,19 @@ def reset(srv: VllmServer) -> None:
 
 
 def run(sizes: list[int], reps: int) -> list[dict]:
-    model = tiny_model(hidden=1024, layers=12, heads=16, kv_heads=4, intermediate=2816, vocab=8192,
-                       name="g4-llama-152m")
+    model = tiny_model(
+        hidden=1024, layers=12, heads=16, kv_heads=4, intermediate=2816, vocab=8192, name="g4-llama-152m"
+    )
     g4 = tempfile.mkdtemp(prefix="kvgate-g4-ttft-")
-    srv = VllmServer(model, g4, name="m152", threads_bind="auto", kv_space_gib=4,
-                     extra_args=["--max-num-batched-tokens", "8192"],
-                     env={"VLLM_SERVER_DEV_MODE": "1"})  # enables POST /reset_prefix_cache
+    srv = VllmServer(
+        model,
+        g4,
+        name="m152",
+        threads_bind="auto",
+        kv_space_gib=4,
+        extra_args=["--max-num-batched-tokens", "8192"],
+        env={"VLLM_SERVER_DEV_MODE": "1"},
+    )  # enables POST /reset_prefix_cache
     rng = random.Random(0)
     out = []
     with srv:
@@ -75,9 +89,15 @@ def run(sizes: list[int], reps: int) -> list[dict]:
                 rows["g4"].append(t)
                 cached["g4"].append(c)
             med = {k: statistics.median(v) for k, v in rows.items()}
-            out.append({"tokens": n, **{f"{k}_s": v for k, v in med.items()},
-                        **{f"{k}_cached": min(v) for k, v in cached.items()},
-                        "g4_speedup": med["cold"] / med["g4"], "local_speedup": med["cold"] / med["local"]})
+            out.append(
+                {
+                    "tokens": n,
+                    **{f"{k}_s": v for k, v in med.items()},
+                    **{f"{k}_cached": min(v) for k, v in cached.items()},
+                    "g4_speedup": med["cold"] / med["g4"],
+                    "local_speedup": med["cold"] / med["local"],
+                }
+            )
         stats = srv.g4_stats()
     for r in out:
         r["g4_load_MBps"] = stats["load_bytes_per_s"] / 1e6
@@ -94,11 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps(res, indent=1))
         return 0
-    print("| prompt tokens | TTFT cold | TTFT from G4 | TTFT local hit | G4 speedup | local speedup | cached (G4/local) |")
+    print(
+        "| prompt tokens | TTFT cold | TTFT from G4 | TTFT local hit | G4 speedup | local speedup | cached (G4/local) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in res:
-        print(f"| {r['tokens']} | {r['cold_s']:.3f} s | {r['g4_s']:.3f} s | {r['local_s']:.3f} s | "
-              f"{r['g4_speedup']:.1f}x | {r['local_speedup']:.1f}x | {r['g4_cached']}/{r['local_cached']} |")
+        print(
+            f"| {r['tokens']} | {r['cold_s']:.3f} s | {r['g4_s']:.3f} s | {r['local_s']:.3f} s | "
+            f"{r['g4_speedup']:.1f}x | {r['local_speedup']:.1f}x | {r['g4_cached']}/{r['local_cached']} |"
+        )
     print(f"connector's measured G4 load bandwidth: {res[-1]['g4_load_MBps']:.0f} MB/s")
     return 0
 

@@ -8,6 +8,7 @@
 The connector does the same from inside vLLM through its events; these work without any worker running.
 Directory scans run in a thread: they never block the event loop.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +20,11 @@ from cache_tier.store import G4Store, open_namespaces, store_for_dir
 
 def model_namespaces(root: str, model: str, tp_rank: int | None = 0) -> list[str]:
     """Namespace directories of ``model`` for one TP rank (rank 0 stands for the TP group) or all (None)."""
-    return sorted(d for d, ns in open_namespaces(root)
-                  if ns.get("model") == model and (tp_rank is None or ns.get("tp_rank", 0) == tp_rank))
+    return sorted(
+        d
+        for d, ns in open_namespaces(root)
+        if ns.get("model") == model and (tp_rank is None or ns.get("tp_rank", 0) == tp_rank)
+    )
 
 
 def scan_hashes(root: str, model: str) -> Iterator[int]:
@@ -34,7 +38,7 @@ async def rebuild_index(index, model: str, root: str, *, batch: int = 2000) -> i
         return 0
     hashes = await asyncio.to_thread(lambda: list(scan_hashes(root, model)))
     for i in range(0, len(hashes), batch):
-        await index.store_g4(model, hashes[i:i + batch])
+        await index.store_g4(model, hashes[i : i + batch])
     return len(hashes)
 
 

@@ -6,6 +6,7 @@ head]``, and so on. The block dimension is the one whose size is the number of K
 slice at one index of it. Everything here is a torch op on the tensors' own device (no Python loop over
 elements), so the same code runs on CPU and GPU.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -36,7 +37,7 @@ def scatter_block(kv: Sequence[torch.Tensor], bdim: int, block_id: int, raw: tor
         nb = dst.numel() * dst.element_size()
         if off + nb > raw.numel():
             raise ValueError("payload shorter than a block")
-        src = raw[off:off + nb].view(dst.dtype).view(dst.shape)
+        src = raw[off : off + nb].view(dst.dtype).view(dst.shape)
         dst.copy_(src)
         off += nb
     return off

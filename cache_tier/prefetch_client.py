@@ -5,6 +5,7 @@ connector's measured load bandwidth for the cost model.
 request whose plan loads blocks from G4. It never raises and never waits long: an order that is late,
 lost or refused only means the connector reads the blocks from the store itself.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,8 +38,9 @@ def prefetch_base(worker: Any) -> str | None:
 class G4Prefetcher:
     """Sends prefetch orders; counts what happened (sent, failed, skipped)."""
 
-    def __init__(self, *, timeout_s: float = 0.5, max_hashes: int = 4096,
-                 client: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self, *, timeout_s: float = 0.5, max_hashes: int = 4096, client: httpx.AsyncClient | None = None
+    ) -> None:
         self.timeout_s = timeout_s
         self.max_hashes = max_hashes
         self._client = client
@@ -56,7 +58,10 @@ class G4Prefetcher:
         if base is None or not hashes:
             self.counters["skipped"] += 1
             return False
-        body = {"model": model, "hashes": [f"{h & 0xFFFFFFFFFFFFFFFF:016x}" for h in hashes[: self.max_hashes]]}
+        body = {
+            "model": model,
+            "hashes": [f"{h & 0xFFFFFFFFFFFFFFFF:016x}" for h in hashes[: self.max_hashes]],
+        }
         try:
             r = await self._http().post(base + PREFETCH_PATH, json=body, timeout=self.timeout_s)
             ok = r.status_code == 202
@@ -82,8 +87,15 @@ class G4Bandwidth:
     cumulative figure. Until a worker has loaded ``min_bytes``, ``bytes_per_s`` answers the default.
     """
 
-    def __init__(self, default_bytes_per_s: float = 2e9, *, alpha: float = 0.3, min_bytes: int = 1 << 20,
-                 timeout_s: float = 2.0, client: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self,
+        default_bytes_per_s: float = 2e9,
+        *,
+        alpha: float = 0.3,
+        min_bytes: int = 1 << 20,
+        timeout_s: float = 2.0,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
         self.default = default_bytes_per_s
         self.alpha = alpha
         self.min_bytes = min_bytes
@@ -94,7 +106,9 @@ class G4Bandwidth:
         self.block_bytes: dict[str, int] = {}
         self.updated: dict[str, float] = {}
 
-    def observe(self, worker: str, load_bytes: int, load_seconds: float, block_bytes: int | None = None) -> None:
+    def observe(
+        self, worker: str, load_bytes: int, load_seconds: float, block_bytes: int | None = None
+    ) -> None:
         """Feed one counter snapshot (cumulative since the worker started)."""
         if block_bytes:
             self.block_bytes[worker] = int(block_bytes)
@@ -132,7 +146,9 @@ class G4Bandwidth:
             st = r.json()
         except (httpx.HTTPError, ValueError):
             return None
-        self.observe(worker, int(st.get("load_bytes", 0)), float(st.get("load_seconds", 0.0)), st.get("block_bytes"))
+        self.observe(
+            worker, int(st.get("load_bytes", 0)), float(st.get("load_seconds", 0.0)), st.get("block_bytes")
+        )
         return st
 
     async def aclose(self) -> None:

@@ -9,6 +9,7 @@ config), with the standard library only, so it adds nothing to vLLM's environmen
   store stats, measured load bandwidth);
 - ``GET /health`` -> 200.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,7 +22,7 @@ MAX_BODY = 1 << 20
 
 def _parse_hash(h: Any) -> int:
     if isinstance(h, bool):
-        raise ValueError("hash must be an integer or 16 hex digits")
+        raise ValueError("hash must be an integer or 16 hex digits")  # noqa: TRY004 - a 400, not a bug
     if isinstance(h, int):
         if not 0 <= h < 1 << 64:
             raise ValueError("hash out of the u64 range")
@@ -69,7 +70,7 @@ def make_handler(worker) -> type[BaseHTTPRequestHandler]:
             try:
                 body = json.loads(self.rfile.read(n) or b"null")
                 if not isinstance(body, dict) or not isinstance(body.get("hashes"), list):
-                    raise ValueError('expected {"model": str, "hashes": [...]}')
+                    raise ValueError('expected {"model": str, "hashes": [...]}')  # noqa: TRY004
                 hashes = [_parse_hash(h) for h in body["hashes"]]
             except ValueError as e:
                 return self._send(400, _error(str(e), 400))

@@ -6,6 +6,7 @@ connector's load path takes a staged block first and falls back to the store. Or
 (staged or in-flight hashes are skipped), bounded (``max_hashes`` per order, a bounded order queue), and
 harmless when late or lost: staging is only ever a faster path to the same verified bytes.
 """
+
 from __future__ import annotations
 
 import queue
@@ -29,8 +30,17 @@ class Stager:
         self._bytes = 0
         self._q: queue.Queue = queue.Queue(maxsize=max_orders)
         self._queued: set[int] = set()
-        self.counters = {"orders": 0, "orders_dropped": 0, "hashes_ordered": 0, "staged": 0, "stage_misses": 0,
-                         "stage_errors": 0, "taken": 0, "token_mismatch": 0, "evicted": 0}
+        self.counters = {
+            "orders": 0,
+            "orders_dropped": 0,
+            "hashes_ordered": 0,
+            "staged": 0,
+            "stage_misses": 0,
+            "stage_errors": 0,
+            "taken": 0,
+            "token_mismatch": 0,
+            "evicted": 0,
+        }
         self._thread: threading.Thread | None = None
         if self.capacity_bytes > 0:
             self._thread = threading.Thread(target=self._loop, name="kvgate-g4-stager", daemon=True)
@@ -67,7 +77,7 @@ class Stager:
                         self.counters["stage_misses"] += 1
                         self._queued.discard(h)
                     continue
-                except Exception:
+                except Exception:  # noqa: BLE001 - staging is best effort; the load path re-reads
                     with self._lock:
                         self.counters["stage_errors"] += 1
                         self._queued.discard(h)

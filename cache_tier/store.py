@@ -13,6 +13,7 @@ and verify magic, version, sizes, token ids and the payload's XXH3-64 checksum.
 
 Only torch, numpy, xxhash and the standard library are imported: this module runs inside vLLM's venv.
 """
+
 from __future__ import annotations
 
 import json
@@ -189,14 +190,25 @@ class G4Store:
         os.replace(tmp, p)
 
     # ---- write -------------------------------------------------------------------------------------------
-    def _header(self, h: int, token_ids: Sequence[int] | np.ndarray, parent: int | None, checksum: int) -> bytes:
+    def _header(
+        self, h: int, token_ids: Sequence[int] | np.ndarray, parent: int | None, checksum: int
+    ) -> bytes:
         toks = np.asarray(token_ids, dtype="<u4")
         if toks.shape != (self.ns.block_size,):
             raise ValueError(f"a block has {self.ns.block_size} token ids, got {toks.shape}")
         flags = _FLAG_HAS_PARENT if parent is not None else 0
-        head = _HEADER.pack(MAGIC, FORMAT_VERSION, flags, self.ns.block_size, len(toks), self._hdr_len,
-                            (parent or 0) & 0xFFFFFFFFFFFFFFFF, self._payload_len, checksum,
-                            h & 0xFFFFFFFFFFFFFFFF)
+        head = _HEADER.pack(
+            MAGIC,
+            FORMAT_VERSION,
+            flags,
+            self.ns.block_size,
+            len(toks),
+            self._hdr_len,
+            (parent or 0) & 0xFFFFFFFFFFFFFFFF,
+            self._payload_len,
+            checksum,
+            h & 0xFFFFFFFFFFFFFFFF,
+        )
         return head + toks.tobytes() + b"\0" * (self._hdr_len - _HEADER.size - self._tok_len)
 
     @staticmethod
@@ -209,8 +221,15 @@ class G4Store:
             return memoryview(t.numpy())
         return memoryview(payload).cast("B")
 
-    def put(self, h: int, token_ids: Sequence[int] | np.ndarray, parent: int | None,
-            payload: torch.Tensor | bytes | bytearray | memoryview, *, overwrite: bool = False) -> bool:
+    def put(
+        self,
+        h: int,
+        token_ids: Sequence[int] | np.ndarray,
+        parent: int | None,
+        payload: torch.Tensor | bytes | bytearray | memoryview,
+        *,
+        overwrite: bool = False,
+    ) -> bool:
         """Write one block atomically; returns False when it is already there (and ``overwrite`` is off)."""
         final = self.path(h)
         if not overwrite and os.path.exists(final):
@@ -232,7 +251,7 @@ class G4Store:
             if n != len(head) + data.nbytes:  # short write (rare): finish it
                 rest = (head + bytes(data))[n:]
                 while rest:
-                    rest = rest[os.write(fd, rest):]
+                    rest = rest[os.write(fd, rest) :]
             if self.fsync:
                 os.fsync(fd)
         except BaseException:
@@ -303,11 +322,12 @@ class G4Store:
         toks = np.frombuffer(self._tls.buf, dtype="<u4", count=self.ns.block_size, offset=_HEADER.size).copy()
         return toks, payload
 
-    def _verify(self, h: int, view: memoryview, n: int, trailing: bool,
-                token_ids: Sequence[int] | np.ndarray | None) -> None:
+    def _verify(
+        self, h: int, view: memoryview, n: int, trailing: bool, token_ids: Sequence[int] | np.ndarray | None
+    ) -> None:
         if n < _HEADER.size or trailing:
             raise BlockCorrupt(f"{hash_hex(h)}: file size {n}{'+' if trailing else ''}, expected {len(view)}")
-        magic, ver, flags, bs, ntok, hlen, _parent, plen, csum, sh = _HEADER.unpack_from(view, 0)
+        magic, ver, _flags, bs, ntok, hlen, _parent, plen, csum, sh = _HEADER.unpack_from(view, 0)
         if magic != MAGIC or ver != FORMAT_VERSION:
             raise BlockCorrupt(f"{hash_hex(h)}: bad magic/version {magic!r}/{ver}")
         if bs != self.ns.block_size or ntok != bs or hlen != self._hdr_len or plen != self._payload_len:
@@ -316,7 +336,7 @@ class G4Store:
             raise BlockCorrupt(f"{hash_hex(h)}: truncated ({n} of {hlen + plen} bytes)")
         if sh != h & 0xFFFFFFFFFFFFFFFF:
             raise BlockCorrupt(f"{hash_hex(h)}: file holds block {sh:016x}")
-        if xxhash.xxh3_64_intdigest(view[hlen:hlen + plen]) != csum:
+        if xxhash.xxh3_64_intdigest(view[hlen : hlen + plen]) != csum:
             raise BlockCorrupt(f"{hash_hex(h)}: checksum mismatch")
         if token_ids is not None:
             want = np.asarray(token_ids, dtype="<u4")
@@ -328,18 +348,25 @@ class G4Store:
         """Decoded header of one block file (for tools and tests)."""
         with open(self.path(h), "rb") as f:
             raw = f.read(self._hdr_len)
-        magic, ver, flags, bs, ntok, hlen, parent, plen, csum, sh = _HEADER.unpack_from(raw, 0)
+        magic, ver, flags, bs, ntok, _hlen, parent, plen, csum, sh = _HEADER.unpack_from(raw, 0)
         toks = np.frombuffer(raw, dtype="<u4", count=ntok, offset=_HEADER.size).tolist()
-        return {"magic": magic, "version": ver, "block_size": bs, "token_ids": toks,
-                "parent": parent if flags & _FLAG_HAS_PARENT else None, "payload_len": plen,
-                "checksum": csum, "hash": sh}
+        return {
+            "magic": magic,
+            "version": ver,
+            "block_size": bs,
+            "token_ids": toks,
+            "parent": parent if flags & _FLAG_HAS_PARENT else None,
+            "payload_len": plen,
+            "checksum": csum,
+            "hash": sh,
+        }
 
     def get_layers(self, h: int, token_ids=None) -> list[torch.Tensor]:
         """The block as one tensor per layer (views over the read buffer, in the namespace's dtype)."""
         raw = self.read(h, token_ids)
         out, off = [], 0
         for shape, nb in zip(self.ns.layer_shapes, self.ns.layer_bytes):
-            out.append(raw[off:off + nb].view(self.ns.torch_dtype).view(shape))
+            out.append(raw[off : off + nb].view(self.ns.torch_dtype).view(shape))
             off += nb
         return out
 
@@ -406,7 +433,7 @@ class G4Store:
                 with it:
                     for ent in it:
                         name = ent.name
-                        if not name.endswith(SUFFIX) or not _HEX.match(name[:-len(SUFFIX)]):
+                        if not name.endswith(SUFFIX) or not _HEX.match(name[: -len(SUFFIX)]):
                             continue
                         try:
                             st = ent.stat()

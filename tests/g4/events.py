@@ -1,6 +1,7 @@
 """A tiny KV-event subscriber for the G4 tests: vLLM's ZMQ PUB stream decoded with msgspec, and the
 mapping of STORAGE BlockStored events onto kvgate hashes (vllm-interface.md 2.9, GPU + STORAGE only).
 It stands in for the index helper's ingestion until that lands on main."""
+
 from __future__ import annotations
 
 import threading
@@ -33,7 +34,7 @@ class EventTap:
                 continue
             except zmq.ZMQError:
                 return
-            ts, events, *_ = dec.decode(frames[2])
+            _ts, events, *_ = dec.decode(frames[2])
             with self.lock:
                 self.events.extend(events)
 
@@ -68,8 +69,11 @@ def g4_hashes_from_events(events: list[dict], block_size: int) -> tuple[set[int]
                 e2r[eh] = rh
                 if ev.get("medium") == "STORAGE":
                     stored.add(rh)
-        elif ev.get("type") == "BlockRemoved" and ev.get("medium") == "STORAGE" \
-                and ev.get("ownership") == "kvgate-g4":
+        elif (
+            ev.get("type") == "BlockRemoved"
+            and ev.get("medium") == "STORAGE"
+            and ev.get("ownership") == "kvgate-g4"
+        ):
             removed.update(ev["block_hashes"])
     return stored, removed
 
@@ -102,9 +106,17 @@ class IndexThread:
     def add(self, worker: str, model: str, zmq_port: int, block_size: int, topic: str = "kv") -> None:
         from indexer.events import EventSource
 
-        self.call(self.ingestor.add_source(EventSource(worker=worker, model=model,
-                                                       endpoint=f"tcp://127.0.0.1:{zmq_port}", topic=topic,
-                                                       block_size=block_size)))
+        self.call(
+            self.ingestor.add_source(
+                EventSource(
+                    worker=worker,
+                    model=model,
+                    endpoint=f"tcp://127.0.0.1:{zmq_port}",
+                    topic=topic,
+                    block_size=block_size,
+                )
+            )
+        )
 
     def g4(self, model: str, hashes: list[int]) -> int:
         """Length of the leading run of ``hashes`` the index records on G4."""

@@ -1,6 +1,7 @@
 """Gateway-side G4 pieces against real servers on loopback: the worker's prefetch/stats HTTP endpoint
 (the same server the connector runs inside vLLM, here around a real store and stager), the prefetch
 client, the bandwidth calibration, and the index rebuild/GC hooks with the in-memory index."""
+
 from __future__ import annotations
 
 import time
@@ -39,8 +40,12 @@ class Endpoint:
         self.load_bytes, self.load_seconds = 0, 0.0
 
     def stats(self):
-        return {"load_bytes": self.load_bytes, "load_seconds": self.load_seconds,
-                "block_bytes": self.store.file_bytes, "staging": self.stager.stats()}
+        return {
+            "load_bytes": self.load_bytes,
+            "load_seconds": self.load_seconds,
+            "block_bytes": self.store.file_bytes,
+            "staging": self.stager.stats(),
+        }
 
 
 @pytest.fixture
@@ -113,7 +118,9 @@ async def test_bandwidth_calibrated_from_connector_counters(endpoint):
     endpoint.load_bytes, endpoint.load_seconds = 200 << 20, 1.5  # the next 100 MiB took 1 s
     await bw.poll("w1", endpoint.url)
     assert bw.bytes_per_s("w1") == pytest.approx(0.5 * (200 << 20) + 0.5 * (100 << 20))
-    assert bw.seconds_for_blocks("w1", 10) == pytest.approx(10 * endpoint.store.file_bytes / bw.bytes_per_s("w1"))
+    assert bw.seconds_for_blocks("w1", 10) == pytest.approx(
+        10 * endpoint.store.file_bytes / bw.bytes_per_s("w1")
+    )
     assert await bw.poll("w2", f"http://127.0.0.1:{free_port()}") is None
     assert bw.bytes_per_s("w2") == 1e9
     await bw.aclose()
@@ -122,8 +129,9 @@ async def test_bandwidth_calibrated_from_connector_counters(endpoint):
 async def test_rebuild_index_after_restart_and_gateway_gc(tmp_path):
     st = G4Store(tmp_path, NS)
     fill(st, [1, 2, 3, 4, 5])
-    other = G4Store(tmp_path, Namespace(model="other", dtype="bfloat16", block_size=B,
-                                        layer_shapes=((4 * B * 128,),) * 2))
+    other = G4Store(
+        tmp_path, Namespace(model="other", dtype="bfloat16", block_size=B, layer_shapes=((4 * B * 128,),) * 2)
+    )
     fill(other, [77])
     index = MemoryIndex()
     assert await rebuild_index(index, "tiny", str(tmp_path)) == 5
@@ -131,6 +139,7 @@ async def test_rebuild_index_after_restart_and_gateway_gc(tmp_path):
     assert res.g4 == 5
     assert (await index.lookup("other", [77])).g4 == 0  # not rebuilt: another model
     import os
+
     for i, h in enumerate([1, 2, 3, 4, 5]):
         os.utime(st.path(h), (1000 + i, 1000 + i))
     evicted = await gc_store(index, "tiny", str(tmp_path), capacity_bytes=int(3.2 * st.file_bytes))

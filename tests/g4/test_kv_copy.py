@@ -1,4 +1,5 @@
 """Block copies between paged KV tensors and the store, for the CPU layout and a GPU-style layout."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,7 +22,9 @@ def test_blocks_round_trip_through_the_store(tmp_path, shape):
     dst = [torch.zeros_like(t) for t in src]
     bdim = block_dim(src[0], N)
     per_block = src[0].select(bdim, 0).numel()
-    st = G4Store(tmp_path, Namespace(model="m", dtype="bfloat16", block_size=B, layer_shapes=((per_block,),) * L))
+    st = G4Store(
+        tmp_path, Namespace(model="m", dtype="bfloat16", block_size=B, layer_shapes=((per_block,),) * L)
+    )
     host = gather_blocks(src, bdim, [4, 7])
     assert host.shape == (2, L, per_block)
     for j, (bid, h) in enumerate([(4, 100), (7, 101)]):

@@ -1,4 +1,5 @@
 """G4 store: real files in a temp directory, real torch tensors."""
+
 from __future__ import annotations
 
 import os
@@ -15,7 +16,7 @@ B = 32
 
 
 def ns(**kw) -> Namespace:
-    d = dict(model="org/tiny", dtype="bfloat16", block_size=B, layer_shapes=((4, B, 128),) * 3)
+    d = {"model": "org/tiny", "dtype": "bfloat16", "block_size": B, "layer_shapes": ((4, B, 128),) * 3}
     d.update(kw)
     return Namespace(**d)
 
@@ -129,11 +130,13 @@ def test_concurrent_writers_same_and_different_blocks(tmp_path):
         try:
             for h in order:
                 s.put(h, toks(h), None, payloads[h], overwrite=True)
-        except Exception as e:  # pragma: no cover - the assertion below reports it
+        except Exception as e:  # noqa: BLE001 - the assertion below reports it
             errors.append(e)
 
-    threads = [threading.Thread(target=writer, args=(stores[i % 2], list(range(1, 9))[:: 1 if i % 2 else -1]))
-               for i in range(6)]
+    threads = [
+        threading.Thread(target=writer, args=(stores[i % 2], list(range(1, 9))[:: 1 if i % 2 else -1]))
+        for i in range(6)
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -4,6 +4,7 @@ Worker A and worker B are two vLLM processes; nothing is mocked. kvgate's real e
 subscribes to both servers' KV event streams and feeds an in-memory index, whose G4 entries the tests
 check. (Requests go to the workers directly until the gateway is on main.)
 """
+
 from __future__ import annotations
 
 import glob
@@ -93,7 +94,7 @@ def test_1_a_serves_p_blocks_land_in_store_and_events_mark_them_g4(servers, g4):
     assert wait_for(lambda: all(st.contains(h) for h in want)), "P's full blocks are not all in the store"
     for i, h in enumerate(want[:3]):
         hdr = st.header(h)
-        assert hdr["token_ids"] == P[i * BLOCK:(i + 1) * BLOCK]
+        assert hdr["token_ids"] == P[i * BLOCK : (i + 1) * BLOCK]
         assert hdr["parent"] == (want[i - 1] if i else None)
     # the connector announced them as STORAGE blocks, which map onto the same kvgate hashes
     stored = wait_for(lambda: set(want) <= g4_hashes_from_events(servers["taps"]["a"].snapshot(), BLOCK)[0])
@@ -153,8 +154,11 @@ def test_6_prefetch_order_stages_blocks_before_prefill(servers, g4):
     st = store_of(g4)
     assert wait_for(lambda: all(st.contains(h) for h in hs))
     before = b.g4_stats()
-    r = httpx.post(f"http://127.0.0.1:{b.prefetch_port}/kvgate/prefetch",
-                   json={"model": b.name, "hashes": [f"{h:016x}" for h in hs]}, timeout=10)
+    r = httpx.post(
+        f"http://127.0.0.1:{b.prefetch_port}/kvgate/prefetch",
+        json={"model": b.name, "hashes": [f"{h:016x}" for h in hs]},
+        timeout=10,
+    )
     assert r.status_code == 202 and r.json()["accepted"] == len(hs)
     staged = wait_for(lambda: b.g4_stats()["staging"]["staged"] - before["staging"]["staged"] >= len(hs))
     assert staged, b.g4_stats()["staging"]
@@ -163,10 +167,20 @@ def test_6_prefetch_order_stages_blocks_before_prefill(servers, g4):
     assert cached(got) >= len(hs) * BLOCK
     assert after["prefetch_hits"] - before["prefetch_hits"] == len(hs)
     # idempotent and bounded: a repeated order for blocks already taken is harmless, bad ones are refused
-    assert httpx.post(f"http://127.0.0.1:{b.prefetch_port}/kvgate/prefetch",
-                      json={"model": "other", "hashes": [1]}, timeout=10).status_code == 404
-    assert httpx.post(f"http://127.0.0.1:{b.prefetch_port}/kvgate/prefetch",
-                      json={"hashes": "x"}, timeout=10).status_code == 400
+    assert (
+        httpx.post(
+            f"http://127.0.0.1:{b.prefetch_port}/kvgate/prefetch",
+            json={"model": "other", "hashes": [1]},
+            timeout=10,
+        ).status_code
+        == 404
+    )
+    assert (
+        httpx.post(
+            f"http://127.0.0.1:{b.prefetch_port}/kvgate/prefetch", json={"hashes": "x"}, timeout=10
+        ).status_code
+        == 400
+    )
 
 
 def test_3_both_restarted_p_still_served_from_g4(servers):

