@@ -37,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from cache_tier.kv_copy import block_dim, gather_blocks, scatter_block
 from cache_tier.stager import Stager
-from cache_tier.store import BlockCorrupt, G4Store, Namespace
+from cache_tier.store import BlockCorrupt, G4Store, Namespace, PresenceCache
 from indexer import hashing
 
 try:  # vLLM >= 0.11
@@ -270,11 +270,12 @@ class _SchedulerSide:
         self.ns, _ = namespace_for(vllm_config, kv_cache_config, cfg, tp_rank=0)
         self.block_size = self.ns.block_size
         self.store = G4Store(cfg.g4_path, self.ns, scan=False)
+        self.present = PresenceCache(self.store)
         pc = vllm_config.parallel_config
         self.world = max(1, pc.tensor_parallel_size * pc.pipeline_parallel_size)
         self.reqs: dict[str, _ReqState] = {}
         self.loads: dict[str, list[BlockOp]] = {}
-        # kvgate hash -> (engine hash, engine parent, token ids, confirmations, deadline)
+        # kvgate hash -> [engine hash, engine parent, token ids, confirmations, deadline, lora name, extra keys]
         self.pending: dict[int, list] = {}
         self.events: list = []
         self.lock = threading.Lock()
@@ -321,7 +322,7 @@ class _SchedulerSide:
         hs = self._hashes(st, limit)
         n = 0
         for h in hs[i0:limit]:
-            if not self.store.contains(h):
+            if not self.present.contains(h):
                 break
             n += 1
         st.plan = (i0, n)
@@ -376,16 +377,20 @@ class _SchedulerSide:
             block_ids = kv_cache_manager.get_block_ids(req_id)[0]
             engine = getattr(req, "block_hashes", None) or []
             toks = req.all_token_ids
+            lora = req.lora_request.lora_name if getattr(req, "lora_request", None) else None
+            salt = getattr(req, "cache_salt", None)
             ops = []
             for i in range(st.saved_upto, min(upto, len(block_ids))):
                 h = hs[i]
-                if h in self.pending or self.store.contains(h):
+                if h in self.pending or self.present.contains(h):
                     continue
                 tk = list(toks[i * B : (i + 1) * B])
                 ops.append(BlockOp(block_ids[i], h, hs[i - 1] if i else None, tk))
                 eh = _engine_hash(engine[i]) if i < len(engine) else h
                 ep = (_engine_hash(engine[i - 1]) if i - 1 < len(engine) else hs[i - 1]) if i else None
-                self.pending[h] = [eh, ep, tk, 0, now + self.PENDING_TIMEOUT_S]
+                # what the ingestion needs to re-derive kvgate's hash: the LoRA name, and block 0's salt
+                extra = [[x for x in (lora, salt) if x]] if i == 0 and salt else None
+                self.pending[h] = [eh, ep, tk, 0, now + self.PENDING_TIMEOUT_S, lora, extra]
             st.saved_upto = upto
             if ops:
                 meta.saves[req_id] = ops
@@ -412,11 +417,14 @@ class _SchedulerSide:
             if p[3] >= self.world:
                 del self.pending[h]
                 stored.append(p)
+                self.present.add(h)
         for h in wm.dropped:
             self.pending.pop(h, None)
+        for h in wm.evicted:
+            self.present.discard(h)
         if BlockStored is None:
             return
-        for eh, ep, tk, _, _ in stored:
+        for eh, ep, tk, _, _, lora, extra in stored:
             self.events.append(
                 BlockStored(
                     block_hashes=[eh],
@@ -425,7 +433,8 @@ class _SchedulerSide:
                     block_size=self.block_size,
                     lora_id=None,
                     medium=MEDIUM_STORAGE,
-                    lora_name=None,
+                    lora_name=lora,
+                    extra_keys=extra,
                 )
             )
         if wm.evicted:

@@ -496,3 +496,36 @@ def store_for_dir(ns_dir: str, **kw) -> G4Store:
     d["layer_shapes"] = tuple(tuple(s) for s in d["layer_shapes"])
     ns = Namespace(**d)
     return G4Store(os.path.dirname(ns_dir), ns, **kw)
+
+
+class PresenceCache:
+    """Which blocks were recently seen on G4, so the scheduler does not ``stat`` every block of every
+    prompt on a slow shared filesystem. Bounded (LRU) with a time-to-live: a block evicted by another node
+    in the meantime is caught by the load (reported and recomputed), never served wrong."""
+
+    def __init__(self, store: G4Store, ttl_s: float = 30.0, max_entries: int = 200_000) -> None:
+        self.store = store
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._seen: OrderedDict[int, float] = OrderedDict()
+        self.stats_calls = 0
+
+    def add(self, h: int) -> None:
+        self._seen[h] = time.monotonic() + self.ttl_s
+        self._seen.move_to_end(h)
+        if len(self._seen) > self.max_entries:
+            self._seen.popitem(last=False)
+
+    def discard(self, h: int) -> None:
+        self._seen.pop(h, None)
+
+    def contains(self, h: int) -> bool:
+        exp = self._seen.get(h)
+        if exp is not None and exp > time.monotonic():
+            return True
+        self.stats_calls += 1
+        if self.store.contains(h):
+            self.add(h)
+            return True
+        self._seen.pop(h, None)
+        return False

@@ -202,3 +202,24 @@ def test_stats_throughput(tmp_path):
     st = s.snapshot()
     assert st["write_bytes"] == 3 * s.file_bytes and st["read_bytes"] == 3 * s.file_bytes
     assert st["read_bytes_per_s"] > 0 and st["write_bytes_per_s"] > 0
+
+
+def test_presence_cache_saves_stats_and_expires(tmp_path):
+    from cache_tier.store import PresenceCache
+
+    n = ns()
+    s = G4Store(tmp_path, n)
+    s.put(1, toks(1), None, block(1, n))
+    pc = PresenceCache(s, ttl_s=60.0, max_entries=2)
+    assert pc.contains(1) and pc.contains(1)
+    assert pc.stats_calls == 1  # the second answer came from the cache
+    assert not pc.contains(2) and pc.stats_calls == 2  # misses are never cached
+    pc.add(3)
+    pc.add(4)  # bounded: 1 falls out
+    assert pc.contains(1) and pc.stats_calls == 3
+    pc.discard(1)
+    s.remove([1])
+    assert not pc.contains(1)
+    expired = PresenceCache(s, ttl_s=0.0)
+    expired.add(5)
+    assert not expired.contains(5)  # expired entries are checked again

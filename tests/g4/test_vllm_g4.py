@@ -111,6 +111,10 @@ def test_2_b_serves_p_plus_question_from_g4_with_the_same_output(servers):
     # reference without G4: the same prompt under a cache_salt shares no block with anything stored
     ref = b.complete(pq, max_tokens=12, cache_salt="no-g4-reference")
     assert cached(ref) == 0
+    # the salted blocks were saved too, and indexed under kvgate's salted hashes
+    salted = sequence_hashes(pq, BLOCK, cache_salt="no-g4-reference")[: routable_blocks(len(pq), BLOCK)]
+    idx = servers["index"]
+    assert wait_for(lambda: idx.g4(b.name, salted) == len(salted)), idx.g4(b.name, salted)
     before = b.g4_stats()
     got = b.complete(pq, max_tokens=12)
     full_p = (len(P) // BLOCK) * BLOCK
