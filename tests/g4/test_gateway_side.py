@@ -146,3 +146,39 @@ async def test_rebuild_index_after_restart_and_gateway_gc(tmp_path):
     assert sorted(evicted) == [1, 2, 3]
     assert (await index.lookup("tiny", [4, 5])).g4 == 2
     assert (await index.lookup("tiny", [1])).g4 == 0
+
+
+async def test_gateway_prefetcher_orders_and_calibrates_the_cost_model(endpoint):
+    """The gateway's G4 prefetcher (router/prefetch.py) against the connector endpoint on loopback: the
+    order stages the blocks, and the worker's G4 price then follows the connector's measured bandwidth."""
+    from urllib.parse import urlsplit
+
+    from indexer.index.base import WorkerMatch
+    from router.config import Settings, WorkerConfig
+    from router.cost import CostModel
+    from router.prefetch import G4Prefetcher as GatewayPrefetcher
+    from router.prefetch import NoopPrefetcher, make_prefetcher
+    from router.registry import Worker
+
+    assert isinstance(make_prefetcher(Settings()), NoopPrefetcher)
+    port = urlsplit(endpoint.url).port
+    settings = Settings(g4={"prefetch_port": port, "stats_interval_s": 0.0})
+    pf = make_prefetcher(settings)
+    assert isinstance(pf, GatewayPrefetcher)
+    w = Worker(name="w1", url="http://127.0.0.1:1", config=WorkerConfig(url="http://127.0.0.1:1"))
+    cost = CostModel(settings.routing)
+    before = cost.score(w, WorkerMatch(), g4=10, num_tokens=10 * B + 1, block_size=B).g4_load_ms
+    fill(endpoint.store, [21, 22])
+    endpoint.load_bytes, endpoint.load_seconds = 64 << 20, 0.25  # the connector measured 256 MiB/s
+    try:
+        assert await pf.order(w, "tiny", [21, 22])
+        assert wait_for(lambda: endpoint.stager.stats()["staged"] == 2)
+        assert w.g4_bytes_per_s == pytest.approx((64 << 20) / 0.25)
+        assert w.g4_bytes_per_block == endpoint.store.file_bytes
+        after = cost.score(w, WorkerMatch(), g4=10, num_tokens=10 * B + 1, block_size=B).g4_load_ms
+        assert after == pytest.approx(10 * endpoint.store.file_bytes / ((64 << 20) / 0.25) * 1000.0)
+        assert after != before
+        assert not await pf.order(Worker(name="gone", url="http://127.0.0.1:1",
+                                         config=WorkerConfig(url="http://127.0.0.1:1")), "other", [21])
+    finally:
+        await pf.aclose()
