@@ -125,6 +125,44 @@ def test_2_b_serves_p_plus_question_from_g4_with_the_same_output(servers):
     assert after["load_failures"] == before["load_failures"]
 
 
+def test_2b_through_kvgate_the_gateway_plans_the_g4_load_on_the_worker_without_p(servers, model):
+    """The same through the gateway: A is drained, so kvgate routes P' + question to B, whose plan counts
+    the G4 blocks (learned from A's STORAGE events); B loads them."""
+    from router.app import create_app
+    from router.config import IndexConfig, ModelConfig, Settings, WorkerConfig
+    from tests.support.servers import ThreadServer
+
+    a, b = servers["a"], servers["b"]
+    p4 = prompt(8, 14 * BLOCK + 5)
+    settings = Settings(
+        workers=[WorkerConfig(url=a.url, name="a"), WorkerConfig(url=b.url, name="b")],
+        models={a.name: ModelConfig(tokenizer=str(model), block_size=BLOCK)},
+        index=IndexConfig(backend="memory"), health_interval_s=0.5, refresh_interval_s=2.0,
+    )
+    gw = ThreadServer(create_app(settings)).start()
+    try:
+        st = gw.app.state.kv
+        assert wait_for(lambda: {w.name for w in st.registry.workers() if w.routable} == {"a", "b"}, 60)
+        time.sleep(1.5)  # event subscriptions (slow joiner)
+        a.complete(p4, max_tokens=2)
+        hs = sequence_hashes(p4, BLOCK)[: routable_blocks(len(p4), BLOCK)]
+        assert wait_for(lambda: gw.call(st.index.lookup(a.name, hs)).g4 == len(hs), 60)
+        gw.call(st.registry.drain("a"))
+        ref = b.complete(p4 + QUESTION, max_tokens=8, cache_salt="no-g4-reference-2b")
+        r = httpx.post(gw.url + "/v1/completions", timeout=300, json={
+            "model": a.name, "prompt": p4 + QUESTION, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-kvgate-worker"] == "b"
+        got = r.json()
+        assert cached(got) >= 0.9 * (len(p4) // BLOCK) * BLOCK, got["usage"]
+        assert got["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+        d = st.decisions.get(r.headers["x-request-id"])
+        assert d is not None and d.g4_blocks == len(hs), d and d.to_dict()
+    finally:
+        gw.stop()
+
+
 def test_4_corrupted_block_is_recomputed_with_correct_output_and_counted(servers, g4):
     a, b = servers["a"], servers["b"]
     p2 = prompt(3, 12 * BLOCK + 3)
