@@ -1,8 +1,10 @@
 """In-memory index: the embedded default for a single gateway process.
 
-Two maps per model: block -> {(worker, tier)} answers lookups; (worker, tier) -> {block} lets a worker be
-dropped without scanning every block. Everything runs on the event loop thread (no awaits inside a
-mutation), so no lock is needed.
+Two maps per model: block -> {worker: tier bits} (bit 1 GPU, bit 2 CPU) answers lookups;
+(worker, tier) -> {block} lets a worker be dropped without scanning every block. G4 is a set of blocks.
+Everything runs on the event loop thread (no awaits inside a mutation), so no lock is needed.
+``lookup`` walks the prompt once and only looks at the workers whose local run is still growing, so its
+cost is the sum of the runs, not blocks x workers.
 """
 from __future__ import annotations
 
@@ -12,13 +14,14 @@ from collections.abc import Collection, Sequence
 from indexer.index.base import BlockIndex, BlockLocation, LookupResult, Tier, WorkerMatch
 
 _LOCAL = (Tier.GPU, Tier.CPU)
+_BIT = {Tier.GPU: 1, Tier.CPU: 2}
 
 
 class _ModelIndex:
     __slots__ = ("holders", "owned", "g4")
 
     def __init__(self) -> None:
-        self.holders: dict[int, dict[str, set[Tier]]] = {}
+        self.holders: dict[int, dict[str, int]] = {}
         self.owned: dict[tuple[str, Tier], set[int]] = defaultdict(set)
         self.g4: set[int] = set()
 
@@ -31,33 +34,46 @@ class MemoryIndex(BlockIndex):
 
     async def store(self, model: str, worker: str, tier: Tier, hashes: Sequence[int]) -> None:
         m = self._models[model]
+        tier = Tier(tier)
+        bit = _BIT[tier]
         owned = m.owned[(worker, tier)]
+        holders = m.holders
         for h in hashes:
-            m.holders.setdefault(h, {}).setdefault(worker, set()).add(tier)
-            owned.add(h)
+            bw = holders.get(h)
+            if bw is None:
+                holders[h] = {worker: bit}
+            else:
+                bw[worker] = bw.get(worker, 0) | bit
+        owned.update(hashes)
 
     async def remove(self, model: str, worker: str, tier: Tier, hashes: Sequence[int]) -> None:
         m = self._models.get(model)
         if m is None:
             return
+        tier = Tier(tier)
         owned = m.owned.get((worker, tier))
+        if owned is None:
+            return
+        bit = _BIT[tier]
         for h in hashes:
-            self._drop(m, h, worker, tier)
-            if owned is not None:
+            if h in owned:
                 owned.discard(h)
+                self._drop(m, h, worker, bit)
 
     @staticmethod
-    def _drop(m: _ModelIndex, h: int, worker: str, tier: Tier) -> bool:
-        by_worker = m.holders.get(h)
-        if not by_worker:
+    def _drop(m: _ModelIndex, h: int, worker: str, bit: int) -> bool:
+        bw = m.holders.get(h)
+        if not bw:
             return False
-        tiers = by_worker.get(worker)
-        if not tiers or tier not in tiers:
+        bits = bw.get(worker, 0)
+        if not bits & bit:
             return False
-        tiers.discard(tier)
-        if not tiers:
-            del by_worker[worker]
-            if not by_worker:
+        bits &= ~bit
+        if bits:
+            bw[worker] = bits
+        else:
+            del bw[worker]
+            if not bw:
                 del m.holders[h]
         return True
 
@@ -74,9 +90,10 @@ class MemoryIndex(BlockIndex):
         if m is None:
             return 0
         removed = 0
-        for t in (tier,) if tier is not None else _LOCAL:
+        for t in (Tier(tier),) if tier is not None else _LOCAL:
+            bit = _BIT[t]
             for h in m.owned.pop((worker, t), ()):
-                removed += self._drop(m, h, worker, t)
+                removed += self._drop(m, h, worker, bit)
         return removed
 
     async def clear_model(self, model: str) -> int:
@@ -92,35 +109,44 @@ class MemoryIndex(BlockIndex):
         n = len(hashes)
         if m is None or n == 0:
             return LookupResult(num_blocks=n)
+        holders = m.holders
+        first = holders.get(hashes[0], {})
         allowed = set(workers) if workers is not None else None
-        runs: dict[str, list[int]] = {}  # worker -> [gpu, cpu, local]
-        alive: dict[str, list[bool]] = {}
+        # per worker whose local run is alive: [gpu run, cpu run, local run, gpu alive, cpu alive]
+        runs = {w: [0, 0, 0, True, True] for w in first if allowed is None or w in allowed}
+        alive = list(runs)
+        g4set = m.g4
         g4 = 0
         g4_alive = True
-        for i, h in enumerate(hashes):
-            by_worker = m.holders.get(h, {})
-            if i == 0:
-                for w, tiers in by_worker.items():
-                    if allowed is None or w in allowed:
-                        runs[w] = [0, 0, 0]
-                        alive[w] = [True, True, True]
-            any_alive = False
-            for w, flags in alive.items():
-                if not (flags[0] or flags[1] or flags[2]):
-                    continue
-                tiers = by_worker.get(w, ())
-                r = runs[w]
-                for k, ok in enumerate((Tier.GPU in tiers, Tier.CPU in tiers, bool(tiers))):
-                    if flags[k] and ok:
-                        r[k] += 1
-                        any_alive = True
-                    else:
-                        flags[k] = False
-            if g4_alive and h in m.g4:
-                g4 += 1
-            else:
-                g4_alive = False
-            if not any_alive and not g4_alive:
+        empty: dict[str, int] = {}
+        for h in hashes:
+            if alive:
+                bw = holders.get(h, empty)
+                nxt = []
+                for w in alive:
+                    bits = bw.get(w, 0)
+                    if not bits:
+                        continue
+                    r = runs[w]
+                    r[2] += 1
+                    if r[3]:
+                        if bits & 1:
+                            r[0] += 1
+                        else:
+                            r[3] = False
+                    if r[4]:
+                        if bits & 2:
+                            r[1] += 1
+                        else:
+                            r[4] = False
+                    nxt.append(w)
+                alive = nxt
+            if g4_alive:
+                if h in g4set:
+                    g4 += 1
+                else:
+                    g4_alive = False
+            if not alive and not g4_alive:
                 break
         return LookupResult(
             num_blocks=n,
@@ -132,15 +158,18 @@ class MemoryIndex(BlockIndex):
         m = self._models.get(model)
         if m is None:
             return BlockLocation(workers={}, g4=False)
-        by_worker = m.holders.get(block_hash, {})
+        bw = m.holders.get(block_hash, {})
         return BlockLocation(
-            workers={w: frozenset(t) for w, t in by_worker.items()}, g4=block_hash in m.g4
+            workers={w: frozenset(t for t in _LOCAL if bits & _BIT[t]) for w, bits in bw.items()},
+            g4=block_hash in m.g4,
         )
 
     async def stats(self, model: str | None = None) -> dict:
         out = {}
         for name, m in self._models.items():
             if model is not None and name != model:
+                continue
+            if not m.holders and not m.g4:
                 continue
             per_worker: dict[str, dict[str, int]] = defaultdict(dict)
             per_tier = {t.value: 0 for t in _LOCAL}
@@ -149,7 +178,7 @@ class MemoryIndex(BlockIndex):
                     per_worker[w][t.value] = len(blocks)
                     per_tier[t.value] += len(blocks)
             out[name] = {
-                "blocks": len(m.holders),
+                "blocks": len(m.holders) + sum(1 for h in m.g4 if h not in m.holders),
                 "entries_per_tier": per_tier,
                 "g4_blocks": len(m.g4),
                 "workers": dict(per_worker),
@@ -157,4 +186,4 @@ class MemoryIndex(BlockIndex):
         return out
 
     async def models(self) -> list[str]:
-        return sorted(self._models)
+        return sorted(name for name, m in self._models.items() if m.holders or m.g4)

@@ -1,0 +1,504 @@
+"""Redis index: the production backend, shared by every gateway process of a fleet.
+
+Key schema (``P`` = key prefix, default ``kvg``; ``M`` = model name; ``{M}`` is a Redis Cluster hash tag,
+so every key of a model lives in one slot and one script can touch them all):
+
+==============================  =====  ===========================================================
+key                             type   content
+==============================  =====  ===========================================================
+``P:{M}:blocks``                hash   field = a block's sequence hash as 8 raw bytes (big endian);
+                                       value = its holders, ``",m1,m2,"`` with ``m = wid*2 + tier``
+                                       (tier 0 GPU, 1 CPU) and ``m = -1`` for G4.
+``P:{M}:r:<m>:<bucket>``        set    reverse index of member ``m`` (one worker's tier, or G4),
+                                       sharded into 2048 buckets by ``hash & 2047``; set members are
+                                       ``hash >> 11`` (53 bits: exact in Lua's doubles; intset-encoded
+                                       up to 512 per bucket, i.e. ~1M blocks per worker tier).
+``P:{M}:w`` / ``P:{M}:i``       hash   worker name -> id and id -> name (ids are never reused).
+``P:{M}:seq``                   str    the next worker id.
+``P:{M}:n``                     hash   entry count per member ``m``.
+``P:models``                    set    model names that have entries (outside the hash tag).
+==============================  =====  ===========================================================
+
+Why this shape: a block costs one hash field (no per-key overhead), each holder a few bytes in that
+field's value plus 8 bytes in an intset bucket -- about 100 bytes for the first (block, worker) entry and
+~26 for each further holder (measured: docs/BENCHMARKS.md). Entries carry no unbounded data: names live
+once in ``w``/``i``. Dropping a worker walks only its own 2048 reverse buckets -- no SCAN of the keyspace.
+
+Why a server-side Lua script and not a pipeline for ``lookup``: a pipeline must ask for every hash of the
+prompt (8K fields for a 128K-token prompt at block size 16) even when the first block already misses, and
+ships all of it back to Python. The script reads block 0's holders, then fetches the following fields
+with HMGET in growing chunks (16, 64, 256, 1024) and checks only the members whose run is still alive;
+it stops as soon as no worker and not G4 can extend its run, and returns only the per-worker counts. One
+round trip, an early exit, work proportional to the runs (not blocks x workers), an atomic snapshot.
+Writes are scripts too: one EVALSHA per event batch whatever its number of blocks, the hashes packed into
+one binary argument (Python's work per block is a numpy byte copy), one HMGET + one HSET per 1000 blocks.
+Scripts run with EVALSHA and fall back to EVAL when the server answers NOSCRIPT (after a restart or a
+SCRIPT FLUSH). Keys other than the declared ones are built inside the scripts from the same hash-tagged
+base, so they live in the declared keys' slot on Redis Cluster.
+"""
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+import numpy as np
+import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
+
+from indexer.index.base import BlockIndex, BlockLocation, LookupResult, Tier, WorkerMatch
+
+G4_MEMBER = -1
+BUCKETS = 2048  # fixed: members are hash >> 11, which must fit a double's 53 bits
+_TIER_CODE = {Tier.GPU: 0, Tier.CPU: 1}
+_CLEAR_CHUNK = 128  # buckets per clear script call: bounds how long one call blocks Redis
+
+_LUA_LOCALS = """
+local call, find, sub, byte, char, format, floor = redis.call, string.find, string.sub, string.byte, string.char, string.format, math.floor
+local gmatch, ipairs, unpack, tonumber, tostring, min = string.gmatch, ipairs, unpack, tonumber, tostring, math.min
+"""
+
+# Globals are slow in Redis's sandbox (each access goes through a protected table): scripts use locals.
+_LUA_SPLIT = _LUA_LOCALS + """
+local function split(h8)
+  local b1, b2, b3, b4, b5, b6, b7, b8 = byte(h8, 1, 8)
+  local bucket = (b7 % 8) * 256 + b8
+  local hi = ((((b1 * 256 + b2) * 256 + b3) * 256 + b4) * 256 + b5) * 256 + b6
+  return bucket, format('%.0f', hi * 32 + floor(b7 / 8))
+end
+local function join(bucket, hi)
+  local low5 = hi % 32
+  local rest = (hi - low5) / 32
+  local b = {}
+  for i = 6, 1, -1 do
+    local x = rest % 256
+    b[i] = x
+    rest = (rest - x) / 256
+  end
+  return char(b[1], b[2], b[3], b[4], b[5], b[6], low5 * 8 + floor(bucket / 256), bucket % 256)
+end
+"""
+
+# Writes. KEYS[1] = counts hash, KEYS[2] = blocks hash; ARGV = key base "P:{M}:", member, packed hashes
+# (unique). Fields are read with one HMGET and written with one HSET/HDEL per chunk of 1000 blocks.
+_STORE = _LUA_SPLIT + """
+local base, m, packed = ARGV[1], ARGV[2], ARGV[3]
+local rpre, tok = base .. 'r:' .. m .. ':', ',' .. m .. ','
+local added = 0
+for start = 1, #packed, 8000 do
+  local fields = {}
+  for off = start, min(#packed, start + 7999), 8 do fields[#fields + 1] = sub(packed, off, off + 7) end
+  local vals = call('HMGET', KEYS[2], unpack(fields))
+  local sets = {}
+  for i, f in ipairs(fields) do
+    local v = vals[i]
+    local nv = nil
+    if not v then nv = tok elseif not find(v, tok, 1, true) then nv = v .. m .. ',' end
+    if nv then
+      sets[#sets + 1] = f
+      sets[#sets + 1] = nv
+      local bucket, hi = split(f)
+      call('SADD', rpre .. bucket, hi)
+    end
+  end
+  if #sets > 0 then
+    call('HSET', KEYS[2], unpack(sets))
+    added = added + #sets / 2
+  end
+end
+if added > 0 then call('HINCRBY', KEYS[1], m, added) end
+return added
+"""
+
+_LUA_DROP = """
+-- drop member token tok from the given fields; returns the number of fields that held it
+local function drop(blocks, fields, vals, tok)
+  local sets, dels = {}, {}
+  for i, f in ipairs(fields) do
+    local v = vals[i]
+    if v then
+      local s, e = find(v, tok, 1, true)
+      if s then
+        local nv = sub(v, 1, s) .. sub(v, e + 1)
+        if nv == ',' then
+          dels[#dels + 1] = f
+        else
+          sets[#sets + 1] = f
+          sets[#sets + 1] = nv
+        end
+      end
+    end
+  end
+  if #sets > 0 then call('HSET', blocks, unpack(sets)) end
+  if #dels > 0 then call('HDEL', blocks, unpack(dels)) end
+  return #sets / 2 + #dels
+end
+"""
+
+_REMOVE = _LUA_SPLIT + _LUA_DROP + """
+local base, m, packed = ARGV[1], ARGV[2], ARGV[3]
+local rpre, tok = base .. 'r:' .. m .. ':', ',' .. m .. ','
+local removed = 0
+for start = 1, #packed, 8000 do
+  local fields = {}
+  for off = start, min(#packed, start + 7999), 8 do fields[#fields + 1] = sub(packed, off, off + 7) end
+  local vals = call('HMGET', KEYS[2], unpack(fields))
+  for i, f in ipairs(fields) do
+    local v = vals[i]
+    if v and find(v, tok, 1, true) then
+      local bucket, hi = split(f)
+      call('SREM', rpre .. bucket, hi)
+    end
+  end
+  removed = removed + drop(KEYS[2], fields, vals, tok)
+end
+if removed > 0 then call('HINCRBY', KEYS[1], m, -removed) end
+return removed
+"""
+
+# ARGV = key base, member, first bucket, end bucket (exclusive)
+_CLEAR = _LUA_SPLIT + _LUA_DROP + """
+local base, m = ARGV[1], ARGV[2]
+local rpre, tok = base .. 'r:' .. m .. ':', ',' .. m .. ','
+local removed = 0
+for bucket = tonumber(ARGV[3]), tonumber(ARGV[4]) - 1 do
+  local rkey = rpre .. bucket
+  local his = call('SMEMBERS', rkey)
+  for start = 1, #his, 1000 do
+    local fields = {}
+    for i = start, min(#his, start + 999) do fields[#fields + 1] = join(bucket, tonumber(his[i])) end
+    removed = removed + drop(KEYS[2], fields, call('HMGET', KEYS[2], unpack(fields)), tok)
+  end
+  if #his > 0 then call('DEL', rkey) end
+end
+if removed > 0 then call('HINCRBY', KEYS[1], m, -removed) end
+return removed
+"""
+
+# KEYS[1] = id->name hash, KEYS[2] = name->id hash, KEYS[3] = blocks hash; ARGV = packed hashes,
+# [allowed names...]. Returns {g4_run, name, gpu, cpu, local, name, ...} for workers that hold block 0.
+_LOOKUP = _LUA_LOCALS + """
+local packed = ARGV[1]
+local allowed = nil
+if #ARGV > 1 then
+  allowed = {}
+  for i = 2, #ARGV do
+    local id = call('HGET', KEYS[2], ARGV[i])
+    if id then allowed[tonumber(id)] = true end
+  end
+end
+local n = #packed / 8
+local v0 = call('HGET', KEYS[3], sub(packed, 1, 8))
+if not v0 then return {0} end
+-- block 0: who holds it; runs[wid] = {gpu, cpu, local, gpu alive, cpu alive, gpu token, cpu token}
+local wids, runs = {}, {}
+local g4, g4_alive = 0, false
+for s in gmatch(v0, '-?%d+') do
+  local m = tonumber(s)
+  if m < 0 then
+    g4, g4_alive = 1, true
+  else
+    local wid = floor(m / 2)
+    if allowed == nil or allowed[wid] then
+      local r = runs[wid]
+      if r == nil then
+        r = {0, 0, 1, false, false, ',' .. (wid * 2) .. ',', ',' .. (wid * 2 + 1) .. ','}
+        runs[wid] = r
+        wids[#wids + 1] = wid
+      end
+      if m % 2 == 0 then r[1], r[4] = 1, true else r[2], r[5] = 1, true end
+    end
+  end
+end
+-- later blocks, fetched in growing chunks (early exit stays cheap); only live runs are checked
+local alive, na = {}, #wids
+for i, wid in ipairs(wids) do alive[i] = runs[wid] end
+local pos, chunk = 2, 16
+while pos <= n and (na > 0 or g4_alive) do
+  local last = min(n, pos + chunk - 1)
+  local fields = {}
+  for i = pos, last do fields[i - pos + 1] = sub(packed, i * 8 - 7, i * 8) end
+  local vals = call('HMGET', KEYS[3], unpack(fields))
+  for j = 1, #fields do
+    local v = vals[j]
+    if not v then
+      na, g4_alive = 0, false
+      break
+    end
+    local died = false
+    for k = 1, na do
+      local r = alive[k]
+      local g = find(v, r[6], 1, true)
+      local c = (r[5] or not g) and find(v, r[7], 1, true)
+      if g or c then
+        r[3] = r[3] + 1
+        if r[4] then if g then r[1] = r[1] + 1 else r[4] = false end end
+        if r[5] then if c then r[2] = r[2] + 1 else r[5] = false end end
+      else
+        r[8] = true
+        died = true
+      end
+    end
+    if died then
+      local keep = {}
+      for k = 1, na do if not alive[k][8] then keep[#keep + 1] = alive[k] end end
+      alive, na = keep, #keep
+    end
+    if g4_alive then
+      if find(v, ',-1,', 1, true) then g4 = g4 + 1 else g4_alive = false end
+    end
+    if na == 0 and not g4_alive then break end
+  end
+  pos = last + 1
+  chunk = min(chunk * 4, 1024)
+end
+local out = {g4}
+for _, wid in ipairs(wids) do
+  local r = runs[wid]
+  local name = call('HGET', KEYS[1], tostring(wid))
+  if name then
+    out[#out + 1] = name
+    out[#out + 1] = r[1]
+    out[#out + 1] = r[2]
+    out[#out + 1] = r[3]
+  end
+end
+return out
+"""
+
+# KEYS[1] = name->id, KEYS[2] = id->name, KEYS[3] = id counter; ARGV[1] = name
+_WORKER_ID = _LUA_LOCALS + """
+local id = call('HGET', KEYS[1], ARGV[1])
+if id then return tonumber(id) end
+id = call('INCR', KEYS[3]) - 1
+call('HSET', KEYS[1], ARGV[1], id)
+call('HSET', KEYS[2], id, ARGV[1])
+return id
+"""
+
+
+class _Script:
+    """EVALSHA, falling back to EVAL (which also caches the script) when the server answers NOSCRIPT."""
+
+    def __init__(self, source: str) -> None:
+        import hashlib
+
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+    async def __call__(self, client: aioredis.Redis, keys: Sequence, args: Sequence):
+        try:
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return await client.eval(self.source, len(keys), *keys, *args)
+
+
+def pack_hashes(hashes: Sequence[int], unique: bool = False) -> bytes:
+    """Sequence hashes as one string of 8-byte big-endian values (the scripts' input)."""
+    if isinstance(hashes, np.ndarray):
+        if unique:
+            hashes = np.unique(hashes)
+        return hashes.astype(">u8", copy=False).tobytes()
+    if unique:
+        hashes = list(dict.fromkeys(hashes))
+    return np.array(hashes, dtype=">u8").tobytes()
+
+
+class RedisIndex(BlockIndex):
+    name = "redis"
+
+    def __init__(self, url: str, key_prefix: str = "kvg", timeout_s: float = 2.0) -> None:
+        self.url = url
+        self.prefix = key_prefix
+        self.timeout_s = timeout_s
+        self._r = aioredis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=False
+        )
+        self._ids: dict[tuple[str, str], int] = {}
+        self._known_models: set[str] = set()
+        self._store = _Script(_STORE)
+        self._remove = _Script(_REMOVE)
+        self._clear = _Script(_CLEAR)
+        self._lookup = _Script(_LOOKUP)
+        self._wid = _Script(_WORKER_ID)
+
+    # -- keys -------------------------------------------------------------------------------------------
+    def base(self, model: str) -> str:
+        """Common prefix of a model's keys, with the model as the Redis Cluster hash tag."""
+        return f"{self.prefix}:{{{model}}}:"
+
+    def blocks_key(self, model: str) -> str:
+        """The model's block hash: field = 8-byte sequence hash, value = ``,member,member,``."""
+        return self.base(model) + "blocks"
+
+    @property
+    def models_key(self) -> str:
+        return f"{self.prefix}:models"
+
+    async def _worker_id(self, model: str, worker: str) -> int:
+        wid = self._ids.get((model, worker))
+        if wid is None:
+            b = self.base(model)
+            wid = int(await self._wid(self._r, [b + "w", b + "i", b + "seq"], [worker]))
+            self._ids[(model, worker)] = wid
+        if model not in self._known_models:
+            await self._r.sadd(self.models_key, model)
+            self._known_models.add(model)
+        return wid
+
+    async def _known_worker_id(self, model: str, worker: str) -> int | None:
+        wid = self._ids.get((model, worker))
+        if wid is None:
+            raw = await self._r.hget(self.base(model) + "w", worker)
+            if raw is None:
+                return None
+            wid = self._ids[(model, worker)] = int(raw)
+        return wid
+
+    # -- writes -----------------------------------------------------------------------------------------
+    async def _write(self, script: _Script, model: str, member: int, hashes: Sequence[int]) -> int:
+        if len(hashes) == 0:
+            return 0
+        b = self.base(model)
+        packed = pack_hashes(hashes, unique=True)  # the write scripts expect each field once
+        return int(await script(self._r, [b + "n", b + "blocks"], [b, member, packed]))
+
+    async def store(self, model: str, worker: str, tier: Tier, hashes: Sequence[int]) -> None:
+        if len(hashes) == 0:
+            return
+        wid = await self._worker_id(model, worker)
+        await self._write(self._store, model, wid * 2 + _TIER_CODE[Tier(tier)], hashes)
+
+    async def remove(self, model: str, worker: str, tier: Tier, hashes: Sequence[int]) -> None:
+        if len(hashes) == 0:
+            return
+        wid = await self._known_worker_id(model, worker)
+        if wid is not None:
+            await self._write(self._remove, model, wid * 2 + _TIER_CODE[Tier(tier)], hashes)
+
+    async def store_g4(self, model: str, hashes: Sequence[int]) -> None:
+        if len(hashes) == 0:
+            return
+        if model not in self._known_models:
+            await self._r.sadd(self.models_key, model)
+            self._known_models.add(model)
+        await self._write(self._store, model, G4_MEMBER, hashes)
+
+    async def remove_g4(self, model: str, hashes: Sequence[int]) -> None:
+        await self._write(self._remove, model, G4_MEMBER, hashes)
+
+    async def _clear_member(self, model: str, member: int) -> int:
+        b = self.base(model)
+        removed = 0
+        for start in range(0, BUCKETS, _CLEAR_CHUNK):
+            removed += int(
+                await self._clear(self._r, [b + "n", b + "blocks"], [b, member, start, start + _CLEAR_CHUNK])
+            )
+        return removed
+
+    async def clear_worker(self, model: str, worker: str, tier: Tier | None = None) -> int:
+        wid = await self._known_worker_id(model, worker)
+        if wid is None:
+            return 0
+        tiers = (Tier(tier),) if tier is not None else (Tier.GPU, Tier.CPU)
+        removed = 0
+        for t in tiers:
+            removed += await self._clear_member(model, wid * 2 + _TIER_CODE[t])
+        return removed
+
+    async def clear_model(self, model: str) -> int:
+        b = self.base(model)
+        counts = await self._r.hgetall(b + "n")
+        removed = sum(int(v) for v in counts.values())
+        # UNLINK frees the big hash in a background thread; the reverse buckets go 2048 at a time.
+        await self._r.unlink(b + "blocks", b + "n")
+        for raw in counts:
+            rpre = f"{b}r:{raw.decode()}:"
+            await self._r.unlink(*(rpre + str(k) for k in range(BUCKETS)))
+        # Worker ids stay (other gateways may hold them in their caches); the registry entry goes.
+        await self._r.srem(self.models_key, model)
+        self._known_models.discard(model)
+        return removed
+
+    # -- reads ------------------------------------------------------------------------------------------
+    async def lookup(
+        self, model: str, hashes: Sequence[int], workers: Collection[str] | None = None
+    ) -> LookupResult:
+        n = len(hashes)
+        if n == 0 or (workers is not None and len(workers) == 0):
+            return LookupResult(num_blocks=n)
+        b = self.base(model)
+        args: list = [pack_hashes(hashes)]
+        if workers is not None:
+            args.extend(workers)
+        out = await self._lookup(self._r, [b + "i", b + "w", b + "blocks"], args)
+        found = {}
+        for j in range(1, len(out), 4):
+            name = out[j].decode()
+            found[name] = WorkerMatch(gpu=int(out[j + 1]), cpu=int(out[j + 2]), local=int(out[j + 3]))
+        return LookupResult(num_blocks=n, workers=found, g4=int(out[0]))
+
+    async def locate(self, model: str, block_hash: int) -> BlockLocation:
+        b = self.base(model)
+        async with self._r.pipeline(transaction=False) as p:
+            p.hget(b + "blocks", int(block_hash).to_bytes(8, "big"))
+            p.hgetall(b + "i")
+            value, names = await p.execute()
+        by_id = {int(k): v.decode() for k, v in names.items()}
+        workers: dict[str, set[Tier]] = {}
+        g4 = False
+        for raw in (value or b"").split(b","):
+            if not raw:
+                continue
+            m = int(raw)
+            if m == G4_MEMBER:
+                g4 = True
+                continue
+            name = by_id.get(m // 2)
+            if name is not None:
+                workers.setdefault(name, set()).add(Tier.GPU if m % 2 == 0 else Tier.CPU)
+        return BlockLocation(workers={w: frozenset(t) for w, t in workers.items()}, g4=g4)
+
+    async def stats(self, model: str | None = None) -> dict:
+        names = [model] if model is not None else await self.models()
+        out = {}
+        for name in names:
+            b = self.base(name)
+            async with self._r.pipeline(transaction=False) as p:
+                p.hgetall(b + "n")
+                p.hgetall(b + "i")
+                p.hlen(b + "blocks")
+                counts, ids, blocks = await p.execute()
+            by_id = {int(k): v.decode() for k, v in ids.items()}
+            per_tier = {t.value: 0 for t in _TIER_CODE}
+            per_worker: dict[str, dict[str, int]] = {}
+            g4 = 0
+            for k, v in counts.items():
+                m, val = int(k), int(v)
+                if m == G4_MEMBER:
+                    g4 = val
+                elif val > 0:
+                    tier = Tier.GPU if m % 2 == 0 else Tier.CPU
+                    per_tier[tier.value] += val
+                    per_worker.setdefault(by_id.get(m // 2, f"#{m // 2}"), {})[tier.value] = val
+            if blocks == 0 and not per_worker and g4 == 0:
+                continue
+            out[name] = {"blocks": blocks, "entries_per_tier": per_tier, "g4_blocks": g4, "workers": per_worker}
+        if out:
+            info = await self._r.info("memory")
+            out_mem = int(info.get("used_memory", 0))
+            for v in out.values():
+                v["redis_used_memory"] = out_mem
+        return out
+
+    async def models(self) -> list[str]:
+        return sorted(m.decode() for m in await self._r.smembers(self.models_key))
+
+    async def ping(self) -> float:
+        """Round-trip time of a bare PING, in seconds (the benchmark's baseline)."""
+        import time
+
+        t = time.perf_counter()
+        await self._r.ping()
+        return time.perf_counter() - t
+
+    async def close(self) -> None:
+        await self._r.aclose()

@@ -1,0 +1,271 @@
+"""End to end over real ZMQ sockets: a vLLM-shaped publisher (PUB + replay ROUTER, frames built with
+structs shaped exactly like vLLM's) feeds the ingestor, which writes into each index backend."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from indexer.events import EventIngestor, EventSource, resolve_endpoint
+from indexer.events import vllm_format as vf
+from indexer.hashing import sequence_hashes
+from indexer.index import Tier
+from tests.support.procs import free_port
+
+B = 16
+M = "m"
+TOK = list(range(1000, 1000 + 8 * B))
+SEQ = sequence_hashes(TOK, B)
+
+
+async def until(cond, timeout=20.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = cond()
+        if asyncio.iscoroutine(r):
+            r = await r
+        if r:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def blk(i, n=1, parent=True, **kw):
+    """BlockStored for blocks i..i+n-1 of TOK, engine hashes 500+i (uint64 range for some)."""
+    eh = [(2**63 + 500 + j) if j % 2 else 500 + j for j in range(i, i + n)]
+    par = None if i == 0 or not parent else ((2**63 + 500 + i - 1) if (i - 1) % 2 else 500 + i - 1)
+    return vf.stored(eh, TOK[i * B:(i + n) * B], B, par, **kw)
+
+
+def removed(i):
+    return vf.BlockRemoved(block_hashes=[(2**63 + 500 + i) if i % 2 else 500 + i], medium="GPU", group_idx=0)
+
+
+class Rig:
+    def __init__(self, index, replay=True, **kw):
+        self.index = index
+        port = free_port()
+        rport = free_port() if replay else None
+        self.pub = vf.EventPublisher(f"tcp://*:{port}", f"tcp://*:{rport}" if replay else None, topic="kv@w1@m")
+        self.resets: list[str] = []
+        self.seen: list[tuple[str, str, int]] = []
+        self.ing = EventIngestor(index, on_reset=self.resets.append,
+                                 observer=lambda w, t, h: self.seen.append((w, t, len(h))), **kw)
+        self.src = EventSource("w1", M, f"tcp://*:{port}", f"tcp://*:{rport}" if replay else None,
+                               topic="kv@", block_size=B, worker_url="http://127.0.0.1:8000")
+
+    async def __aenter__(self):
+        await self.ing.start()
+        await self.ing.add_source(self.src)
+        await until(lambda: self.ing.status("w1")["connected"], what="SUB connected")
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.ing.stop()
+        self.pub.close()
+
+    async def gpu_run(self):
+        return (await self.index.lookup(M, SEQ)).match("w1").gpu
+
+    async def wait_seq(self, seq):
+        await until(lambda: self.ing.status("w1")["last_seq"] == seq, what=f"last_seq == {seq}")
+
+
+def test_resolve_endpoint():
+    assert resolve_endpoint("tcp://*:5557", "http://10.1.2.3:8000") == "tcp://10.1.2.3:5557"
+    assert resolve_endpoint("tcp://0.0.0.0:5557", "http://vllm-0.svc:8000/v1") == "tcp://vllm-0.svc:5557"
+    assert resolve_endpoint("tcp://*:5557", "http://[fd00::1]:8000") == "tcp://[fd00::1]:5557"
+    assert resolve_endpoint("tcp://10.0.0.9:5557", "http://10.1.2.3:8000") == "tcp://10.0.0.9:5557"
+    assert resolve_endpoint("ipc:///tmp/kv", "http://h:1") == "ipc:///tmp/kv"
+    assert resolve_endpoint("tcp://*:5557", None) == "tcp://*:5557"
+
+
+async def test_events_reach_the_index(index):
+    async with Rig(index) as r:
+        r.pub.publish([blk(0, 3)])
+        r.pub.publish([blk(3, 2), vf.stored([9], [], 0, medium="CPU")])  # a placeholder for an unknown hash
+        await until(lambda: r.gpu_run(), what="blocks indexed")
+        await r.wait_seq(1)
+        assert await r.gpu_run() == 5
+        st = r.ing.status("w1")
+        assert st["applied"] == 3 and st["gaps"] == 0 and st["dropped"] == 0 and st["unmapped"] == 1
+        assert ("w1", "GPU", 3) in r.seen
+        # eviction of block 2 cuts the run
+        r.pub.publish([removed(2)])
+        await r.wait_seq(2)
+        assert await r.gpu_run() == 2
+        # G4 (STORAGE) and CPU tiers
+        r.pub.publish([blk(0, 4, medium="STORAGE"), blk(0, 1, medium="CPU")])
+        await r.wait_seq(3)
+        res = await index.lookup(M, SEQ)
+        assert res.g4 == 4 and res.match("w1").cpu == 1
+        # AllBlocksCleared clears the worker's local tiers, not G4
+        r.pub.publish([vf.AllBlocksCleared()])
+        await r.wait_seq(4)
+        res = await index.lookup(M, SEQ)
+        assert "w1" not in res.workers and res.g4 == 4
+
+
+async def test_duplicate_store_refcount_end_to_end(index):
+    async with Rig(index) as r:
+        r.pub.publish([blk(0, 2)])
+        r.pub.publish([blk(0, 2)])  # the same blocks cached twice
+        r.pub.publish([removed(1)])
+        await r.wait_seq(2)
+        assert await r.gpu_run() == 2
+        r.pub.publish([removed(1)])
+        await r.wait_seq(3)
+        assert await r.gpu_run() == 1
+
+
+async def test_gap_is_filled_by_replay(index):
+    async with Rig(index) as r:
+        r.pub.publish([blk(0, 1)])
+        await r.wait_seq(0)
+        r.pub.publish([blk(1, 2)], send=False)  # lost on the PUB socket, kept in the ring
+        r.pub.publish([blk(3, 1)], send=False)
+        r.pub.publish([blk(4, 1)])
+        await r.wait_seq(3)
+        st = r.ing.status("w1")
+        assert st["gaps"] == 1 and st["replays"] == 1 and st["resets"] == 0
+        assert st["unknown_parent"] == 0
+        assert await r.gpu_run() == 5
+        assert r.resets == []
+
+
+async def test_unfillable_gap_clears_and_rebuilds(index):
+    async with Rig(index, replay=False) as r:
+        r.pub.publish([blk(0, 3)])
+        await r.wait_seq(0)
+        assert await r.gpu_run() == 3
+        r.pub.publish([removed(0)], send=False)  # lost, and no replay endpoint
+        r.pub.publish([blk(3, 1)])  # its parent is gone after the reset
+        await r.wait_seq(2)
+        st = r.ing.status("w1")
+        assert st["gaps"] == 1 and st["resets"] == 1 and st["unknown_parent"] == 1
+        assert r.resets == ["w1"]
+        assert "w1" not in (await index.lookup(M, SEQ)).workers
+        r.pub.publish([blk(0, 2, parent=False)])  # rebuilt from new events
+        await r.wait_seq(3)
+        assert await r.gpu_run() == 2
+
+
+async def test_sequence_reset_clears_the_worker(index):
+    async with Rig(index) as r:
+        r.pub.publish([blk(0, 4)])
+        r.pub.publish([blk(4, 1)])
+        await r.wait_seq(1)
+        assert await r.gpu_run() == 5
+        r.pub.restart()  # vLLM restarted: seq starts at 0 again, its cache is empty
+        r.pub.publish([blk(0, 1)])
+        await r.wait_seq(0)
+        await until(lambda: r.ing.status("w1")["resets"] == 1, what="reset")
+        assert r.resets == ["w1"]
+        assert await r.gpu_run() == 1
+
+
+async def test_malformed_messages_are_dropped_and_counted(index):
+    async with Rig(index) as r:
+        r.pub.publish([], raw_payload=b"\xc1 garbage")
+        r.pub.publish([], raw_payload=vf.msgspec.msgpack.encode([1.0, [{"type": "BlockStored"}, 7], 0]))
+        r.pub._pub.send_multipart([b"kv@w1@m", b"\x00\x01", b"x"])  # bad seq frame
+        r.pub._pub.send_multipart([b"kv@w1@m"])  # one frame only
+        r.pub.publish([blk(0, 2)])
+        await r.wait_seq(2)
+        st = r.ing.status("w1")
+        assert st["dropped"] == 5 and st["gaps"] == 0
+        assert await r.gpu_run() == 2
+
+
+async def test_late_subscriber_replays_from_zero(index):
+    """A gateway that joins after vLLM published replays the buffered batches it missed."""
+    port, rport = free_port(), free_port()
+    pub = vf.EventPublisher(f"tcp://*:{port}", f"tcp://*:{rport}")
+    ing = EventIngestor(index)
+    try:
+        pub.publish([blk(0, 2)])
+        pub.publish([blk(2, 1)])
+        pub.flush()
+        await ing.add_source(EventSource("w1", M, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}"))
+        await until(lambda: ing.status("w1")["connected"], what="connected")
+        await asyncio.sleep(0.2)
+        pub.publish([blk(3, 1)])
+        await until(lambda: ing.status("w1")["last_seq"] == 2, what="seq 2")
+        assert (await index.lookup(M, SEQ)).match("w1").gpu == 4
+        assert ing.status("w1")["replays"] == 1 and ing.status("w1")["resets"] == 0
+    finally:
+        await ing.stop()
+        pub.close()
+
+
+async def test_workers_do_not_block_each_other(index):
+    """A worker whose replay endpoint never answers stalls only its own queue."""
+    import zmq
+
+    silent = zmq.Context()
+    mute = silent.socket(zmq.ROUTER)  # accepts replay requests and never answers
+    mport = free_port()
+    mute.bind(f"tcp://127.0.0.1:{mport}")
+    p1, p2 = free_port(), free_port()
+    pub1 = vf.EventPublisher(f"tcp://*:{p1}")
+    pub2 = vf.EventPublisher(f"tcp://*:{p2}")
+    ing = EventIngestor(index, replay_timeout_s=3.0)
+    try:
+        await ing.add_source(EventSource("stuck", M, f"tcp://127.0.0.1:{p1}", f"tcp://127.0.0.1:{mport}"))
+        await ing.add_source(EventSource("w2", M, f"tcp://127.0.0.1:{p2}"))
+        await until(lambda: ing.status("stuck")["connected"] and ing.status("w2")["connected"])
+        await asyncio.sleep(0.2)
+        pub1.publish([blk(0, 1)], send=False)
+        pub1.publish([blk(0, 1)])  # seq 1 first: replay of 0 hangs for 3 s
+        await asyncio.sleep(0.3)
+        pub2.publish([blk(0, 3)])
+        await until(lambda: ing.status("w2")["last_seq"] == 0, what="w2 applied")
+        assert ing.status("stuck")["last_seq"] is None  # still waiting on its replay
+        res = await index.lookup(M, SEQ)
+        assert res.match("w2").gpu == 3
+        await until(lambda: ing.status("stuck")["last_seq"] == 1, what="stuck recovers after the timeout")
+        assert (await index.lookup(M, SEQ)).match("stuck").gpu == 1
+    finally:
+        await ing.stop()
+        pub1.close()
+        pub2.close()
+        mute.close(0)
+        silent.term()
+
+
+async def test_remove_source_clears(index):
+    async with Rig(index) as r:
+        r.pub.publish([blk(0, 2)])
+        await r.wait_seq(0)
+        await r.ing.remove_source("w1")
+        assert "w1" not in (await index.lookup(M, SEQ)).workers
+        with pytest.raises(KeyError):
+            r.ing.status("w1")
+        assert r.ing.statuses() == {}
+
+
+async def test_index_failure_resets_the_source_on_the_next_message(index):
+    """Mock: an index whose writes fail once (no real way to make Redis fail one call on demand)."""
+
+    class Flaky:
+        def __init__(self, inner):
+            self.inner, self.fail = inner, 1
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        async def store(self, *a):
+            if self.fail:
+                self.fail -= 1
+                raise ConnectionError("boom")
+            return await self.inner.store(*a)
+
+    async with Rig(Flaky(index)) as r:
+        r.pub.publish([blk(0, 2)])
+        await until(lambda: r.ing.status("w1")["errors"] == 1, what="error counted")
+        r.pub.publish([blk(0, 1, parent=False)])
+        await r.wait_seq(1)
+        st = r.ing.status("w1")
+        assert st["resets"] == 1
+        assert (await index.lookup(M, SEQ)).match("w1").gpu == 1

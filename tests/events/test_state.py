@@ -1,0 +1,158 @@
+"""Engine hash -> kvgate hash mapping, reference counting and the seed rule (pure logic, no sockets)."""
+from __future__ import annotations
+
+from indexer.events.state import WorkerState, cache_salt_of
+from indexer.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from indexer.hashing import sequence_hashes
+from indexer.index import Tier
+
+B = 4
+TOK = list(range(100, 100 + 6 * B))  # 6 blocks
+SEQ = sequence_hashes(TOK, B)
+
+
+def stored(hashes, tokens, parent=None, medium="GPU", **kw):
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=B,
+                       medium=medium, **kw)
+
+
+def items(ops):
+    return [(op, t.value if t else None, h) for op, t, h in ops.items]
+
+
+def test_stored_maps_to_sequence_hashes_across_events():
+    s = WorkerState(block_size=B)
+    ops = s.apply([stored([11, 12], TOK[: 2 * B])])
+    assert items(ops) == [("store", "GPU", SEQ[:2])]
+    # a later event continues the chain from its parent's engine hash
+    ops = s.apply([stored([13, 14, 15], TOK[2 * B: 5 * B], parent=12)])
+    assert items(ops) == [("store", "GPU", SEQ[2:5])]
+
+
+def test_duplicate_stores_then_one_removal_keeps_the_block():
+    s = WorkerState(block_size=B)
+    s.apply([stored([11], TOK[:B])])
+    assert s.apply([stored([11], TOK[:B])]).items == []  # second copy: no index write
+    assert s.apply([BlockRemoved(block_hashes=[11], medium="GPU")]).items == []  # one copy left
+    ops = s.apply([BlockRemoved(block_hashes=[11], medium="GPU")])
+    assert items(ops) == [("remove", "GPU", SEQ[:1])]
+    assert len(s) == 0
+    # removing an unknown or already removed handle is harmless
+    assert s.apply([BlockRemoved(block_hashes=[11, 99], medium="GPU")]).items == []
+
+
+def test_refcount_is_per_tier():
+    s = WorkerState(block_size=B)
+    s.apply([stored([11], TOK[:B]), stored([11], TOK[:B], medium="CPU")])
+    ops = s.apply([BlockRemoved(block_hashes=[11], medium="GPU")])
+    assert items(ops) == [("remove", "GPU", SEQ[:1])]
+    ops = s.apply([BlockRemoved(block_hashes=[11], medium="CPU")])
+    assert items(ops) == [("remove", "CPU", SEQ[:1])]
+
+
+def test_store_and_remove_in_one_batch_cancel_out():
+    s = WorkerState(block_size=B)
+    ops = s.apply([stored([11, 12], TOK[: 2 * B]), BlockRemoved(block_hashes=[12], medium="GPU")])
+    assert items(ops) == [("store", "GPU", SEQ[:1])]
+
+
+def test_all_blocks_cleared_clears_in_order():
+    s = WorkerState(block_size=B)
+    ops = s.apply([stored([11], TOK[:B]), AllBlocksCleared(), stored([21], TOK[:B])])
+    assert items(ops) == [("store", "GPU", SEQ[:1]), ("clear", None, None), ("store", "GPU", SEQ[:1])]
+
+
+def test_unknown_parent_is_counted_and_skipped():
+    s = WorkerState(block_size=B)
+    assert s.apply([stored([13], TOK[2 * B: 3 * B], parent=12)]).items == []
+    assert s.counters["unknown_parent"] == 1
+
+
+def test_block_size_mismatch_is_dropped():
+    s = WorkerState(block_size=B)
+    ev = BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=TOK[:8], block_size=8, medium="GPU")
+    short = stored([1, 2], TOK[:B])  # 2 hashes, 1 block of tokens
+    assert s.apply([ev, short]).items == []
+    assert s.counters["size_mismatch"] == 2
+    # an unconfigured state learns the size from the first event
+    s2 = WorkerState()
+    assert items(s2.apply([ev])) == [("store", "GPU", sequence_hashes(TOK[:8], 8))]
+
+
+def test_lora_and_cache_salt_identity():
+    """Hashes rebuilt from events equal what the router computes from the same tokens."""
+    s = WorkerState(block_size=B)
+    extra = [["adapterA", "tenant-7"], ["adapterA"]]
+    ops = s.apply([stored([1, 2], TOK[: 2 * B], lora_name="adapterA", extra_keys=extra)])
+    expect = sequence_hashes(TOK, B, lora_name="adapterA", cache_salt="tenant-7")
+    assert items(ops) == [("store", "GPU", expect[:2])]
+    assert expect[:2] != SEQ[:2]
+    # continuation: the salt is not re-applied, the LoRA seed is
+    ops = s.apply([stored([3], TOK[2 * B: 3 * B], parent=2, lora_name="adapterA", extra_keys=[["adapterA"]])])
+    assert items(ops) == [("store", "GPU", expect[2:3])]
+    # cache_salt alone, with an mm pair in the keys
+    s2 = WorkerState(block_size=B)
+    ops = s2.apply([stored([1], TOK[:B], extra_keys=[[["mmhash", 0], "salty"]])])
+    assert items(ops) == [("store", "GPU", sequence_hashes(TOK, B, cache_salt="salty")[:1])]
+
+
+def test_cache_salt_of():
+    assert cache_salt_of(None, None) is None
+    assert cache_salt_of([None], None) is None
+    assert cache_salt_of([["lora", "salt"]], "lora") == "salt"
+    assert cache_salt_of([["lora"]], "lora") is None
+    assert cache_salt_of([["same", "same"]], "same") == "same"
+    assert cache_salt_of([[b"embeds", "s"]], None) == "s"
+
+
+def test_placeholders_map_through_known_handles():
+    s = WorkerState(block_size=B)
+    s.apply([stored([11, 12], TOK[: 2 * B])])
+    ph = BlockStored(block_hashes=[12, 77], parent_block_hash=None, token_ids=[], block_size=0, medium="CPU")
+    ops = s.apply([ph])
+    assert items(ops) == [("store", "CPU", SEQ[1:2])]
+    assert s.counters["unmapped"] == 1
+
+
+def test_storage_goes_to_g4_and_is_never_removed():
+    s = WorkerState(block_size=B)
+    ops = s.apply([stored([11, 12], TOK[: 2 * B], medium="STORAGE")])
+    assert items(ops) == [("g4", None, SEQ[:2])]
+    assert s.apply([BlockRemoved(block_hashes=[11], medium="STORAGE")]).items == []
+    # a STORAGE block can be the parent of a later chain, even after a reset of the local tiers
+    s.reset()
+    ops = s.apply([stored([13], TOK[2 * B: 3 * B], parent=12)])
+    assert items(ops) == [("store", "GPU", SEQ[2:3])]
+
+
+def test_other_groups_and_kinds_are_skipped():
+    s = WorkerState(block_size=B)
+    ev = stored([11], TOK[:B], kv_cache_spec_kind="sliding_window")
+    assert s.apply([ev]).items == []
+    assert s.counters["skipped"] == 1
+    ev = stored([11], TOK[:B], medium="SOMEWHERE")
+    assert s.apply([ev]).items == []
+    # groups are separate handle spaces
+    s.apply([stored([11], TOK[:B], group_idx=1)])
+    assert s.apply([stored([12], TOK[B: 2 * B], parent=11, group_idx=0)]).items == []
+    assert s.counters["unknown_parent"] == 1
+
+
+def test_bad_token_ids_are_malformed_not_fatal():
+    s = WorkerState(block_size=2)
+    ev = BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=["a", None], block_size=2, medium="GPU")
+    assert s.apply([ev]).items == []
+    assert s.counters["malformed"] == 1
+
+
+def test_lora_and_salt_identity_through_the_wire():
+    """vLLM-shaped BlockStored (extra_keys per block) -> msgpack -> decode -> state == router's hashes."""
+    from indexer.events import vllm_format as vf
+    from indexer.events.wire import decode_batch
+
+    tok = list(range(7, 7 + 3 * B))
+    ev = vf.stored([1, 2, 3], tok, B, None, lora_name="adapterA", lora_id=1, cache_salt="t1")
+    assert ev.extra_keys == [("adapterA", "t1"), ("adapterA",), ("adapterA",)]
+    batch = decode_batch(vf.encode_batch(vf.KVEventBatch(ts=0.0, events=[ev], data_parallel_rank=0)))
+    ops = WorkerState(block_size=B).apply(batch.events)
+    assert items(ops) == [("store", "GPU", sequence_hashes(tok, B, lora_name="adapterA", cache_salt="t1"))]

@@ -1,0 +1,253 @@
+"""The BlockIndex contract, identical for every backend (see indexer/index/base.py)."""
+from __future__ import annotations
+
+import pytest
+
+from indexer.hashing import sequence_hashes
+from indexer.index import Tier, WorkerMatch, create_index
+from indexer.index.memory import MemoryIndex
+
+M = "model-a"
+H = sequence_hashes(list(range(16 * 8)), 16)  # 8 chained hashes, several >= 2**63
+GPU, CPU = Tier.GPU, Tier.CPU
+
+
+def test_hashes_cover_the_unsigned_range():
+    assert any(h >= 2**63 for h in H) and any(h < 2**63 for h in H)
+
+
+async def test_store_is_idempotent_and_lookup_counts_leading_run(index):
+    await index.store(M, "w1", GPU, H[:5])
+    await index.store(M, "w1", GPU, H[:5])
+    res = await index.lookup(M, H)
+    assert res.num_blocks == 8
+    assert res.match("w1") == WorkerMatch(gpu=5, cpu=0, local=5)
+    assert res.g4 == 0
+    st = (await index.stats(M))[M]
+    assert st["workers"]["w1"] == {"GPU": 5}
+    assert st["blocks"] == 5
+
+
+async def test_remove_is_idempotent_and_breaks_the_run(index):
+    await index.store(M, "w1", GPU, H)
+    await index.remove(M, "w1", GPU, [H[3]])
+    await index.remove(M, "w1", GPU, [H[3], 12345])  # already gone / unknown: ignored
+    await index.remove(M, "nobody", GPU, [H[0]])
+    assert (await index.lookup(M, H)).match("w1").gpu == 3
+    assert (await index.stats(M))[M]["workers"]["w1"] == {"GPU": 7}
+
+
+async def test_leading_run_is_per_tier_and_local_is_either(index):
+    # GPU holds 0..2, CPU holds 2..5: gpu run 3, cpu run 0 (block 0 missing), local run 6.
+    await index.store(M, "w1", GPU, H[0:3])
+    await index.store(M, "w1", CPU, H[2:6])
+    # w2 on CPU only, with a hole at 4
+    await index.store(M, "w2", CPU, H[0:4] + H[5:8])
+    res = await index.lookup(M, H)
+    assert res.match("w1") == WorkerMatch(gpu=3, cpu=0, local=6)
+    assert res.match("w2") == WorkerMatch(gpu=0, cpu=4, local=4)
+
+
+async def test_worker_without_the_first_block_has_no_match(index):
+    await index.store(M, "w1", GPU, H[1:])
+    res = await index.lookup(M, H)
+    assert "w1" not in res.workers and res.match("w1") == WorkerMatch()
+
+
+async def test_g4_run_is_model_wide(index):
+    await index.store_g4(M, H[:6])
+    await index.store(M, "w1", GPU, H[:2])
+    res = await index.lookup(M, H)
+    assert res.g4 == 6
+    assert res.match("w1").gpu == 2
+    await index.remove_g4(M, [H[2]])
+    assert (await index.lookup(M, H)).g4 == 2
+    # G4 survives the removal of every worker
+    await index.clear_worker(M, "w1")
+    assert (await index.lookup(M, H)).g4 == 2
+
+
+async def test_g4_continues_after_workers_stop(index):
+    await index.store(M, "w1", GPU, H[:1])
+    await index.store_g4(M, H)
+    res = await index.lookup(M, H)
+    assert res.g4 == 8 and res.match("w1").gpu == 1
+
+
+async def test_worker_filter(index):
+    for w in ("w1", "w2", "w3"):
+        await index.store(M, w, GPU, H[:4])
+    res = await index.lookup(M, H, workers=["w2", "w3", "unknown"])
+    assert set(res.workers) == {"w2", "w3"}
+    res = await index.lookup(M, H, workers=[])
+    assert res.workers == {}
+
+
+async def test_clear_worker_only_that_worker_and_tier(index):
+    await index.store(M, "w1", GPU, H)
+    await index.store(M, "w1", CPU, H[:4])
+    await index.store(M, "w2", GPU, H)
+    assert await index.clear_worker(M, "w1", CPU) == 4
+    res = await index.lookup(M, H)
+    assert res.match("w1") == WorkerMatch(gpu=8, cpu=0, local=8)
+    assert await index.clear_worker(M, "w1") == 8
+    res = await index.lookup(M, H)
+    assert "w1" not in res.workers
+    assert res.match("w2").gpu == 8
+    assert await index.clear_worker(M, "w1") == 0
+    assert await index.clear_worker(M, "never-seen") == 0
+    loc = await index.locate(M, H[0])
+    assert loc.workers == {"w2": frozenset({GPU})}
+
+
+async def test_clear_model_and_models(index):
+    await index.store(M, "w1", GPU, H)
+    await index.store_g4(M, H[:2])
+    await index.store("model-b", "w1", GPU, H[:3])
+    assert await index.models() == ["model-a", "model-b"]
+    assert await index.clear_model(M) == 10
+    assert (await index.lookup(M, H)).workers == {}
+    assert (await index.lookup(M, H)).g4 == 0
+    assert await index.models() == ["model-b"]
+    assert (await index.lookup("model-b", H)).match("w1").gpu == 3
+    # a cleared model can be filled again
+    await index.store(M, "w1", CPU, H[:1])
+    assert (await index.lookup(M, H)).match("w1").cpu == 1
+
+
+async def test_models_are_namespaces(index):
+    await index.store(M, "w1", GPU, H)
+    assert (await index.lookup("model-b", H)).workers == {}
+    await index.clear_worker("model-b", "w1")
+    assert (await index.lookup(M, H)).match("w1").gpu == 8
+
+
+async def test_locate(index):
+    await index.store(M, "w1", GPU, H[:2])
+    await index.store(M, "w1", CPU, H[:1])
+    await index.store(M, "w2", CPU, H[:1])
+    await index.store_g4(M, H[1:2])
+    loc = await index.locate(M, H[0])
+    assert loc.workers == {"w1": frozenset({GPU, CPU}), "w2": frozenset({CPU})}
+    assert loc.g4 is False
+    loc = await index.locate(M, H[1])
+    assert loc.workers == {"w1": frozenset({GPU})} and loc.g4 is True
+    loc = await index.locate(M, 42)
+    assert loc.workers == {} and loc.g4 is False
+
+
+async def test_stats(index):
+    await index.store(M, "w1", GPU, H[:4])
+    await index.store(M, "w2", GPU, H[:2])
+    await index.store(M, "w2", CPU, H[:3])
+    await index.store_g4(M, H[:6])
+    st = (await index.stats())[M]
+    assert st["blocks"] == 6
+    assert st["entries_per_tier"] == {"GPU": 6, "CPU": 3}
+    assert st["g4_blocks"] == 6
+    assert st["workers"] == {"w1": {"GPU": 4}, "w2": {"GPU": 2, "CPU": 3}}
+    assert await index.stats("nothing-here") == {}
+
+
+async def test_empty_lookup(index):
+    res = await index.lookup(M, [])
+    assert res.num_blocks == 0 and res.workers == {} and res.g4 == 0
+    res = await index.lookup("no-model", H)
+    assert res.num_blocks == 8 and res.workers == {}
+
+
+async def test_huge_prompt_many_workers(index):
+    hashes = sequence_hashes(list(range(8192 * 16)), 16)
+    assert len(hashes) == 8192
+    await index.store(M, "full", GPU, hashes)
+    await index.store(M, "half", CPU, hashes[:4096])
+    for i in range(20):
+        await index.store(M, f"short{i}", GPU, hashes[: i + 1])
+    await index.store_g4(M, hashes[:7000])
+    res = await index.lookup(M, hashes)
+    assert res.match("full").gpu == 8192
+    assert res.match("half") == WorkerMatch(gpu=0, cpu=4096, local=4096)
+    assert res.match("short19").gpu == 20
+    assert res.g4 == 7000
+    assert await index.clear_worker(M, "full") == 8192
+    assert (await index.stats(M))[M]["workers"]["half"] == {"CPU": 4096}
+
+
+def test_create_index_factory():
+    from router.config import IndexConfig
+
+    assert isinstance(create_index(IndexConfig()), MemoryIndex)
+    with pytest.raises(ValueError):
+        create_index(type("S", (), {"backend": "nope"})())
+
+
+async def test_create_redis_index_and_prefix_isolation(redis_url):
+    from router.config import IndexConfig
+    from indexer.index.redis import RedisIndex
+
+    a = create_index(IndexConfig(backend="redis", redis_url=redis_url, key_prefix="a"))
+    b = RedisIndex(redis_url, key_prefix="b")
+    try:
+        assert isinstance(a, RedisIndex)
+        await a.store(M, "w1", GPU, H)
+        assert (await b.lookup(M, H)).workers == {}
+        assert await b.models() == []
+        # a second gateway process with the same prefix sees the same index
+        a2 = RedisIndex(redis_url, key_prefix="a")
+        assert (await a2.lookup(M, H)).match("w1").gpu == 8
+        await a2.remove(M, "w1", GPU, H[4:5])
+        assert (await a.lookup(M, H)).match("w1").gpu == 4
+        await a2.close()
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_redis_survives_script_flush(redis_url):
+    """After SCRIPT FLUSH (or a Redis restart) EVALSHA answers NOSCRIPT and the index falls back to EVAL."""
+    from indexer.index.redis import RedisIndex
+
+    idx = RedisIndex(redis_url)
+    try:
+        await idx.store(M, "w1", GPU, H)
+        await idx._r.script_flush()
+        assert (await idx.lookup(M, H)).match("w1").gpu == 8
+    finally:
+        await idx.close()
+
+
+async def test_redis_timeout_is_an_error_not_a_hang():
+    """A Redis that never answers: the configured timeout turns into an exception."""
+    import socket
+
+    from indexer.index.redis import RedisIndex
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    idx = RedisIndex(f"redis://127.0.0.1:{port}/0", timeout_s=0.5)
+    try:
+        with pytest.raises(Exception):
+            await idx.lookup(M, H)
+    finally:
+        await idx.close()
+        srv.close()
+
+
+async def test_extreme_hash_values_round_trip_through_clear(index):
+    """The Redis scripts split hashes into bucket + 53-bit member in Lua doubles: edges must survive."""
+    edge = [0, 1, 2**11 - 1, 2**11, 2**53 - 1, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 2, 2**64 - 1]
+    await index.store(M, "w1", GPU, edge)
+    await index.store(M, "w2", GPU, edge[:3])
+    await index.store_g4(M, edge)
+    for h in edge:
+        assert (await index.locate(M, h)).workers["w1"] == frozenset({GPU})
+    assert (await index.lookup(M, edge)).match("w1").gpu == len(edge)
+    assert await index.clear_worker(M, "w1") == len(edge)
+    for h in edge:
+        assert "w1" not in (await index.locate(M, h)).workers
+    assert (await index.lookup(M, edge)).match("w2").gpu == 3
+    assert (await index.lookup(M, edge)).g4 == len(edge)
+    st = (await index.stats(M))[M]
+    assert st["workers"] == {"w2": {"GPU": 3}} and st["blocks"] == len(edge)
