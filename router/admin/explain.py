@@ -1,0 +1,80 @@
+"""``POST /admin/explain``: what the gateway would do with a request, without sending it anywhere.
+
+It runs the proxy's own planning (``router.plan``: tokenize, hash, index lookup, cost model, policy), so
+the answer is the decision the proxy would make now. Two forms:
+
+- ``POST /admin/explain`` with ``{"body": <client body>, "path": ..., "model": ..., "headers": {...}}``;
+- ``POST /admin/explain/v1/chat/completions`` (or ``/v1/completions``) with the client's body verbatim.
+"""
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter, Request
+
+from router.admin import schemas
+from router.admin.common import kv_state
+from router.errors import APIError
+
+router = APIRouter(prefix="/explain", tags=["admin: explain"])
+
+PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+def _check_body(path: str, body: dict) -> None:
+    """The same shape checks a client would meet, as 400s naming the field."""
+    if path == "/v1/chat/completions":
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
+            raise APIError(400, "'messages' must be a non-empty list of message objects", param="messages")
+    else:
+        prompt = body.get("prompt")
+        ok = isinstance(prompt, str) or (
+            isinstance(prompt, list) and prompt and (
+                all(isinstance(p, str) for p in prompt)
+                or all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+                or all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt)))
+        if not ok:
+            raise APIError(400, "'prompt' must be a string, a list of strings, or token ids", param="prompt")
+
+
+async def _explain(request: Request, path: str, body: dict, model: str | None,
+                   headers: dict[str, str]) -> schemas.Explanation:
+    state = kv_state(request)
+    if path not in PATHS:
+        raise APIError(400, f"path must be one of {', '.join(PATHS)}", param="path")
+    model = model or body.get("model")
+    if not isinstance(model, str) or not model:
+        raise APIError(400, "the request names no model (body.model or model)", param="model")
+    _check_body(path, body)
+    size = len(json.dumps(body))
+    # Same call as the proxy's; a fresh request id so nothing is mistaken for a real request.
+    decision = await state.router.plan(model, body, headers, path, size=size)
+    d = decision.to_dict(include_hashes=True)
+    d["hashes_hex"] = [f"{h:016x}" for h in decision.hashes]
+    return schemas.Explanation(**d)
+
+
+@router.post("", response_model=schemas.Explanation, summary="Explain the routing of a request (sends nothing)")
+async def explain(req: schemas.ExplainRequest, request: Request) -> schemas.Explanation:
+    path = req.path
+    if path is None:
+        path = "/v1/chat/completions" if "messages" in req.body else "/v1/completions"
+    return await _explain(request, path, req.body, req.model, req.headers)
+
+
+@router.post("/v1/chat/completions", response_model=schemas.Explanation,
+             summary="Explain a chat request given verbatim")
+async def explain_chat(body: dict, request: Request) -> schemas.Explanation:
+    return await _explain(request, "/v1/chat/completions", body, None, _client_headers(request))
+
+
+@router.post("/v1/completions", response_model=schemas.Explanation,
+             summary="Explain a completion request given verbatim")
+async def explain_completion(body: dict, request: Request) -> schemas.Explanation:
+    return await _explain(request, "/v1/completions", body, None, _client_headers(request))
+
+
+def _client_headers(request: Request) -> dict[str, str]:
+    """Routing-relevant headers of the explain call itself (the admin token is not one of them)."""
+    return {k: v for k, v in request.headers.items() if k.lower() not in ("authorization", "cookie")}
