@@ -20,5 +20,12 @@ def admin_router() -> APIRouter:
 
 
 def install(app) -> None:
-    """Mount the admin API on a gateway app (``router.app.create_app`` calls this)."""
+    """Mount the admin API on a gateway app (``router.app.create_app`` calls this) and add its gauges
+    (draining, parity, events connected) to the gateway's metrics registry."""
+    from router.admin.metrics import AdminCollector
+
     app.include_router(admin_router())
+    state = getattr(app.state, "kv", None)
+    metrics = getattr(state, "metrics", None)
+    if metrics is not None:
+        metrics.registry.register(AdminCollector(state))

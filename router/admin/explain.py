@@ -8,6 +8,7 @@ the answer is the decision the proxy would make now. Two forms:
 """
 from __future__ import annotations
 
+import copy
 import json
 
 from fastapi import APIRouter, Request
@@ -19,6 +20,24 @@ from router.errors import APIError
 router = APIRouter(prefix="/explain", tags=["admin: explain"])
 
 PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+def dry_run_policy(policy):
+    """A copy of the live policy for planning without consequences.
+
+    Policies break exact ties with a rotation counter that every ``order`` call advances (round robin
+    is nothing else). Planning on a copy whose counters are copied too gives the choice the *next* real
+    request would get, and leaves the live counters where they were, so explaining never shifts routing.
+    """
+    from router.policies.base import Policy, Rotation
+
+    dry = copy.copy(policy)
+    for name, value in vars(policy).items():
+        if isinstance(value, Rotation):
+            setattr(dry, name, copy.copy(value))
+        elif isinstance(value, Policy):
+            setattr(dry, name, dry_run_policy(value))
+    return dry
 
 
 def _check_body(path: str, body: dict) -> None:
@@ -48,8 +67,9 @@ async def _explain(request: Request, path: str, body: dict, model: str | None,
         raise APIError(400, "the request names no model (body.model or model)", param="model")
     _check_body(path, body)
     size = len(json.dumps(body))
-    # Same call as the proxy's; a fresh request id so nothing is mistaken for a real request.
-    decision = await state.router.plan(model, body, headers, path, size=size)
+    # Same call as the proxy's, on a copy of the policy; a fresh request id, and the decision is not logged.
+    decision = await state.router.plan(model, body, headers, path, size=size,
+                                       policy=dry_run_policy(state.policy))
     d = decision.to_dict(include_hashes=True)
     d["hashes_hex"] = [f"{h:016x}" for h in decision.hashes]
     return schemas.Explanation(**d)

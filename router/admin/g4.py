@@ -11,10 +11,11 @@ import asyncio
 import logging
 import os
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 
 from router.admin import schemas
 from router.admin.common import kv_state
+from router.errors import APIError
 
 log = logging.getLogger("kvgate.admin")
 router = APIRouter(prefix="/g4", tags=["admin: g4"])
@@ -117,3 +118,44 @@ async def g4_file_metadata(state, model: str, h: int) -> dict | None:
     except Exception as exc:  # a damaged store must not break the blocks endpoint
         log.warning("admin: reading G4 metadata of %016x failed: %s", h, exc)
         return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _maintenance(state):
+    """(root, cache_tier.inventory) or a clear 409 saying why G4 maintenance cannot run here."""
+    root = state.settings.g4.path
+    if not root:
+        raise APIError(409, "no G4 store is configured (g4.path)", code="g4_not_configured")
+    try:
+        from cache_tier import inventory
+    except ImportError as exc:
+        raise APIError(409, f"the G4 store module is unavailable on this gateway: {exc}",
+                       code="g4_unavailable") from None
+    if not os.path.isdir(root):
+        raise APIError(409, f"{root} is not a directory on this gateway's host", code="g4_unavailable")
+    return root, inventory
+
+
+@router.post("/{model:path}/rebuild", response_model=schemas.G4Maintenance,
+             summary="Record every block of the model found on G4 in the index (after an index loss)")
+async def rebuild(model: str, request: Request) -> schemas.G4Maintenance:
+    state = kv_state(request)
+    root, inventory = _maintenance(state)
+    n = await inventory.rebuild_index(state.index, model, root)
+    log.info("admin: G4 rebuild of %s: %d blocks", model, n)
+    return schemas.G4Maintenance(model=model, blocks=n)
+
+
+@router.post("/{model:path}/gc", response_model=schemas.G4Maintenance,
+             summary="Run the G4 LRU GC for a model now and drop the evicted blocks from the index")
+async def gc(model: str, request: Request,
+             capacity_bytes: int | None = Query(None, ge=0, description="default: g4.capacity_bytes"),
+             ) -> schemas.G4Maintenance:
+    state = kv_state(request)
+    root, inventory = _maintenance(state)
+    cap = capacity_bytes if capacity_bytes is not None else state.settings.g4.capacity_bytes
+    if cap is None:
+        raise APIError(400, "no capacity: pass capacity_bytes or configure g4.capacity_bytes",
+                       param="capacity_bytes")
+    evicted = await inventory.gc_store(state.index, model, root, cap)
+    log.info("admin: G4 GC of %s to %d bytes: %d evicted", model, cap, len(evicted))
+    return schemas.G4Maintenance(model=model, evicted=len(evicted), capacity_bytes=cap)

@@ -46,9 +46,22 @@ class WorkerOut(BaseModel):
     events: EventsStatus | None = Field(None, description="KV event ingestion status (None: not subscribed)")
     load: WorkerLoadOut
     cached_blocks: dict[str, int] = Field(default_factory=dict, description="index entries per tier")
-    parity: dict[str, Any] | None = Field(None, description="last parity check of index vs worker, if any")
+    parity: ParityResult | None = Field(None, description="last parity check (POST .../parity), if any")
     restarts: int = 0
     last_error: str | None = None
+
+
+class ParityResult(_Open):
+    """Whether the gateway tokenizes like the worker and sees the worker's blocks in the index."""
+
+    ok: bool
+    checked_at: float
+    seconds: float
+    block_size: int | None = None
+    tokenization: dict[str, Any] = Field(default_factory=dict,
+                                         description="match, gateway/worker token counts, first difference")
+    events: dict[str, Any] = Field(default_factory=dict,
+                                   description="match, expected and indexed blocks of the probe prompt")
 
 
 class WorkerList(BaseModel):
@@ -216,3 +229,10 @@ class G4Stats(_Open):
     path: str | None = None
     capacity_bytes: int | None = None
     namespaces: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class G4Maintenance(BaseModel):
+    model: str
+    blocks: int | None = Field(None, description="blocks recorded in the index (rebuild)")
+    evicted: int | None = Field(None, description="blocks evicted and dropped from the index (gc)")
+    capacity_bytes: int | None = None

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 
 from router.admin import schemas
 from router.admin.common import index_stats, ingestor_statuses, kv_state, not_found
+from router.admin.parity import check_worker
 from router.config import WorkerConfig
 from router.errors import APIError
 
@@ -79,6 +80,21 @@ async def remove_worker(name: str, request: Request) -> schemas.WorkerRemoved:
              summary="Drain a worker: no new requests, in-flight ones finish")
 async def drain_worker(name: str, request: Request) -> schemas.WorkerOut:
     return await _set_draining(request, name, True)
+
+
+@router.post("/{name}/parity", response_model=schemas.ParityResult,
+             summary="Check tokenization and KV-event parity with the worker (sends it one probe request)")
+async def parity(name: str, request: Request,
+                 timeout_s: float = Query(10.0, gt=0, le=120, description="how long to wait for events"),
+                 ) -> schemas.ParityResult:
+    state = kv_state(request)
+    w = state.registry.get(name) or not_found(f"no worker named {name!r}", "name")
+    try:
+        result = await check_worker(state, w, timeout_s=timeout_s)
+    except ValueError as exc:
+        raise APIError(409, str(exc), param="name", code="worker_not_ready") from None
+    log.info("admin: parity of %s: %s", name, "ok" if result["ok"] else "MISMATCH")
+    return schemas.ParityResult(**result)
 
 
 @router.post("/{name}/undrain", response_model=schemas.WorkerOut, summary="Route to a drained worker again")
