@@ -218,7 +218,8 @@ def layer_windows(cfg: dict, num_layers: int) -> tuple[int | None, ...]:
             return (None,) * num_layers
         first_full = cfg.get("max_window_layers", 0) or 0
         if isinstance(first_full, bool) or not isinstance(first_full, int) or first_full < 0:
-            raise CalcError(f"config field 'max_window_layers' must be a non-negative integer, got {first_full!r}")
+            raise CalcError("config field 'max_window_layers' must be a non-negative integer, "
+                            f"got {first_full!r}")
         return tuple(None if i < first_full else window for i in range(num_layers))
     pattern = cfg.get("sliding_window_pattern")
     if window is not None and isinstance(pattern, int) and pattern > 0:  # Gemma 2/3: every pattern-th is full
@@ -404,7 +405,8 @@ def calculate(
     )
     if shape.sliding_layers:
         tail = (f"so per-token cost falls to the full layers' {result.kv_bytes_per_token_full_layers:,} B "
-                "past the window" if shape.full_layers else "so a request's cache stops growing at the window")
+                "past the window" if shape.full_layers
+                else "so a request's cache stops growing at the window")
         result.notes.append(f"{shape.sliding_layers} of {shape.num_layers} layers use a sliding window; each "
                             f"holds at most its window per request, {tail}")
 

@@ -19,7 +19,8 @@ class AdminAuthError(HTTPException):
     """401/403, rendered in the OpenAI error format by the app's handlers; 401 carries the challenge."""
 
     def __init__(self, status: int, message: str) -> None:
-        super().__init__(status, detail=message, headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
+        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        super().__init__(status, detail=message, headers=headers)
 
 
 def is_loopback(host: str | None) -> bool:

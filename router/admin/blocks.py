@@ -12,13 +12,12 @@ router = APIRouter(prefix="/blocks", tags=["admin: blocks"])
 
 
 def parse_hash(text: str) -> int:
-    """A sequence hash as decimal (``12345``) or hex (``0x3039`` / 16 hex digits, as the API prints)."""
+    """A sequence hash as decimal (``12345``) or 0x-prefixed hex (``0x3039``; the API prints 16 hex digits
+    in ``hash_hex``: prefix them with 0x). Bare hex is refused: 16 hex digits can all be decimal digits."""
     t = text.strip().lower()
     try:
         if t.startswith("0x"):
             value = int(t[2:], 16)
-        elif len(t) == 16 and not t.isdigit():
-            value = int(t, 16)
         else:
             value = int(t, 10)
     except ValueError:

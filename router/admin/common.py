@@ -38,3 +38,12 @@ def ingestor_statuses(state) -> dict[str, dict]:
     except Exception as exc:  # a status read must not break the admin API
         log.warning("admin: ingestor statuses failed: %s", exc)
         return {}
+
+
+async def index_stats_or_error(state) -> tuple[dict, str | None]:
+    """Stats for views that stay useful without the index (the worker list): ({}, reason) on failure."""
+    try:
+        return await state.index.stats() or {}, None
+    except Exception as exc:
+        log.warning("admin: index stats failed: %s", exc)
+        return {}, f"the index is unavailable: {type(exc).__name__}: {exc}"

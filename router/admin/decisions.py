@@ -9,7 +9,7 @@ from router.admin.common import kv_state, not_found
 router = APIRouter(prefix="/decisions", tags=["admin: decisions"])
 
 
-@router.get("", response_model=schemas.DecisionList, summary="The most recent routing decisions, newest first")
+@router.get("", response_model=schemas.DecisionList, summary="The latest routing decisions, newest first")
 async def recent(request: Request,
                  limit: int = Query(50, ge=1, le=100_000, description="at most this many"),
                  model: str | None = Query(None, description="only this model")) -> schemas.DecisionList:

@@ -75,7 +75,7 @@ async def _explain(request: Request, path: str, body: dict, model: str | None,
     return schemas.Explanation(**d)
 
 
-@router.post("", response_model=schemas.Explanation, summary="Explain the routing of a request (sends nothing)")
+@router.post("", response_model=schemas.Explanation, summary="Explain how a request would be routed")
 async def explain(req: schemas.ExplainRequest, request: Request) -> schemas.Explanation:
     path = req.path
     if path is None:

@@ -70,7 +70,8 @@ def _collect(root: str, capacity: int | None) -> dict:
     used = sum(n["bytes"] for n in namespaces)
     # Each namespace's GC keeps it under capacity (evicting down to the low watermark, LRU by mtime).
     gc = {"capacity_bytes": capacity, "used_bytes": used,
-          "over_capacity": [n["directory"] for n in namespaces if capacity is not None and n["bytes"] > capacity],
+          "over_capacity": [n["directory"] for n in namespaces
+                            if capacity is not None and n["bytes"] > capacity],
           "fill": (max((n["bytes"] for n in namespaces), default=0) / capacity) if capacity else None}
     return {"configured": True, "path": root, "capacity_bytes": capacity, "available": True,
             "blocks": sum(n["blocks"] for n in namespaces), "bytes": used, "namespaces": namespaces, "gc": gc}

@@ -66,6 +66,7 @@ class ParityResult(_Open):
 
 class WorkerList(BaseModel):
     workers: list[WorkerOut]
+    index_error: str | None = Field(None, description="why cached_blocks are missing (index unreachable)")
 
 
 class AddWorker(BaseModel):

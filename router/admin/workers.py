@@ -6,7 +6,7 @@ import logging
 from fastapi import APIRouter, Query, Request
 
 from router.admin import schemas
-from router.admin.common import index_stats, ingestor_statuses, kv_state, not_found
+from router.admin.common import index_stats_or_error, ingestor_statuses, kv_state, not_found
 from router.admin.parity import check_worker
 from router.config import WorkerConfig
 from router.errors import APIError
@@ -39,16 +39,17 @@ def worker_out(state, w, stats: dict, events: dict) -> schemas.WorkerOut:
 @router.get("", response_model=schemas.WorkerList, summary="Every worker with health, load, events, cache")
 async def list_workers(request: Request) -> schemas.WorkerList:
     state = kv_state(request)
-    stats, events = await index_stats(state), ingestor_statuses(state)
+    (stats, error), events = await index_stats_or_error(state), ingestor_statuses(state)
     return schemas.WorkerList(workers=[worker_out(state, w, stats, events)
-                                       for w in sorted(state.registry.workers(), key=lambda w: w.name)])
+                                       for w in sorted(state.registry.workers(), key=lambda w: w.name)],
+                              index_error=error)
 
 
 @router.get("/{name}", response_model=schemas.WorkerOut, summary="One worker")
 async def get_worker(name: str, request: Request) -> schemas.WorkerOut:
     state = kv_state(request)
     w = state.registry.get(name) or not_found(f"no worker named {name!r}", "name")
-    return worker_out(state, w, await index_stats(state), ingestor_statuses(state))
+    return worker_out(state, w, (await index_stats_or_error(state))[0], ingestor_statuses(state))
 
 
 @router.post("", response_model=schemas.WorkerOut, status_code=201,
@@ -61,7 +62,7 @@ async def add_worker(spec: schemas.AddWorker, request: Request) -> schemas.Worke
     except ValueError as exc:  # the registry's "already exists"
         raise APIError(409, str(exc), param="name", code="worker_exists") from None
     log.info("admin: added worker %s (%s)", w.name, w.url)
-    return worker_out(state, w, await index_stats(state), ingestor_statuses(state))
+    return worker_out(state, w, (await index_stats_or_error(state))[0], ingestor_statuses(state))
 
 
 @router.delete("/{name}", response_model=schemas.WorkerRemoved,
@@ -109,4 +110,4 @@ async def _set_draining(request: Request, name: str, draining: bool) -> schemas.
     except KeyError:
         not_found(f"no worker named {name!r}", "name")
     log.info("admin: worker %s draining=%s", name, draining)
-    return worker_out(state, w, await index_stats(state), ingestor_statuses(state))
+    return worker_out(state, w, (await index_stats_or_error(state))[0], ingestor_statuses(state))

@@ -30,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory vLLM may use (default 0.9)")
     g.add_argument("--overhead", default="0", help="memory per GPU for activations/CUDA graphs (e.g. 2GiB)")
-    g.add_argument("--params", default=None, help="parameter count (e.g. 70B); default: estimated from config")
+    g.add_argument("--params", default=None,
+                   help="parameter count (e.g. 70B); default: estimated from config")
     g.add_argument("--bytes-per-param", type=float, default=None,
                    help="with --params: bytes per parameter (default: the config dtype's)")
     g.add_argument("--weights", default=None, help="weight bytes directly (e.g. 65GB); overrides --params")
@@ -59,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
             weights_bytes=calc.parse_size(args.weights, "--weights") if args.weights else None,
             g4_bandwidth=calc.parse_size(args.g4_bandwidth, "--g4-bandwidth") if args.g4_bandwidth else None,
             prefill_rate=args.prefill_rate,
-            prompt_tokens=calc.parse_tokens(args.prompt_tokens, "--prompt-tokens") if args.prompt_tokens else None,
+            prompt_tokens=(calc.parse_tokens(args.prompt_tokens, "--prompt-tokens")
+                           if args.prompt_tokens else None),
         )
     except calc.CalcError as exc:
         print(f"kvgate calc: error: {exc}", file=sys.stderr)

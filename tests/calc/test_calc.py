@@ -1,4 +1,4 @@
-"""``kvgate calc`` against hand-computed figures (every expected number is worked out in the comment beside it)."""
+"""``kvgate calc`` against hand-computed figures (each expected number is worked out beside it)."""
 from __future__ import annotations
 
 import json
@@ -225,7 +225,8 @@ def test_parse_rejects(bad):
 
 def test_cli_table(capsys):
     rc, out, err = run_cli(capsys, str(CONFIGS / "llama-3.1-70b.json"), "--context", "128K", "-n", "8",
-                           "--gpu", "h200", "--gpus", "8", "--g4-bandwidth", "10GB/s", "--prefill-rate", "4000")
+                           "--gpu", "h200", "--gpus", "8", "--g4-bandwidth", "10GB/s",
+                           "--prefill-rate", "4000")
     assert rc == 0, err
     assert "327,680 B" in out
     assert "320.00 GiB" in out
@@ -254,8 +255,8 @@ def test_cli_json(capsys, tmp_path):
     ('{"num_hidden_layers": 0, "num_attention_heads": 8, "hidden_size": 64}', [], "positive integer"),
     ('{"num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 64, "torch_dtype": "float7"}', [],
      "unsupported model dtype"),
-    ('{"num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 64, "layer_types": ["full_attention"]}',
-     [], "layer_types"),
+    ('{"num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 64, '
+     '"layer_types": ["full_attention"]}', [], "layer_types"),
     ('{"num_hidden_layers": 1, "num_attention_heads": 8, "hidden_size": 64, "layer_types": ["mamba"]}', [],
      "unknown type"),
     ('{"num_hidden_layers": 1, "num_attention_heads": 3, "hidden_size": 64}', [], "head_dim"),
