@@ -32,6 +32,7 @@ class DiscoveryConfig(BaseModel):
     port: int = 8000
     scheme: str = "http"
     events_annotation: str = "kvgate.io/events-endpoint"
+    replay_annotation: str = "kvgate.io/replay-endpoint"
 
 
 class IndexConfig(BaseModel):
