@@ -422,17 +422,26 @@ def calculate(
             weights, source = shape.weight_bytes, "estimated from config"
         budget_total = per_gpu * gpus * utilization
         kv_budget = budget_total - weights - overhead_bytes * gpus
-        fits = kv_budget >= total
-        max_conc = int(kv_budget // per_request) if kv_budget > 0 else 0
+        # Tensor parallelism splits KV heads over GPUs; past one head per GPU vLLM replicates them, and an
+        # MLA latent is replicated on every rank. Capacity in distinct KV bytes shrinks accordingly.
+        replication = gpus if shape.mla else max(1, gpus // shape.num_kv_heads)
+        capacity = kv_budget / replication
+        fits = capacity >= total
+        max_conc = int(capacity // per_request) if capacity > 0 else 0
         result.gpu = {
             "name": label, "count": gpus, "memory_bytes_per_gpu": per_gpu,
             "utilization": utilization, "usable_bytes": budget_total, "weights_bytes": weights,
             "weights_source": source, "overhead_bytes": overhead_bytes * gpus,
-            "kv_budget_bytes": max(kv_budget, 0.0), "fits": bool(fits),
+            "kv_budget_bytes": max(kv_budget, 0.0), "kv_replication": replication,
+            "kv_capacity_bytes": max(capacity, 0.0), "fits": bool(fits),
             "max_concurrency_at_context": max_conc,
-            "max_tokens_in_cache": _max_tokens(shape, kv_budget, block_size),
-            "shortfall_bytes": max(0.0, total - kv_budget),
+            "max_tokens_in_cache": _max_tokens(shape, capacity, block_size),
+            "shortfall_bytes": max(0.0, total - capacity),
         }
+        if replication > 1:
+            result.notes.append(
+                f"with {gpus} GPUs each KV {'latent' if shape.mla else 'head'} is stored {replication} times, "
+                f"so the KV budget holds {human_bytes(max(capacity, 0))} of distinct KV")
         if kv_budget <= 0:
             result.notes.append("the weights alone exceed the usable GPU memory")
 
@@ -527,7 +536,9 @@ def format_table(r: CalcResult) -> str:
         if g["overhead_bytes"]:
             rows.append(("overhead", human_bytes(g["overhead_bytes"])))
         rows += [
-            ("KV budget", human_bytes(g["kv_budget_bytes"])),
+            ("KV budget", human_bytes(g["kv_budget_bytes"]) + (
+                f" ({g['kv_replication']}x replicated: {human_bytes(g['kv_capacity_bytes'])} distinct)"
+                if g["kv_replication"] > 1 else "")),
             ("fits", "yes" if g["fits"] else f"NO (short by {human_bytes(g['shortfall_bytes'])})"),
             ("max concurrency at context", f"{g['max_concurrency_at_context']:,}"),
             ("max tokens in cache", "unbounded (every layer slides)" if g["max_tokens_in_cache"] is None

@@ -294,3 +294,26 @@ def test_installed_entry_point_exit_code(tmp_path):
     p = subprocess.run([*cmd, "calc", str(CONFIGS / "llama-3.1-70b.json"), "--context", "1K", "--json"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0 and json.loads(p.stdout)["kv_bytes_per_token"] == 327_680
+
+
+def test_tensor_parallel_beyond_kv_heads_replicates():
+    # 8 KV heads on 16 GPUs: each head lives on 2 GPUs, so the budget holds half as much distinct KV.
+    # 16 x 100 GiB x 0.9 = 1440 GiB - 140 GiB weights = 1300 GiB budget -> 650 GiB distinct = 16 x 40 GiB.
+    r = calc.calculate(cfg("llama-3.1-70b.json"), context=128 * 1024, concurrency=16, gpu="100GiB", gpus=16,
+                       weights_bytes=140 * GIB)
+    assert r.gpu["kv_replication"] == 2
+    assert r.gpu["kv_capacity_bytes"] == 650 * GIB
+    assert r.gpu["max_concurrency_at_context"] == 16 and r.gpu["fits"] is True
+    assert calc.calculate(cfg("llama-3.1-70b.json"), context=128 * 1024, concurrency=17, gpu="100GiB",
+                          gpus=16, weights_bytes=140 * GIB).gpu["fits"] is False
+    assert calc.calculate(cfg("llama-3.1-70b.json"), context=16, gpu="h100", gpus=8).gpu["kv_replication"] == 1
+
+
+def test_mla_latent_width_and_replication():
+    # DeepSeek-style MLA: one latent of kv_lora_rank + qk_rope_head_dim = 512 + 64 elements per layer.
+    config = {"num_hidden_layers": 2, "num_attention_heads": 16, "hidden_size": 1024, "kv_lora_rank": 512,
+              "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "torch_dtype": "bfloat16"}
+    r = calc.calculate(config, context=16, gpu="10GiB", gpus=4, weights_bytes=1 * GIB)
+    assert r.kv_bytes_per_token == 2 * 576 * 2
+    assert r.model["mla"] is True
+    assert r.gpu["kv_replication"] == 4  # the latent is on every rank
