@@ -440,7 +440,8 @@ def calculate(
         }
         if replication > 1:
             result.notes.append(
-                f"with {gpus} GPUs each KV {'latent' if shape.mla else 'head'} is stored {replication} times, "
+                f"with {gpus} GPUs each KV {'latent' if shape.mla else 'head'} is stored "
+                f"{replication} times, "
                 f"so the KV budget holds {human_bytes(max(capacity, 0))} of distinct KV")
         if kv_budget <= 0:
             result.notes.append("the weights alone exceed the usable GPU memory")

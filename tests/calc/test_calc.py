@@ -306,7 +306,8 @@ def test_tensor_parallel_beyond_kv_heads_replicates():
     assert r.gpu["max_concurrency_at_context"] == 16 and r.gpu["fits"] is True
     assert calc.calculate(cfg("llama-3.1-70b.json"), context=128 * 1024, concurrency=17, gpu="100GiB",
                           gpus=16, weights_bytes=140 * GIB).gpu["fits"] is False
-    assert calc.calculate(cfg("llama-3.1-70b.json"), context=16, gpu="h100", gpus=8).gpu["kv_replication"] == 1
+    eight = calc.calculate(cfg("llama-3.1-70b.json"), context=16, gpu="h100", gpus=8)
+    assert eight.gpu["kv_replication"] == 1
 
 
 def test_mla_latent_width_and_replication():
