@@ -56,6 +56,28 @@ class RoutingConfig(BaseModel):
     g4_bytes_per_s: float = 2e9
     decisions_kept: int = 1000
     max_attempts: int = 3
+    # Queue model: each request running on a worker delays a new prefill by this much; a request vLLM
+    # reports waiting that the gateway did not send counts as this many prompt tokens.
+    running_penalty_ms: float = 1.0
+    queued_request_tokens: int = 1024
+    # EWMA weight of one observed TTFT in the per-worker prefill-speed calibration.
+    calibration_alpha: float = 0.2
+    # Bytes of KV per block on G4 (model dependent; the g4 part calibrates it).
+    g4_bytes_per_block: int = 2 * 1024 * 1024
+    prefetch_timeout_s: float = 0.5
+    sessions_kept: int = 100_000
+
+
+class TokenizerConfig(BaseModel):
+    """Local tokenization: text to encode longer than ``offload_chars`` is encoded in a thread pool off the
+    event loop; token ids of rendered chat segments are cached (bounded) so a new turn encodes only new text."""
+
+    offload_chars: int = 4096
+    # Chat bodies larger than this are also rendered (chat template) off the event loop.
+    offload_render_chars: int = 1_000_000
+    threads: int = 2
+    segment_cache_entries: int = 8192
+    segment_cache_chars: int = 64 * 1024 * 1024
 
 
 class AdminConfig(BaseModel):
@@ -82,10 +104,16 @@ class Settings(BaseSettings):
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     admin: AdminConfig = Field(default_factory=AdminConfig)
     g4: G4Config = Field(default_factory=G4Config)
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     max_body_bytes: int = 16 * 1024 * 1024
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
     health_interval_s: float = 5.0
+    health_timeout_s: float = 2.0
+    # Consecutive failed health checks before a worker leaves the candidate set.
+    unhealthy_after: int = 2
+    max_connections: int = 1000
+    max_keepalive_connections: int = 200
     refresh_interval_s: float = 30.0
 
     @classmethod

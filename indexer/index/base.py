@@ -24,7 +24,7 @@ class Tier(str, enum.Enum):
     CPU = "CPU"
 
     @classmethod
-    def from_medium(cls, medium: str | None) -> "Tier | None":
+    def from_medium(cls, medium: str | None) -> Tier | None:
         """Map vLLM's ``BlockStored.medium`` to a worker tier (None for STORAGE, which is G4)."""
         m = (medium or "GPU").upper()
         if m == "GPU":

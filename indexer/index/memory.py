@@ -18,7 +18,7 @@ _BIT = {Tier.GPU: 1, Tier.CPU: 2}
 
 
 class _ModelIndex:
-    __slots__ = ("holders", "owned", "g4")
+    __slots__ = ("g4", "holders", "owned")
 
     def __init__(self) -> None:
         self.holders: dict[int, dict[str, int]] = {}

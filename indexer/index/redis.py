@@ -20,8 +20,8 @@ key                             type   content
 ==============================  =====  ===========================================================
 
 Why this shape: a block costs one hash field (no per-key overhead), each holder a few bytes in that
-field's value plus 8 bytes in an intset bucket -- about 100 bytes for the first (block, worker) entry and
-~26 for each further holder (measured: docs/BENCHMARKS.md). Entries carry no unbounded data: names live
+field's value plus 8 bytes in an intset bucket -- about 80-100 bytes for the first (block, worker) entry and
+13-26 for each further holder (measured: docs/BENCHMARKS.md). Entries carry no unbounded data: names live
 once in ``w``/``i``. Dropping a worker walks only its own 2048 reverse buckets -- no SCAN of the keyspace.
 
 Why a server-side Lua script and not a pipeline for ``lookup``: a pipeline must ask for every hash of the
@@ -52,8 +52,9 @@ _TIER_CODE = {Tier.GPU: 0, Tier.CPU: 1}
 _CLEAR_CHUNK = 128  # buckets per clear script call: bounds how long one call blocks Redis
 
 _LUA_LOCALS = """
-local call, find, sub, byte, char, format, floor = redis.call, string.find, string.sub, string.byte, string.char, string.format, math.floor
-local gmatch, ipairs, unpack, tonumber, tostring, min = string.gmatch, ipairs, unpack, tonumber, tostring, math.min
+local call, find, sub, byte, char = redis.call, string.find, string.sub, string.byte, string.char
+local format, floor, gmatch, min = string.format, math.floor, string.gmatch, math.min
+local ipairs, unpack, tonumber, tostring = ipairs, unpack, tonumber, tostring
 """
 
 # Globals are slow in Redis's sandbox (each access goes through a protected table): scripts use locals.
@@ -174,13 +175,14 @@ return removed
 """
 
 # KEYS[1] = id->name hash, KEYS[2] = name->id hash, KEYS[3] = blocks hash; ARGV = packed hashes,
-# [allowed names...]. Returns {g4_run, name, gpu, cpu, local, name, ...} for workers that hold block 0.
+# "1" when only the names that follow are allowed (else "0"), [allowed names...].
+# Returns {g4_run, name, gpu, cpu, local, name, ...} for workers that hold block 0.
 _LOOKUP = _LUA_LOCALS + """
 local packed = ARGV[1]
 local allowed = nil
-if #ARGV > 1 then
+if ARGV[2] == '1' then
   allowed = {}
-  for i = 2, #ARGV do
+  for i = 3, #ARGV do
     local id = call('HGET', KEYS[2], ARGV[i])
     if id then allowed[tonumber(id)] = true end
   end
@@ -423,10 +425,10 @@ class RedisIndex(BlockIndex):
         self, model: str, hashes: Sequence[int], workers: Collection[str] | None = None
     ) -> LookupResult:
         n = len(hashes)
-        if n == 0 or (workers is not None and len(workers) == 0):
+        if n == 0:
             return LookupResult(num_blocks=n)
         b = self.base(model)
-        args: list = [pack_hashes(hashes)]
+        args: list = [pack_hashes(hashes), "0" if workers is None else "1"]
         if workers is not None:
             args.extend(workers)
         out = await self._lookup(self._r, [b + "i", b + "w", b + "blocks"], args)
@@ -481,7 +483,9 @@ class RedisIndex(BlockIndex):
                     per_worker.setdefault(by_id.get(m // 2, f"#{m // 2}"), {})[tier.value] = val
             if blocks == 0 and not per_worker and g4 == 0:
                 continue
-            out[name] = {"blocks": blocks, "entries_per_tier": per_tier, "g4_blocks": g4, "workers": per_worker}
+            out[name] = {
+                "blocks": blocks, "entries_per_tier": per_tier, "g4_blocks": g4, "workers": per_worker,
+            }
         if out:
             info = await self._r.info("memory")
             out_mem = int(info.get("used_memory", 0))

@@ -10,7 +10,6 @@ import pytest
 from indexer.events import EventIngestor, EventSource, resolve_endpoint
 from indexer.events import vllm_format as vf
 from indexer.hashing import sequence_hashes
-from indexer.index import Tier
 from tests.support.procs import free_port
 
 B = 16
@@ -47,7 +46,9 @@ class Rig:
         self.index = index
         port = free_port()
         rport = free_port() if replay else None
-        self.pub = vf.EventPublisher(f"tcp://*:{port}", f"tcp://*:{rport}" if replay else None, topic="kv@w1@m")
+        self.pub = vf.EventPublisher(
+            f"tcp://*:{port}", f"tcp://*:{rport}" if replay else None, topic="kv@w1@m"
+        )
         self.resets: list[str] = []
         self.seen: list[tuple[str, str, int]] = []
         self.ing = EventIngestor(index, on_reset=self.resets.append,
@@ -59,6 +60,7 @@ class Rig:
         await self.ing.start()
         await self.ing.add_source(self.src)
         await until(lambda: self.ing.status("w1")["connected"], what="SUB connected")
+        assert await asyncio.to_thread(self.pub.wait_subscribed), "no subscription reached the publisher"
         return self
 
     async def __aexit__(self, *exc):
@@ -189,7 +191,7 @@ async def test_late_subscriber_replays_from_zero(index):
         pub.flush()
         await ing.add_source(EventSource("w1", M, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}"))
         await until(lambda: ing.status("w1")["connected"], what="connected")
-        await asyncio.sleep(0.2)
+        assert await asyncio.to_thread(pub.wait_subscribed)
         pub.publish([blk(3, 1)])
         await until(lambda: ing.status("w1")["last_seq"] == 2, what="seq 2")
         assert (await index.lookup(M, SEQ)).match("w1").gpu == 4
@@ -215,7 +217,7 @@ async def test_workers_do_not_block_each_other(index):
         await ing.add_source(EventSource("stuck", M, f"tcp://127.0.0.1:{p1}", f"tcp://127.0.0.1:{mport}"))
         await ing.add_source(EventSource("w2", M, f"tcp://127.0.0.1:{p2}"))
         await until(lambda: ing.status("stuck")["connected"] and ing.status("w2")["connected"])
-        await asyncio.sleep(0.2)
+        assert await asyncio.to_thread(pub1.wait_subscribed) and await asyncio.to_thread(pub2.wait_subscribed)
         pub1.publish([blk(0, 1)], send=False)
         pub1.publish([blk(0, 1)])  # seq 1 first: replay of 0 hangs for 3 s
         await asyncio.sleep(0.3)
@@ -269,3 +271,17 @@ async def test_index_failure_resets_the_source_on_the_next_message(index):
         st = r.ing.status("w1")
         assert st["resets"] == 1
         assert (await index.lookup(M, SEQ)).match("w1").gpu == 1
+
+
+async def test_restart_with_lost_first_batches_replays_them(index):
+    async with Rig(index) as r:
+        for i in range(4):
+            r.pub.publish([blk(i, 1)])
+        await r.wait_seq(3)
+        r.pub.restart()
+        r.pub.publish([blk(0, 2, parent=False)], send=False)  # the restarted vLLM's seq 0 is lost
+        r.pub.publish([blk(2, 1)])  # seq 1 < last_seq 3: restart detected, 0 replayed
+        await r.wait_seq(1)
+        st = r.ing.status("w1")
+        assert st["resets"] == 1 and st["replays"] == 1 and st["unknown_parent"] == 0
+        assert await r.gpu_run() == 3

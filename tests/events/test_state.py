@@ -4,7 +4,6 @@ from __future__ import annotations
 from indexer.events.state import WorkerState, cache_salt_of
 from indexer.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
 from indexer.hashing import sequence_hashes
-from indexer.index import Tier
 
 B = 4
 TOK = list(range(100, 100 + 6 * B))  # 6 blocks
@@ -140,7 +139,9 @@ def test_other_groups_and_kinds_are_skipped():
 
 def test_bad_token_ids_are_malformed_not_fatal():
     s = WorkerState(block_size=2)
-    ev = BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=["a", None], block_size=2, medium="GPU")
+    ev = BlockStored(
+        block_hashes=[1], parent_block_hash=None, token_ids=["a", None], block_size=2, medium="GPU"
+    )
     assert s.apply([ev]).items == []
     assert s.counters["malformed"] == 1
 

@@ -6,7 +6,14 @@ import msgspec
 import pytest
 
 from indexer.events import vllm_format as vf
-from indexer.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, decode_batch, decode_seq
+from indexer.events.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodeError,
+    decode_batch,
+    decode_seq,
+)
 
 BIG = 9223372036854775813  # >= 2**63: msgpack uint64
 

@@ -79,8 +79,11 @@ async def test_worker_filter(index):
         await index.store(M, w, GPU, H[:4])
     res = await index.lookup(M, H, workers=["w2", "w3", "unknown"])
     assert set(res.workers) == {"w2", "w3"}
+    await index.store_g4(M, H[:2])
     res = await index.lookup(M, H, workers=[])
-    assert res.workers == {}
+    assert res.workers == {} and res.g4 == 2
+    res = await index.lookup(M, H, workers=["w1"])
+    assert set(res.workers) == {"w1"} and res.g4 == 2
 
 
 async def test_clear_worker_only_that_worker_and_tier(index):
@@ -182,8 +185,8 @@ def test_create_index_factory():
 
 
 async def test_create_redis_index_and_prefix_isolation(redis_url):
-    from router.config import IndexConfig
     from indexer.index.redis import RedisIndex
+    from router.config import IndexConfig
 
     a = create_index(IndexConfig(backend="redis", redis_url=redis_url, key_prefix="a"))
     b = RedisIndex(redis_url, key_prefix="b")
@@ -220,6 +223,8 @@ async def test_redis_timeout_is_an_error_not_a_hang():
     """A Redis that never answers: the configured timeout turns into an exception."""
     import socket
 
+    from redis.exceptions import RedisError
+
     from indexer.index.redis import RedisIndex
 
     srv = socket.socket()
@@ -228,7 +233,7 @@ async def test_redis_timeout_is_an_error_not_a_hang():
     port = srv.getsockname()[1]
     idx = RedisIndex(f"redis://127.0.0.1:{port}/0", timeout_s=0.5)
     try:
-        with pytest.raises(Exception):
+        with pytest.raises(RedisError):
             await idx.lookup(M, H)
     finally:
         await idx.close()

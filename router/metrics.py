@@ -1,0 +1,115 @@
+"""Every ``kvgate_`` Prometheus metric, defined on a registry owned by one :class:`GatewayMetrics`
+object (no module-level singletons, so several gateways can live in one test process).
+
+Counts that other parts keep themselves (index sizes, event ingestion, worker health) are copied in by
+:meth:`GatewayMetrics.refresh` just before a scrape, through a custom collector.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_OVERHEAD_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _Snapshot:
+    """Collector for values owned elsewhere; filled by :meth:`GatewayMetrics.refresh`."""
+
+    def __init__(self) -> None:
+        self.index_blocks: dict[tuple[str, str], float] = {}
+        self.events: dict[str, dict] = {}
+        self.health: dict[str, bool] = {}
+
+    def collect(self):
+        blocks = GaugeMetricFamily("kvgate_index_blocks", "Index entries per model and tier (G4: blocks)",
+                                   labels=["model", "tier"])
+        for (model, tier), v in self.index_blocks.items():
+            blocks.add_metric([model, tier], v)
+        yield blocks
+        fams = {k: CounterMetricFamily(f"kvgate_events_{k}", f"KV events {k} per worker", labels=["worker"])
+                for k in ("applied", "dropped", "replays", "resets", "gaps")}
+        for worker, st in self.events.items():
+            for k, fam in fams.items():
+                fam.add_metric([worker], float(st.get(k, 0) or 0))
+        yield from fams.values()
+        health = GaugeMetricFamily("kvgate_worker_healthy", "1 when the worker passes health checks",
+                                   labels=["worker"])
+        for worker, ok in self.health.items():
+            health.add_metric([worker], 1.0 if ok else 0.0)
+        yield health
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("kvgate_requests", "Requests by model, worker, policy and outcome",
+                                ["model", "worker", "policy", "outcome"], registry=r)
+        self.routing_overhead = Histogram("kvgate_routing_overhead_seconds",
+                                          "Gateway routing time per stage (tokenize, hash, lookup, decide, total)",
+                                          ["stage"], buckets=_OVERHEAD_BUCKETS, registry=r)
+        self.predicted_cached = Counter("kvgate_predicted_cached_tokens", "Cached prompt tokens predicted",
+                                        ["model"], registry=r)
+        self.delivered_cached = Counter("kvgate_delivered_cached_tokens",
+                                        "Cached prompt tokens reported by vLLM (usage.prompt_tokens_details)",
+                                        ["model"], registry=r)
+        self.prompt_tokens = Counter("kvgate_prompt_tokens", "Prompt tokens routed", ["model"], registry=r)
+        self.hit_rate = Gauge("kvgate_cache_hit_rate",
+                              "Delivered cached tokens / prompt tokens (moving average)", ["model"], registry=r)
+        self.ttft = Histogram("kvgate_ttft_seconds", "Time to first byte of a streamed response, seen by the gateway",
+                              ["model", "worker"], buckets=_TTFT_BUCKETS, registry=r)
+        self.inflight = Gauge("kvgate_inflight_requests", "Requests in flight per worker", ["worker"], registry=r)
+        self.retries = Counter("kvgate_retries", "Requests retried on another worker before the first byte",
+                               ["model", "reason"], registry=r)
+        self.prefetch = Counter("kvgate_prefetch_orders", "G4 prefetch orders by outcome (sent, staged, failed)",
+                                ["worker", "outcome"], registry=r)
+        self.snapshot = _Snapshot()
+        r.register(self.snapshot)
+
+        self._children: dict[tuple, object] = {}
+
+    def child(self, metric, *labels):
+        """``metric.labels(*labels)``, cached: the request path calls this several times per request."""
+        key = (id(metric), labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
+
+    def forget_worker(self, worker: str) -> None:
+        """Drop a removed worker's per-worker series (and their cached children)."""
+        self._children = {k: v for k, v in self._children.items() if worker not in k[1]}
+        for metric in (self.inflight,):
+            try:
+                metric.remove(worker)
+            except KeyError:
+                pass
+
+    def observe_stages(self, timings: dict[str, float]) -> None:
+        for stage, ms in timings.items():
+            self.child(self.routing_overhead, stage).observe(ms / 1000.0)
+
+    async def refresh(self, state) -> None:
+        """Copy the index, ingestion and health counts into the snapshot collector."""
+        snap = self.snapshot
+        snap.health = {w.name: w.healthy for w in state.registry.workers()}
+        if state.ingestor is not None:
+            try:
+                snap.events = dict(state.ingestor.statuses())
+            except Exception:  # a status call must never break a scrape
+                snap.events = {}
+        try:
+            stats = await state.index.stats()
+        except Exception:
+            stats = {}
+        blocks: dict[tuple[str, str], float] = {}
+        for model, st in stats.items():
+            for tier, n in (st.get("entries_per_tier") or {}).items():
+                blocks[(model, tier)] = float(n)
+            blocks[(model, "G4")] = float(st.get("g4_blocks", 0))
+        snap.index_blocks = blocks
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

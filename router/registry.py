@@ -1,0 +1,404 @@
+"""The worker registry: which vLLM servers exist, which models they serve, their block size, load and
+health, and the subscription of their KV events.
+
+Per worker it reads ``/v1/models``, ``/kv_event_sources`` (unless the events endpoint is configured) and
+``/metrics`` (``vllm:cache_config_info`` for the block size; running/waiting/KV usage gauges), and checks
+``/health`` periodically. A worker that fails ``unhealthy_after`` checks in a row, or refuses a connection,
+leaves the candidate set; it returns when a check passes. A worker that comes back after failing is
+treated as restarted: its index entries are dropped (its KV cache is gone) and its events re-subscribed.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.config import Settings, WorkerConfig
+
+log = logging.getLogger("kvgate.registry")
+
+
+@dataclass
+class WorkerLoad:
+    """vLLM's own load gauges, summed over engines (DP ranks), from the last /metrics scrape."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    updated_at: float = 0.0
+
+
+@dataclass
+class Worker:
+    """One vLLM server as the gateway sees it. Gateway-side counters are updated by the proxy."""
+
+    name: str
+    url: str
+    config: WorkerConfig
+    healthy: bool = False
+    draining: bool = False
+    ever_healthy: bool = False
+    models: dict[str, dict] = field(default_factory=dict)  # id -> {"parent", "root", "max_model_len"}
+    block_size: int | None = None
+    event_sources: list[dict] = field(default_factory=list)
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    inflight: int = 0
+    pending_tokens: int = 0  # prompt tokens sent, not yet prefilled (no first byte seen)
+    pending_requests: int = 0
+    prefill_tps: float = 0.0  # calibrated prefill speed, tokens/s
+    ttft_samples: int = 0
+    mean_prompt_tokens: float = 0.0
+    failures: int = 0
+    restarts: int = 0
+    last_error: str | None = None
+    last_check: float = 0.0
+    added_at: float = field(default_factory=time.time)
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or "127.0.0.1"
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.draining
+
+    def base_model(self) -> str | None:
+        for mid, info in self.models.items():
+            if not info.get("parent"):
+                return mid
+        return next(iter(self.models), None)
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name, "url": self.url, "healthy": self.healthy, "draining": self.draining,
+            "models": sorted(self.models), "model": self.base_model(), "block_size": self.block_size,
+            "event_sources": self.event_sources,
+            "load": {"running": self.load.running, "waiting": self.load.waiting,
+                     "kv_usage": self.load.kv_usage, "updated_at": self.load.updated_at},
+            "inflight": self.inflight, "pending_tokens": self.pending_tokens,
+            "prefill_tokens_per_s": self.prefill_tps, "ttft_samples": self.ttft_samples,
+            "failures": self.failures, "restarts": self.restarts, "last_error": self.last_error,
+            "last_check": self.last_check,
+        }
+
+
+def worker_name(cfg: WorkerConfig) -> str:
+    if cfg.name:
+        return cfg.name
+    parts = urlsplit(cfg.url)
+    return parts.netloc or cfg.url
+
+
+def resolve_endpoint(endpoint: str | None, host: str) -> str | None:
+    """vLLM reports a bound endpoint as ``tcp://*:5557``: connect to the worker's host instead."""
+    if not endpoint:
+        return endpoint
+    for wildcard in ("*", "0.0.0.0", "[::]"):
+        endpoint = endpoint.replace(f"//{wildcard}:", f"//{host}:")
+    return endpoint
+
+
+def parse_metrics(text: str) -> tuple[WorkerLoad, int | None]:
+    """Load gauges and block size from a vLLM /metrics page (summed over engines)."""
+    load = WorkerLoad(updated_at=time.time())
+    block_size = None
+    usage: list[float] = []
+    for fam in text_string_to_metric_families(text):
+        name = fam.name
+        if name == "vllm:num_requests_running":
+            load.running += sum(s.value for s in fam.samples)
+        elif name == "vllm:num_requests_waiting":
+            load.waiting += sum(s.value for s in fam.samples)
+        elif name == "vllm:kv_cache_usage_perc":
+            usage.extend(s.value for s in fam.samples)
+        elif name == "vllm:cache_config_info":
+            for s in fam.samples:
+                bs = s.labels.get("block_size")
+                if bs and bs.isdigit():
+                    block_size = int(bs)
+    if usage:
+        load.kv_usage = max(usage)
+    return load, block_size
+
+
+class WorkerRegistry:
+    """Workers by name. ``add``/``remove``/``drain`` work at run time (the admin API calls them)."""
+
+    def __init__(self, settings: Settings, client: httpx.AsyncClient, index, ingestor=None, metrics=None):
+        self.settings = settings
+        self.client = client
+        self.index = index
+        self.ingestor = ingestor
+        self.metrics = metrics
+        self._workers: dict[str, Worker] = {}
+        self._task: asyncio.Task | None = None
+        self._last_refresh: dict[str, float] = {}
+        self._subscribed: dict[str, tuple] = {}
+        self._discovery = None
+
+    # --- queries -------------------------------------------------------------------------------
+    def workers(self) -> list[Worker]:
+        return list(self._workers.values())
+
+    def get(self, name: str) -> Worker | None:
+        return self._workers.get(name)
+
+    def models(self) -> dict[str, list[Worker]]:
+        """Every model id (base models and LoRA adapters) -> workers that list it."""
+        out: dict[str, list[Worker]] = {}
+        for w in self._workers.values():
+            for mid in w.models:
+                out.setdefault(mid, []).append(w)
+        return out
+
+    def knows_model(self, model: str) -> bool:
+        return any(model in w.models for w in self._workers.values()) or model in self.settings.models
+
+    def candidates(self, model: str) -> list[Worker]:
+        """Healthy, non-draining workers serving ``model``."""
+        return [w for w in self._workers.values() if w.routable and model in w.models]
+
+    def namespace(self, model: str) -> tuple[str, str | None]:
+        """(index namespace, LoRA name) of a model id: a LoRA adapter lives in its base model's namespace."""
+        for w in self._workers.values():
+            info = w.models.get(model)
+            if info is not None and info.get("parent"):
+                return info["parent"], model
+        return model, None
+
+    def block_size(self, model: str) -> int:
+        cfg = self.settings.models.get(model)
+        if cfg is not None and cfg.block_size:
+            return cfg.block_size
+        ns, _ = self.namespace(model)
+        if ns != model and ns in self.settings.models and self.settings.models[ns].block_size:
+            return self.settings.models[ns].block_size
+        for w in self._workers.values():
+            if w.block_size and (model in w.models):
+                return w.block_size
+        return 16
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start discovery (static workers or Kubernetes), probe what it announced, start health checks."""
+        from router.discovery import create_discovery
+
+        self._discovery = create_discovery(self.settings, self._on_discovered, self._on_lost)
+        await self._discovery.start()
+        await asyncio.gather(*(self._probe(w, full=True) for w in self.workers() if not w.last_check),
+                             return_exceptions=True)
+        self._task = asyncio.create_task(self._loop(), name="kvgate-health")
+
+    async def _on_discovered(self, cfg: WorkerConfig) -> None:
+        await self.add(cfg, probe=self._task is not None)
+
+    async def _on_lost(self, name: str) -> None:
+        if name in self._workers:
+            await self.remove(name)
+
+    async def stop(self) -> None:
+        if self._discovery is not None:
+            try:
+                await self._discovery.stop()
+            except Exception as e:
+                log.warning("stopping discovery: %s", e)
+            self._discovery = None
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+
+    async def add(self, cfg: WorkerConfig, *, probe: bool = True) -> Worker:
+        name = worker_name(cfg)
+        if name in self._workers:
+            raise ValueError(f"worker {name!r} already exists")
+        w = Worker(name=name, url=cfg.url.rstrip("/"), config=cfg,
+                   prefill_tps=self.settings.routing.prefill_tokens_per_s,
+                   mean_prompt_tokens=float(self.settings.routing.queued_request_tokens))
+        self._workers[name] = w
+        if probe:
+            await self._probe(w, full=True)
+        return w
+
+    async def remove(self, name: str) -> Worker:
+        w = self._workers.pop(name, None)
+        if w is None:
+            raise KeyError(name)
+        await self._unsubscribe(w)
+        await self._clear_index(w)
+        if self.metrics is not None:
+            self.metrics.forget_worker(name)
+        return w
+
+    async def drain(self, name: str, draining: bool = True) -> Worker:
+        """No new requests go to a draining worker; in-flight ones finish."""
+        w = self._workers.get(name)
+        if w is None:
+            raise KeyError(name)
+        w.draining = draining
+        return w
+
+    def mark_failed(self, w: Worker, reason: str) -> None:
+        """Passive health: a refused connection takes the worker out until a health check passes."""
+        w.last_error = reason
+        if w.healthy:
+            log.warning("worker %s unhealthy: %s", w.name, reason)
+        w.healthy = False
+        w.failures = max(w.failures, self.settings.unhealthy_after)
+
+    async def on_events_reset(self, worker: str) -> None:
+        """The worker's event sequence went backwards: it restarted, its cache is empty."""
+        w = self._workers.get(worker)
+        if w is not None:
+            w.restarts += 1
+            await self._clear_index(w)
+
+    # --- probing -------------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        interval = max(0.05, self.settings.health_interval_s)
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            jobs = []
+            for w in self.workers():
+                full = now - self._last_refresh.get(w.name, 0.0) >= self.settings.refresh_interval_s
+                jobs.append(self._probe(w, full=full))
+            await asyncio.gather(*jobs, return_exceptions=True)
+
+    async def _get(self, w: Worker, path: str) -> httpx.Response:
+        return await self.client.get(w.url + path, timeout=self.settings.health_timeout_s)
+
+    async def _probe(self, w: Worker, *, full: bool) -> None:
+        """Health check, load scrape, and (``full``) models and event sources."""
+        w.last_check = time.time()
+        try:
+            r = await self._get(w, "/health")
+            ok = r.status_code == 200
+            reason = None if ok else f"/health answered {r.status_code}"
+        except httpx.HTTPError as e:
+            ok, reason = False, f"/health: {type(e).__name__}: {e}"
+        if not ok:
+            w.failures += 1
+            w.last_error = reason
+            if w.healthy and w.failures >= self.settings.unhealthy_after:
+                log.warning("worker %s unhealthy: %s", w.name, reason)
+                w.healthy = False
+            return
+        returning = not w.healthy
+        w.failures = 0
+        if returning and w.ever_healthy:
+            # It failed and came back: assume a restart, whose KV cache is empty.
+            w.restarts += 1
+            await self._unsubscribe(w)
+            await self._clear_index(w)
+            full = True
+        if full or not w.models:
+            await self._refresh_models(w)
+            self._last_refresh[w.name] = time.monotonic()
+        await self._scrape(w)
+        if returning:
+            if not w.models:
+                return  # healthy but serves nothing we know yet: try again next tick
+            w.healthy = True
+            w.ever_healthy = True
+            w.last_error = None
+            log.info("worker %s healthy (%s)", w.name, ", ".join(w.models))
+        if full or returning:
+            await self._subscribe(w)
+
+    async def _refresh_models(self, w: Worker) -> None:
+        try:
+            r = await self._get(w, "/v1/models")
+            r.raise_for_status()
+            data = r.json().get("data", [])
+            w.models = {m["id"]: {"parent": m.get("parent"), "root": m.get("root"),
+                                  "max_model_len": m.get("max_model_len"), "card": m}
+                        for m in data if isinstance(m, dict) and m.get("id")}
+        except (httpx.HTTPError, ValueError, AttributeError) as e:
+            w.last_error = f"/v1/models: {e}"
+        if w.config.events_endpoint:
+            w.event_sources = [{"rank": 0, "endpoint": resolve_endpoint(w.config.events_endpoint, w.host),
+                                "replay_endpoint": resolve_endpoint(w.config.replay_endpoint, w.host),
+                                "topic": ""}]
+            return
+        try:
+            r = await self._get(w, "/kv_event_sources")
+            if r.status_code == 200:
+                srcs = []
+                for rank, cfg in sorted((r.json() or {}).items()):
+                    if not isinstance(cfg, dict) or not cfg.get("enable_kv_cache_events", True):
+                        continue
+                    if not cfg.get("endpoint"):
+                        continue
+                    srcs.append({"rank": rank, "endpoint": resolve_endpoint(cfg["endpoint"], w.host),
+                                 "replay_endpoint": resolve_endpoint(cfg.get("replay_endpoint"), w.host),
+                                 "topic": cfg.get("topic") or ""})
+                w.event_sources = srcs
+        except (httpx.HTTPError, ValueError, AttributeError) as e:
+            w.last_error = f"/kv_event_sources: {e}"
+
+    async def _scrape(self, w: Worker) -> None:
+        try:
+            r = await self._get(w, "/metrics")
+            if r.status_code != 200:
+                return
+            load, bs = await asyncio.to_thread(parse_metrics, r.text)
+        except (httpx.HTTPError, ValueError) as e:
+            w.last_error = f"/metrics: {e}"
+            return
+        w.load = load
+        if bs:
+            w.block_size = bs
+
+    async def _subscribe(self, w: Worker) -> None:
+        if self.ingestor is None or not w.event_sources:
+            return
+        model = w.base_model()
+        if model is None:
+            return
+        key = (model, tuple((s["endpoint"], s["replay_endpoint"], s["topic"]) for s in w.event_sources))
+        if self._subscribed.get(w.name) == key:
+            return
+        from indexer.events import EventSource
+
+        if w.name in self._subscribed:
+            await self._unsubscribe(w, clear=False)
+        # The ingestor keeps one stream per worker: data-parallel rank 0 (the first source listed).
+        s = w.event_sources[0]
+        try:
+            await self.ingestor.add_source(EventSource(
+                worker=w.name, model=model, endpoint=s["endpoint"], replay_endpoint=s["replay_endpoint"],
+                topic=s["topic"], block_size=w.block_size, worker_url=w.url))
+        except Exception as e:  # a bad endpoint must not take the worker out of routing
+            w.last_error = f"events: {type(e).__name__}: {e}"
+            log.warning("subscribing to the events of %s: %s", w.name, e)
+            return
+        self._subscribed[w.name] = key
+
+    async def _unsubscribe(self, w: Worker, clear: bool = True) -> None:
+        if self.ingestor is None or self._subscribed.pop(w.name, None) is None:
+            return
+        try:
+            await self.ingestor.remove_source(w.name, clear=clear)
+        except Exception as e:  # never let the event side break the registry
+            log.warning("removing event source of %s: %s", w.name, e)
+
+    async def _clear_index(self, w: Worker) -> None:
+        models = {self.namespace(m)[0] for m in w.models} or set()
+        try:
+            models.update(await self.index.models())
+        except Exception:
+            pass
+        for m in models:
+            try:
+                await self.index.clear_worker(m, w.name)
+            except Exception as e:
+                log.warning("clearing index entries of %s/%s: %s", w.name, m, e)

@@ -1,0 +1,63 @@
+"""The cost model and policies on hand-built inputs (no servers)."""
+from __future__ import annotations
+
+from indexer.index.base import WorkerMatch
+from router.config import RoutingConfig, WorkerConfig
+from router.cost import CostModel
+from router.policies import RouteRequest, create_policy
+from router.registry import Worker
+
+
+def worker(name, **kw):
+    w = Worker(name=name, url=f"http://{name}", config=WorkerConfig(url=f"http://{name}"), healthy=True,
+               prefill_tps=1000.0, mean_prompt_tokens=500.0)
+    for k, v in kw.items():
+        setattr(w, k, v)
+    return w
+
+
+def test_prediction_terms():
+    cfg = RoutingConfig(prefill_tokens_per_s=1000.0, running_penalty_ms=2.0, g4_bytes_per_block=1000,
+                        g4_bytes_per_s=1e6)
+    cm = CostModel(cfg)
+    w = worker("a", pending_tokens=1000, pending_requests=1, inflight=3)
+    w.load.waiting, w.load.running = 3, 1
+    c = cm.score(w, WorkerMatch(gpu=2, cpu=0, local=2), g4=5, num_tokens=200, block_size=16)
+    # 1000 pending + (3-1) waiting * 500 = 2000 tokens / 1000 t/s = 2 s; running max(3-1, 1) = 2 * 2 ms
+    assert c.queue_ms == 2000 + 4
+    assert c.cached_tokens == 5 * 16 and c.uncached_tokens == 120 and c.g4_blocks == 3
+    assert c.prefill_ms == 120.0 and c.g4_load_ms == 3.0
+    assert c.predicted_ttft_ms == c.queue_ms + c.prefill_ms + c.g4_load_ms
+
+
+def test_calibration_moves_towards_observed_speed():
+    cm = CostModel(RoutingConfig(prefill_tokens_per_s=1000.0, calibration_alpha=0.5))
+    w = worker("a")
+    c = cm.score(w, WorkerMatch(), g4=0, num_tokens=4000, block_size=16)
+    cm.observe_ttft(w, 1.0, c)  # 4000 tokens in 1 s: 4000 t/s observed
+    assert w.prefill_tps == 2500.0
+    small = cm.score(w, WorkerMatch(), g4=0, num_tokens=10, block_size=16)
+    cm.observe_ttft(w, 5.0, small)  # too small to say anything about prefill speed
+    assert w.prefill_tps == 2500.0
+
+
+def test_policies_order():
+    cm = CostModel(RoutingConfig(prefill_tokens_per_s=1000.0))
+    a, b, c = worker("a"), worker("b", inflight=2), worker("c")
+    req = RouteRequest("m", "/v1/chat/completions", {"x-session-id": "s"})
+    cands = [cm.score(a, WorkerMatch(), 0, 1000, 16), cm.score(b, WorkerMatch(local=50), 0, 1000, 16),
+             cm.score(c, WorkerMatch(), 0, 1000, 16)]
+    kv = create_policy(RoutingConfig())
+    assert kv.order(req, cands)[0].worker == "b"  # cached prefix, negligible queue
+    ll = create_policy(RoutingConfig(), "least_loaded")
+    assert ll.order(req, cands)[-1].worker == "b"
+    rr = create_policy(RoutingConfig(), "round_robin")
+    firsts = [rr.order(req, cands)[0].worker for _ in range(3)]
+    assert sorted(firsts) == ["a", "b", "c"]
+    ss = create_policy(RoutingConfig(), "session")
+    ss.chosen(req, "c")
+    assert ss.order(req, cands)[0].worker == "c"
+    assert ss.order(RouteRequest("m", "/", {}), cands)[0].worker == "b"
+    # Ties between identical idle workers rotate.
+    idle = [cm.score(worker(n), WorkerMatch(), 0, 100, 16) for n in "xyz"]
+    assert len({kv.order(req, idle)[0].worker for _ in range(3)}) == 3

@@ -1,0 +1,52 @@
+"""The whole loop over real sockets: a worker serves a prompt and announces its blocks as vLLM does
+(BlockStored over ZMQ, indexer.events.vllm_format.EventPublisher), the gateway's EventIngestor writes them
+into Redis, and the next turn of that conversation goes to that worker, where the delivered cached_tokens
+match the prediction."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from indexer.events.vllm_format import EventPublisher
+from tests.gateway.conftest import BLOCK
+from tests.gateway.test_proxy import LONG, chat_body, wait_until
+
+
+async def test_events_drive_routing(fleet, start_gateway):
+    pubs = [EventPublisher("tcp://*:0", "tcp://127.0.0.1:0") for _ in range(2)]
+    try:
+        for name, pub in zip("ab", pubs):
+            fleet.add(name, publisher=pub)
+        gw = start_gateway(fleet, events=True)
+        assert gw.state.ingestor is not None
+        await wait_until(lambda: set(gw.state.ingestor.statuses()) == {"a", "b"})
+        first = chat_body(LONG)
+        async with httpx.AsyncClient(timeout=30) as c:
+            r = await c.post(gw.url + "/v1/chat/completions", json=first)
+            owner = r.headers["x-kvgate-worker"]
+            assert int(r.headers["x-kvgate-cached-tokens"]) == 0
+
+            def indexed():
+                d = gw.call(gw.state.router.plan("tiny", first, {}, "/v1/chat/completions"))
+                return d.candidate(owner).local_blocks == d.num_blocks > 0
+
+            deadline = asyncio.get_running_loop().time() + 30
+            while not indexed():
+                assert asyncio.get_running_loop().time() < deadline, "events never reached the index"
+                await asyncio.sleep(0.05)
+            for i in range(3):
+                turn = dict(first, messages=first["messages"] + [
+                    {"role": "assistant", "content": f"reply {i}"}, {"role": "user", "content": f"more {i}"}])
+                r = await c.post(gw.url + "/v1/chat/completions", json=turn, headers={"x-request-id": f"e{i}"})
+                assert r.headers["x-kvgate-worker"] == owner
+                predicted = int(r.headers["x-kvgate-cached-tokens"])
+                delivered = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                assert predicted > 0 and predicted <= delivered
+                assert gw.state.decisions.get(f"e{i}").delivered_cached_tokens == delivered
+        st = gw.state.ingestor.status(owner)
+        assert st["applied"] >= 1
+        assert BLOCK == fleet.states[0].block_size
+    finally:
+        for p in pubs:
+            p.close()

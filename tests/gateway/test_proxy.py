@@ -1,0 +1,336 @@
+"""End-to-end behaviour of the gateway between a client and fake vLLM workers over real HTTP."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from indexer.hashing import routable_blocks, sequence_hashes
+from indexer.index.base import Tier
+from tests.gateway.conftest import BLOCK, MODEL
+
+LONG = " ".join(f"the cache block prefix number {i} is long" for i in range(60))
+
+
+def chat_body(content: str = "Hello the gateway", **kw) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **kw}
+
+
+def sse_payloads(raw: bytes) -> list[bytes]:
+    return [e for e in raw.split(b"\n\n") if e]
+
+
+async def wait_until(pred, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+async def test_non_streaming_byte_exact_and_headers(fleet, start_gateway):
+    st = fleet.add("a")
+    gw = start_gateway(fleet)
+    body = chat_body()
+    async with httpx.AsyncClient(timeout=30) as c:
+        via = await c.post(gw.url + "/v1/chat/completions", content=json.dumps(body).encode(),
+                           headers={"x-request-id": "req-1", "authorization": "Bearer sk-test",
+                                    "content-type": "application/json"})
+        st.cache.clear()
+        direct = await c.post(fleet.url(0) + "/v1/chat/completions", json=body, headers={"x-request-id": "req-1"})
+    assert via.status_code == 200
+    a, b = via.json(), direct.json()
+    a.pop("created"), b.pop("created")
+    assert a == b
+    assert via.headers["x-kvgate-worker"] == "a"
+    assert via.headers["x-kvgate-policy"] == "kv"
+    assert int(via.headers["x-kvgate-cached-tokens"]) >= 0
+    assert float(via.headers["x-kvgate-predicted-ttft-ms"]) >= 0
+    assert via.headers["x-request-id"] == "req-1"
+    fwd = st.requests[0]["headers"]
+    assert fwd["authorization"] == "Bearer sk-test"
+    assert fwd["x-request-id"] == "req-1"
+    assert st.requests[0]["raw"] == json.dumps(body).encode()  # the body is forwarded byte for byte
+
+
+async def test_streaming_byte_exact_with_usage(fleet, start_gateway):
+    st = fleet.add("a")
+    gw = start_gateway(fleet)
+    body = chat_body(LONG, stream=True, stream_options={"include_usage": True})
+    async with httpx.AsyncClient(timeout=30) as c:
+        chunks = []
+        async with c.stream("POST", gw.url + "/v1/chat/completions", json=body,
+                            headers={"x-request-id": "s-1"}) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            assert r.headers["x-kvgate-worker"] == "a"
+            async for ch in r.aiter_raw():
+                chunks.append(ch)
+        st.cache.clear()
+        direct = await c.post(fleet.url(0) + "/v1/chat/completions", json=body, headers={"x-request-id": "s-1"})
+    via = b"".join(chunks)
+    strip = lambda raw: [json.loads(e[6:]) if e != b"data: [DONE]" else "DONE" for e in sse_payloads(raw)]
+    va, vb = strip(via), strip(direct.content)
+    for x in va + vb:
+        if isinstance(x, dict):
+            x.pop("created")
+    assert va == vb
+    assert via.endswith(b"data: [DONE]\n\n")
+    # A repeat is cached on the worker; the gateway records what vLLM delivered.
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(gw.url + "/v1/chat/completions", json=body, headers={"x-request-id": "s-2"})
+        await r.aread()
+    d = gw.state.decisions.get("s-2")
+    assert d is not None and d.outcome == "ok"
+    assert d.prompt_tokens > 100
+    assert d.delivered_cached_tokens == routable_blocks(d.prompt_tokens, BLOCK) * BLOCK
+    assert d.observed_ttft_ms is not None
+
+
+async def test_streaming_is_not_buffered(fleet, start_gateway):
+    """The worker stops mid-stream; the chunks it already sent reach the client meanwhile."""
+    st = fleet.add("a", pause_after=3)
+    gw = start_gateway(fleet)
+    async with httpx.AsyncClient(timeout=30) as c:
+        async with c.stream("POST", gw.url + "/v1/chat/completions", json=chat_body(stream=True)) as r:
+            got = b""
+            it = r.aiter_raw()
+            while b"a-says-2" not in got:
+                got += await asyncio.wait_for(it.__anext__(), 20)
+            assert b"a-says-3" not in got and st.active == 1
+            st.release.set()
+            async for ch in it:
+                got += ch
+    assert b"a-says-3" in got and got.endswith(b"data: [DONE]\n\n")
+
+
+async def test_prefix_indexed_on_b_goes_to_b(fleet, start_gateway, tokenizer_dir):
+    fleet.add("a")
+    fleet.add("b")
+    gw = start_gateway(fleet)
+    body = chat_body(LONG)
+    from router.config import TokenizerConfig
+    from router.tokenize import LocalTokenizer
+
+    toks = LocalTokenizer(tokenizer_dir, TokenizerConfig()).tokenize_chat(body).tokens
+    hashes = sequence_hashes(toks, BLOCK, max_blocks=routable_blocks(len(toks), BLOCK))
+    gw.call(gw.state.index.store(MODEL, "b", Tier.GPU, hashes))
+    # Round robin alternates; kv sends every request to b.
+    async with httpx.AsyncClient(timeout=30) as c:
+        got = []
+        for _ in range(4):
+            r = await c.post(gw.url + "/v1/chat/completions", json=body)
+            assert r.status_code == 200
+            got.append(r.headers["x-kvgate-worker"])
+            assert int(r.headers["x-kvgate-cached-tokens"]) == len(hashes) * BLOCK
+    assert got == ["b"] * 4
+    gw.state.set_policy("round_robin")
+    async with httpx.AsyncClient(timeout=30) as c:
+        rr = [(await c.post(gw.url + "/v1/chat/completions", json=body)).headers["x-kvgate-worker"]
+              for _ in range(4)]
+    assert set(rr) == {"a", "b"}
+
+
+async def test_hot_worker_with_long_queue_loses(fleet, start_gateway, tokenizer_dir):
+    fleet.add("a")
+    hot = fleet.add("b", waiting=400)  # vLLM reports a long queue on b
+    gw = start_gateway(fleet)
+    await wait_until(lambda: gw.state.registry.get("b").load.waiting == 400)
+    body = chat_body(LONG)
+    from router.config import TokenizerConfig
+    from router.tokenize import LocalTokenizer
+
+    toks = LocalTokenizer(tokenizer_dir, TokenizerConfig()).tokenize_chat(body).tokens
+    hashes = sequence_hashes(toks, BLOCK, max_blocks=routable_blocks(len(toks), BLOCK))
+    gw.call(gw.state.index.store(MODEL, "b", Tier.GPU, hashes))
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(gw.url + "/v1/chat/completions", json=body, headers={"x-request-id": "hot"})
+    assert r.headers["x-kvgate-worker"] == "a"
+    d = gw.state.decisions.get("hot")
+    b, a = d.candidate("b"), d.candidate("a")
+    assert b.cached_tokens > a.cached_tokens  # b holds the prefix ...
+    assert b.queue_ms > a.prefill_ms  # ... but its queue costs more than recomputing on a
+    # Once the queue drains, the cache hit wins again.
+    hot.waiting = 0
+    await wait_until(lambda: gw.state.registry.get("b").load.waiting == 0)
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(gw.url + "/v1/chat/completions", json=body)
+    assert r.headers["x-kvgate-worker"] == "b"
+
+
+async def test_gateway_queue_makes_hot_worker_lose(fleet, start_gateway, tokenizer_dir):
+    """In-flight prompt tokens the gateway sent (no first byte yet) count as queue."""
+    fleet.add("a")
+    slow = fleet.add("b", first_token_delay_s=5.0)
+    gw = start_gateway(fleet, routing={"prefill_tokens_per_s": 2000.0})
+    body = chat_body(LONG, stream=True)
+    from router.config import TokenizerConfig
+    from router.tokenize import LocalTokenizer
+
+    toks = LocalTokenizer(tokenizer_dir, TokenizerConfig()).tokenize_chat(body).tokens
+    hashes = sequence_hashes(toks, BLOCK, max_blocks=routable_blocks(len(toks), BLOCK))
+    gw.state.set_policy("round_robin")
+    async with httpx.AsyncClient(timeout=60) as c:
+        # Pile uncached long prompts onto b (round robin, different texts), then switch to kv.
+        tasks = [asyncio.create_task(c.post(gw.url + "/v1/chat/completions",
+                                            json=chat_body(f"{i} " + LONG * 3, stream=True)))
+                 for i in range(8)]
+        await wait_until(lambda: slow.active >= 4)
+        gw.call(gw.state.index.store(MODEL, "b", Tier.GPU, hashes))
+        gw.state.set_policy("kv")
+        r = await c.post(gw.url + "/v1/chat/completions", json=chat_body(LONG), headers={"x-request-id": "q"})
+        assert r.headers["x-kvgate-worker"] == "a"
+        d = gw.state.decisions.get("q")
+        assert d.candidate("b").pending_tokens > 0
+        slow.first_token_delay_s = 0
+        await asyncio.gather(*tasks)
+
+
+async def test_retry_before_first_byte_on_5xx(fleet, start_gateway):
+    bad = fleet.add("a", mode="error500")
+    good = fleet.add("b")
+    gw = start_gateway(fleet, policy="round_robin")
+    async with httpx.AsyncClient(timeout=30) as c:
+        for stream in (False, True):
+            for _ in range(2):
+                r = await c.post(gw.url + "/v1/chat/completions", json=chat_body(stream=stream))
+                assert r.status_code == 200
+                assert r.headers["x-kvgate-worker"] == "b"
+    assert len(bad.requests) >= 1 and len(good.requests) == 4
+    text = (await httpx.AsyncClient().get(gw.url + "/metrics")).text
+    assert "kvgate_retries_total" in text
+
+
+async def test_retry_on_refused_connection(fleet, start_gateway):
+    fleet.add("a")
+    fleet.add("b")
+    gw = start_gateway(fleet, policy="round_robin", health_interval_s=30.0)
+    await wait_until(lambda: all(w.healthy for w in gw.state.registry.workers()))
+    fleet.servers[0].stop()  # a dies; the gateway has not noticed yet
+    async with httpx.AsyncClient(timeout=30) as c:
+        for _ in range(3):
+            r = await c.post(gw.url + "/v1/chat/completions", json=chat_body())
+            assert r.status_code == 200 and r.headers["x-kvgate-worker"] == "b"
+    assert not gw.state.registry.get("a").healthy
+
+
+async def test_error_event_after_first_byte(fleet, start_gateway):
+    st = fleet.add("a", mode="die_mid_stream", pause_after=2)  # dies once released, after two chunks
+    gw = start_gateway(fleet)
+    async with httpx.AsyncClient(timeout=30) as c:
+        async with c.stream("POST", gw.url + "/v1/chat/completions", json=chat_body(stream=True)) as r:
+            assert r.status_code == 200
+            got = b""
+            it = r.aiter_raw()
+            while b"a-says-1" not in got:  # content has reached the client
+                got += await asyncio.wait_for(it.__anext__(), 20)
+            st.release.set()
+            async for ch in it:
+                got += ch
+    events = sse_payloads(got)
+    assert events[-1] == b"data: [DONE]"
+    err = json.loads(events[-2][6:])
+    assert set(err["error"]) == {"message", "type", "param", "code"}
+    assert gw.state.decisions.recent(1)[0].outcome == "upstream_error_mid_stream"
+
+
+async def test_all_workers_fail_gives_openai_error(fleet, start_gateway):
+    fleet.add("a", mode="error500")
+    gw = start_gateway(fleet)
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(gw.url + "/v1/chat/completions", json=chat_body())
+    assert r.status_code == 502
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+async def test_disconnect_cancels_upstream(fleet, start_gateway):
+    st = fleet.add("a", mode="hang")
+    gw = start_gateway(fleet)
+    async with httpx.AsyncClient(timeout=30) as c:
+        # The worker hangs before its first token, so the client is still waiting for headers.
+        task = asyncio.create_task(c.post(gw.url + "/v1/chat/completions", json=chat_body(stream=True)))
+        await wait_until(lambda: st.active == 1)
+        assert gw.state.registry.get("a").inflight == 1
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    await wait_until(lambda: st.cancelled == 1 and st.active == 0)
+    await wait_until(lambda: gw.state.registry.get("a").inflight == 0)
+
+
+@pytest.mark.parametrize("case", ["invalid_json", "not_object", "missing_model", "unknown_model",
+                                  "too_large_declared", "too_large_streamed", "no_healthy"])
+async def test_bad_input(fleet, start_gateway, case):
+    st = fleet.add("a")
+    gw = start_gateway(fleet, max_body_bytes=2000)
+    url = gw.url + "/v1/chat/completions"
+    async with httpx.AsyncClient(timeout=30) as c:
+        if case == "invalid_json":
+            r, want = await c.post(url, content=b"{nope", headers={"content-type": "application/json"}), 400
+        elif case == "not_object":
+            r, want = await c.post(url, json=[1, 2]), 400
+        elif case == "missing_model":
+            r, want = await c.post(url, json={"messages": []}), 400
+        elif case == "unknown_model":
+            r, want = await c.post(url, json={"model": "nope", "messages": []}), 404
+        elif case == "too_large_declared":
+            r, want = await c.post(url, json=chat_body("x" * 5000)), 413
+        elif case == "too_large_streamed":
+            async def gen():
+                for _ in range(10):
+                    yield b"x" * 500
+            r, want = await c.post(url, content=gen()), 413  # chunked: no Content-Length
+        else:
+            st.mode = "unhealthy"
+            await wait_until(lambda: not gw.state.registry.get("a").healthy)
+            r, want = await c.post(url, json=chat_body()), 503
+            assert (await c.get(gw.url + "/ready")).status_code == 503
+    assert r.status_code == want, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert "Traceback" not in r.text
+
+
+async def test_models_health_ready_and_other_paths(fleet, start_gateway):
+    fleet.add("a")
+    st_b = fleet.add("b")
+    gw = start_gateway(fleet)
+    async with httpx.AsyncClient(timeout=30) as c:
+        assert (await c.get(gw.url + "/health")).status_code == 200
+        assert (await c.get(gw.url + "/ready")).json()["healthy_workers"] == 2
+        models = (await c.get(gw.url + "/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == [MODEL]
+        r = await c.post(gw.url + "/v1/embeddings", json={"model": MODEL, "input": "hi"})
+        assert r.status_code == 200 and r.json()["worker"] in ("a", "b")
+        assert r.headers["x-kvgate-worker"] == r.json()["worker"]
+        r = await c.post(gw.url + "/v1/embeddings", json={"model": "other", "input": "hi"})
+        assert r.status_code == 404
+        r = await c.get(gw.url + "/nowhere")
+        assert r.status_code == 404 and "error" in r.json()
+        st_b.mode = "unhealthy"
+        await wait_until(lambda: not gw.state.registry.get("b").healthy)
+        for _ in range(3):
+            r = await c.post(gw.url + "/v1/chat/completions", json=chat_body())
+            assert r.headers["x-kvgate-worker"] == "a"
+        st_b.mode = "ok"
+        await wait_until(lambda: gw.state.registry.get("b").healthy)
+        assert gw.state.registry.get("b").restarts == 1
+
+
+async def test_token_id_prompt_and_session_policy(fleet, start_gateway):
+    fleet.add("a")
+    fleet.add("b")
+    gw = start_gateway(fleet, policy="session")
+    prompt = list(range(100))
+    async with httpx.AsyncClient(timeout=30) as c:
+        seen = set()
+        for i in range(4):
+            r = await c.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1},
+                             headers={"x-session-id": "s1", "x-request-id": f"t{i}"})
+            assert r.status_code == 200
+            seen.add(r.headers["x-kvgate-worker"])
+        assert len(seen) == 1
+        d = gw.state.decisions.get("t0")
+        assert d.tokenizer == "ids" and d.num_tokens == 100 and d.num_blocks == routable_blocks(100, BLOCK)

@@ -1,0 +1,168 @@
+"""The worker registry against live fake workers: discovery, health, restarts, run-time changes; the
+router's plan (explain) without sending; metrics scraped and parsed."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from indexer.hashing import sequence_hashes
+from indexer.index.base import Tier
+from router.config import WorkerConfig
+from router.registry import parse_metrics, resolve_endpoint
+from tests.gateway.conftest import BLOCK, MODEL
+from tests.gateway.test_proxy import LONG, chat_body, wait_until
+
+
+class RecordingIngestor:
+    """Stands in for indexer.events.EventIngestor (which needs live ZMQ publishers): records the calls the
+    registry makes through the shared interface."""
+
+    def __init__(self):
+        self.added, self.removed = [], []
+
+    async def start(self):
+        pass
+
+    async def stop(self):
+        pass
+
+    async def add_source(self, src):
+        self.added.append(src)
+
+    async def remove_source(self, worker, clear=True):
+        self.removed.append((worker, clear))
+
+    def statuses(self):
+        return {s.worker: {"applied": 3, "dropped": 1, "replays": 0, "resets": 0, "gaps": 0} for s in self.added}
+
+
+def test_resolve_endpoint_and_parse_metrics():
+    assert resolve_endpoint("tcp://*:5557", "10.0.0.7") == "tcp://10.0.0.7:5557"
+    assert resolve_endpoint("tcp://0.0.0.0:1", "h") == "tcp://h:1"
+    assert resolve_endpoint("tcp://host:1", "h") == "tcp://host:1"
+    text = ('vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+            'vllm:num_requests_running{engine="1",model_name="m"} 1.0\n'
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 4.0\n'
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5\n'
+            'vllm:cache_config_info{block_size="32",engine="0"} 1.0\n')
+    load, bs = parse_metrics(text)
+    assert (load.running, load.waiting, load.kv_usage, bs) == (3.0, 4.0, 0.5, 32)
+
+
+async def test_discovery_events_restart_and_runtime_changes(fleet, start_gateway):
+    fleet.add("a", events_endpoint="tcp://*:5557")
+    fleet.states[0].block_size = 32
+    rec = RecordingIngestor()
+    gw = start_gateway(fleet, ingestor=rec)
+    reg = gw.state.registry
+    a = reg.get("a")
+    assert a.healthy and a.block_size == 32 and reg.block_size(MODEL) == 32
+    assert [(s.worker, s.model, s.endpoint, s.topic) for s in rec.added] == \
+        [("a", MODEL, "tcp://127.0.0.1:5557", "kv-events")]
+    # Index entries survive while healthy, and are dropped when the worker restarts (health flap).
+    hashes = sequence_hashes(list(range(64)), 32)
+    gw.call(gw.state.index.store(MODEL, "a", Tier.GPU, hashes))
+    fleet.states[0].mode = "unhealthy"
+    await wait_until(lambda: not a.healthy)
+    assert gw.call(gw.state.index.lookup(MODEL, hashes)).match("a").local == 2
+    fleet.states[0].mode = "ok"
+    await wait_until(lambda: a.healthy)
+    assert a.restarts == 1
+    assert gw.call(gw.state.index.lookup(MODEL, hashes)).match("a").local == 0
+    assert rec.removed and rec.removed[0][0] == "a" and len(rec.added) == 2
+    # Add, drain and remove at run time.
+    b_state = fleet.add("b")
+    b = gw.call(reg.add(WorkerConfig(url=fleet.url(1), name="b")))
+    assert b.healthy and MODEL in b.models
+    gw.call(reg.drain("a"))
+    async with httpx.AsyncClient(timeout=30) as c:
+        for _ in range(3):
+            r = await c.post(gw.url + "/v1/chat/completions", json=chat_body())
+            assert r.headers["x-kvgate-worker"] == "b"
+        gw.call(reg.remove("b"))
+        assert reg.get("b") is None
+        r = await c.post(gw.url + "/v1/chat/completions", json=chat_body())
+        assert r.status_code == 503  # only a draining worker is left
+        gw.call(reg.drain("a", False))
+        r = await c.post(gw.url + "/v1/chat/completions", json=chat_body())
+        assert r.status_code == 200
+    assert len(b_state.requests) == 3
+
+
+async def test_plan_sends_nothing_and_matches_choice(fleet, start_gateway, tokenizer_dir):
+    sa, sb = fleet.add("a"), fleet.add("b")
+    gw = start_gateway(fleet)
+    body = chat_body(LONG)
+    from router.config import TokenizerConfig
+    from router.tokenize import LocalTokenizer
+
+    toks = LocalTokenizer(tokenizer_dir, TokenizerConfig()).tokenize_chat(body).tokens
+    hashes = sequence_hashes(toks, BLOCK)
+    gw.call(gw.state.index.store(MODEL, "b", Tier.GPU, hashes[:5]))
+    gw.call(gw.state.index.store_g4(MODEL, hashes[:8]))
+    d = gw.call(gw.state.router.plan(MODEL, body, {}, "/v1/chat/completions"))
+    assert sa.requests == [] and sb.requests == []
+    assert d.chosen == "b" and d.num_tokens == len(toks) and len(d.hashes) == d.num_blocks
+    b, a = d.candidate("b"), d.candidate("a")
+    assert (b.gpu_blocks, b.local_blocks, b.g4_blocks) == (5, 5, 3)
+    assert (a.local_blocks, a.g4_blocks) == (0, 8)
+    assert b.cached_tokens == 8 * BLOCK and b.g4_load_ms > 0
+    assert set(d.timings_ms) == {"tokenize", "hash", "lookup", "decide", "total"}
+    assert "hashes" in d.to_dict(include_hashes=True)
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(gw.url + "/v1/chat/completions", json=body, headers={"x-request-id": "m1"})
+    assert r.headers["x-kvgate-worker"] == d.chosen
+    rec = gw.state.decisions.get("m1").to_dict()
+    assert rec["chosen"] == "b" and rec["delivered_cached_tokens"] is not None
+    assert rec["candidates"][0]["worker"] == "b"
+
+
+async def test_prefetch_ordered_for_g4_plan(fleet, start_gateway, tokenizer_dir):
+    fleet.add("a")
+    gw = start_gateway(fleet)
+    orders = []
+
+    class Recorder:
+        async def order(self, worker, model, hashes):
+            orders.append((worker.name, model, list(hashes)))
+            return True
+
+    gw.state.prefetcher = Recorder()
+    body = chat_body(LONG)
+    from router.config import TokenizerConfig
+    from router.tokenize import LocalTokenizer
+
+    toks = LocalTokenizer(tokenizer_dir, TokenizerConfig()).tokenize_chat(body).tokens
+    hashes = sequence_hashes(toks, BLOCK)
+    gw.call(gw.state.index.store(MODEL, "a", Tier.GPU, hashes[:2]))
+    gw.call(gw.state.index.store_g4(MODEL, hashes[:6]))
+    async with httpx.AsyncClient(timeout=30) as c:
+        assert (await c.post(gw.url + "/v1/chat/completions", json=body)).status_code == 200
+    await wait_until(lambda: orders)
+    assert orders == [("a", MODEL, hashes[2:6])]
+
+
+async def test_metrics_scraped_and_parsed(fleet, start_gateway):
+    fleet.add("a")
+    gw = start_gateway(fleet)
+    async with httpx.AsyncClient(timeout=30) as c:
+        await c.post(gw.url + "/v1/chat/completions", json=chat_body(LONG, stream=True,
+                                                                      stream_options={"include_usage": True}))
+        await c.post(gw.url + "/v1/chat/completions", json=chat_body(LONG))
+        text = (await c.get(gw.url + "/metrics")).text
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("kvgate_requests", "kvgate_routing_overhead_seconds", "kvgate_predicted_cached_tokens",
+                 "kvgate_delivered_cached_tokens", "kvgate_cache_hit_rate", "kvgate_ttft_seconds",
+                 "kvgate_inflight_requests", "kvgate_index_blocks", "kvgate_worker_healthy",
+                 "kvgate_retries", "kvgate_prefetch_orders", "kvgate_prompt_tokens"):
+        assert name in fams, name
+    ok = [s for s in fams["kvgate_requests"].samples if s.name == "kvgate_requests_total"
+          and s.labels == {"model": MODEL, "worker": "a", "policy": "kv", "outcome": "ok"}]
+    assert ok and ok[0].value == 2
+    stages = {s.labels["stage"] for s in fams["kvgate_routing_overhead_seconds"].samples if "stage" in s.labels}
+    assert {"tokenize", "hash", "lookup", "decide"} <= stages
+    delivered = [s.value for s in fams["kvgate_delivered_cached_tokens"].samples if s.name.endswith("_total")]
+    assert delivered and delivered[0] > 0
+    assert [s.value for s in fams["kvgate_worker_healthy"].samples] == [1.0]

@@ -1,0 +1,85 @@
+"""Tokenization is token-exact: local tokenizer == the worker's /tokenize, and the segment cache ==
+encoding the whole rendered text."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from indexer.hashing import sequence_hashes
+from router.config import ModelConfig, Settings, TokenizerConfig
+from router.tokenize import LocalTokenizer, Tokenizers
+from tests.gateway.conftest import BLOCK, MODEL
+
+CONVERSATION = [
+    {"role": "system", "content": "You are a cache block gateway."},
+    {"role": "user", "content": "Hello the gateway, how are you?"},
+    {"role": "assistant", "content": " Fine.\n\nThanks  for  asking"},
+    {"role": "user", "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": "part two"}]},
+]
+
+BODIES = [
+    {"messages": CONVERSATION},
+    {"messages": CONVERSATION, "add_generation_prompt": False},
+    {"messages": CONVERSATION[:3], "continue_final_message": True, "add_generation_prompt": False},
+    {"messages": CONVERSATION, "chat_template_kwargs": {"enable_thinking": False}},
+    {"messages": CONVERSATION, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+    {"messages": CONVERSATION, "add_special_tokens": True},
+]
+
+
+@pytest.fixture(scope="module")
+def local(tokenizer_dir):
+    return LocalTokenizer(tokenizer_dir, TokenizerConfig())
+
+
+def test_segment_cache_equals_whole_text(local):
+    assert local.segmenting and local.fast_render
+    turns = list(CONVERSATION)
+    for i in range(6):
+        turns = turns + [{"role": "assistant", "content": f"answer {i} " * (i + 1)},
+                         {"role": "user", "content": f"question {i}\n with  spaces "}]
+        body = {"messages": turns}
+        text = local.render_chat(body)
+        got = local.tokenize_chat(body)
+        assert got.tokens == local.encode(text, False)
+        if i:
+            # Every old turn's segment came from the cache: only the new ones were encoded.
+            assert got.segments_cached >= got.segments - 3
+
+
+async def test_local_and_remote_tokenize_give_same_hashes(fleet, tokenizer_dir):
+    fleet.add("a")
+    settings = Settings(models={MODEL: ModelConfig(tokenizer=tokenizer_dir)})
+    async with httpx.AsyncClient() as client:
+        remote = Tokenizers(Settings(models={MODEL: ModelConfig()}), client)
+        local = Tokenizers(settings, client)
+        local.load()
+        for body in BODIES + [{"prompt": "the cache block prefix " * 20},
+                              {"prompt": "no bos here", "add_special_tokens": False}]:
+            kind = "chat" if "messages" in body else "completion"
+            lt = await local.tokenize(MODEL, kind, dict(body, model=MODEL), size=10)
+            rt = await remote.tokenize(MODEL, kind, dict(body, model=MODEL), size=10, worker_url=fleet.url(0))
+            assert lt.source == "local" and rt.source == "remote"
+            assert lt.tokens == rt.tokens, body
+            assert sequence_hashes(lt.tokens, BLOCK) == sequence_hashes(rt.tokens, BLOCK)
+        # A large prompt takes the thread pool; same result.
+        big = {"model": MODEL, "messages": [{"role": "user", "content": "the worker " * 3000}]}
+        a = await local.tokenize(MODEL, "chat", big, size=10**6)
+        b = await remote.tokenize(MODEL, "chat", big, size=10**6, worker_url=fleet.url(0))
+        assert a.tokens == b.tokens and len(a.tokens) > 3000
+        local.close()
+        remote.close()
+
+
+async def test_token_ids_and_untokenizable(tokenizer_dir):
+    t = Tokenizers(Settings(models={MODEL: ModelConfig(tokenizer=tokenizer_dir)}))
+    t.load()
+    assert (await t.tokenize(MODEL, "completion", {"prompt": [5, 6, 7]}, size=1)).tokens == [5, 6, 7]
+    assert (await t.tokenize(MODEL, "completion", {"prompt": [[1, 2], [3]]}, size=1)).tokens == [1, 2]
+    img = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+    r = await t.tokenize(MODEL, "chat", img, size=1)
+    assert r.tokens is None and r.error
+    # No tokenizer and no worker: routed on load only, not an error.
+    r = await Tokenizers(Settings()).tokenize("m", "chat", {"messages": []}, size=1)
+    assert r.tokens is None
+    t.close()

@@ -1,0 +1,235 @@
+"""A stand-in for vLLM's *HTTP surface only*, for gateway tests and the overhead benchmark.
+
+It is not an engine: it renders chat prompts with the model's tokenizer the way vLLM does, keeps a simple
+prefix cache of full blocks to report ``usage.prompt_tokens_details.cached_tokens``, and answers
+``/v1/chat/completions`` and ``/v1/completions`` (streaming SSE and not), ``/tokenize``, ``/v1/models``,
+``/metrics`` (vllm:* gauges and cache_config_info), ``/health``, ``/kv_event_sources`` and
+``/v1/embeddings``. Tests steer it through :class:`FakeState` (fail with 500, hang before the first token,
+die mid-stream, report a long queue). Real vLLM is exercised by the end-to-end tests.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from indexer.hashing import routable_blocks, sequence_hashes
+
+
+@dataclass
+class FakeState:
+    name: str = "w"
+    model: str = "tiny"
+    block_size: int = 16
+    mode: str = "ok"  # ok | error500 | hang | die_mid_stream | unhealthy
+    first_token_delay_s: float = 0.0
+    waiting: int = 0
+    running: int = 0
+    events_endpoint: str | None = None
+    words: int = 8
+    fast: bool = False  # benchmark mode: no tokenizer, no cache bookkeeping
+    pause_after: int | None = None  # streaming: stop after this many content chunks until released
+    release: threading.Event = field(default_factory=threading.Event)
+    publisher: object = None  # an indexer.events.vllm_format.EventPublisher: BlockStored for new blocks
+    requests: list = field(default_factory=list)
+    cancelled: int = 0
+    active: int = 0
+    cache: set = field(default_factory=set)
+
+
+def _reply_words(st: FakeState, n_prompt: int) -> list[str]:
+    return [f"{st.name}-says-{i}" if i else f"Hello({n_prompt})" for i in range(st.words)]
+
+
+def create_fake_worker(state: FakeState, tokenizer_dir: str | None = None) -> FastAPI:
+    tok = None
+    if tokenizer_dir:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    app = FastAPI()
+    st = state
+
+    def tokens_for(kind: str, body: dict) -> list[int]:
+        if kind == "chat":
+            if tok is None:
+                return []
+            # vLLM's "string" content format: text parts joined by newlines.
+            msgs = [{**m, "content": "\n".join(p["text"] for p in m["content"])}
+                    if isinstance(m.get("content"), list) else m for m in body["messages"]]
+            text = tok.apply_chat_template(
+                msgs, tools=body.get("tools"), chat_template=body.get("chat_template"),
+                add_generation_prompt=body.get("add_generation_prompt", True),
+                continue_final_message=body.get("continue_final_message", False), tokenize=False,
+                **(body.get("chat_template_kwargs") or {}))
+            return tok(text, add_special_tokens=body.get("add_special_tokens", False))["input_ids"]
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+            prompt = prompt[0]
+        if isinstance(prompt, list):
+            return list(prompt)
+        if tok is None:
+            return []
+        return tok(prompt, add_special_tokens=body.get("add_special_tokens", True))["input_ids"]
+
+    def cached_tokens(tokens: list[int]) -> int:
+        if st.fast or not tokens:
+            return 0
+        hashes = sequence_hashes(tokens, st.block_size, max_blocks=routable_blocks(len(tokens), st.block_size))
+        hit = 0
+        for h in hashes:
+            if h not in st.cache:
+                break
+            hit += 1
+        new = [i for i, h in enumerate(hashes) if h not in st.cache]
+        st.cache.update(hashes)
+        if st.publisher is not None and new:
+            from indexer.events.vllm_format import stored
+
+            bs = st.block_size
+            # Engine block hashes are opaque to kvgate: reuse our own as the engine's.
+            st.publisher.publish([stored([hashes[i] for i in new], tokens[new[0] * bs:(new[-1] + 1) * bs], bs,
+                                         parent=hashes[new[0] - 1] if new[0] else None)])
+        return hit * st.block_size
+
+    async def generate(request: Request, kind: str):
+        raw = await request.body()
+        body = json.loads(raw)
+        st.requests.append({"headers": dict(request.headers), "body": body, "raw": raw, "kind": kind})
+        if st.mode == "error500":
+            return JSONResponse({"error": {"message": "engine died", "type": "InternalServerError",
+                                           "param": None, "code": 500}}, status_code=500)
+        tokens = [] if st.fast else tokens_for(kind, body)
+        n = len(tokens)
+        cached = cached_tokens(tokens)
+        rid = request.headers.get("x-request-id", "x")
+        obj, prefix = ("chat.completion", "chatcmpl-") if kind == "chat" else ("text_completion", "cmpl-")
+        usage = {"prompt_tokens": n, "total_tokens": n + st.words, "completion_tokens": st.words,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        words = _reply_words(st, n)
+        created = int(time.time())
+        if not body.get("stream"):
+            if st.first_token_delay_s:
+                await asyncio.sleep(st.first_token_delay_s)
+            text = " ".join(words)
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+                      if kind == "chat" else {"index": 0, "text": text, "finish_reason": "length"})
+            return JSONResponse({"id": prefix + rid, "object": obj, "created": created, "model": body["model"],
+                                 "choices": [choice], "usage": usage})
+
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+        async def events():
+            st.active += 1
+            try:
+                if st.mode == "hang" or st.first_token_delay_s:
+                    deadline = time.monotonic() + (3600 if st.mode == "hang" else st.first_token_delay_s)
+                    while time.monotonic() < deadline:
+                        if await request.is_disconnected():
+                            st.cancelled += 1
+                            return
+                        await asyncio.sleep(0.02)
+                base = {"id": prefix + rid, "object": obj + ".chunk", "created": created, "model": body["model"]}
+                if kind == "chat":
+                    yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+                for i, w in enumerate(words):
+                    if st.pause_after is not None and i == st.pause_after:
+                        while not st.release.is_set():
+                            if await request.is_disconnected():
+                                st.cancelled += 1
+                                return
+                            await asyncio.sleep(0.02)
+                    if st.mode == "die_mid_stream" and i == 2:
+                        raise RuntimeError("worker died mid-stream")
+                    piece = w if i == 0 else " " + w
+                    ch = ({"index": 0, "delta": {"content": piece}} if kind == "chat"
+                          else {"index": 0, "text": piece})
+                    yield _sse({**base, "choices": [ch]})
+                    if await request.is_disconnected():
+                        st.cancelled += 1
+                        return
+                last = ({"index": 0, "delta": {}, "finish_reason": "length"} if kind == "chat"
+                        else {"index": 0, "text": "", "finish_reason": "length"})
+                yield _sse({**base, "choices": [last]})
+                if include_usage:
+                    yield _sse({**base, "choices": [], "usage": usage})
+                yield b"data: [DONE]\n\n"
+            except asyncio.CancelledError:
+                st.cancelled += 1
+                raise
+            finally:
+                st.active -= 1
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await generate(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, "completion")
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        body = await request.json()
+        st.requests.append({"headers": dict(request.headers), "body": body, "kind": "embeddings"})
+        return {"object": "list", "model": body.get("model"), "worker": st.name,
+                "data": [{"object": "embedding", "index": 0, "embedding": [0.0, 1.0]}]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await request.json()
+        kind = "chat" if "messages" in body else "completion"
+        toks = tokens_for(kind, body)
+        return {"count": len(toks), "max_model_len": 8192, "tokens": toks, "token_strs": None}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": st.model, "object": "model", "created": 0, "owned_by": "vllm",
+                                            "root": st.model, "parent": None, "max_model_len": 8192}]}
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=503 if st.mode == "unhealthy" else 200)
+
+    @app.get("/kv_event_sources")
+    async def sources():
+        if st.publisher is not None:
+            return {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "",
+                          "endpoint": st.publisher.endpoint, "replay_endpoint": st.publisher.replay_endpoint}}
+        if not st.events_endpoint:
+            return {}
+        return {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": st.events_endpoint,
+                      "replay_endpoint": None, "topic": "kv-events"}}
+
+    @app.get("/metrics")
+    async def metrics():
+        lbl = f'engine="0",model_name="{st.model}"'
+        text = (
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+            "# TYPE vllm:num_requests_running gauge\n"
+            f"vllm:num_requests_running{{{lbl}}} {float(st.running + st.active)}\n"
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f"vllm:num_requests_waiting{{{lbl}}} {float(st.waiting)}\n"
+            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            f"vllm:kv_cache_usage_perc{{{lbl}}} 0.25\n"
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+            "# TYPE vllm:cache_config_info gauge\n"
+            f'vllm:cache_config_info{{block_size="{st.block_size}",enable_prefix_caching="True",engine="0",'
+            f'prefix_caching_hash_algo="sha256"}} 1.0\n'
+        )
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
