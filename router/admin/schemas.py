@@ -75,7 +75,8 @@ class AddWorker(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     url: str = Field(..., description="base URL, e.g. http://10.0.0.7:8000")
-    name: str | None = Field(None, max_length=200)
+    name: str | None = Field(None, max_length=200, pattern=r"^[^/\s]+$",
+                             description="unique name (default host:port); no '/' or spaces")
     events_endpoint: str | None = Field(None, description="ZMQ PUB endpoint; discovered when omitted")
     replay_endpoint: str | None = None
 

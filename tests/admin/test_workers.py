@@ -121,6 +121,8 @@ def test_worker_bad_inputs(admin_env):
         ({"name": "x"}, "url"),
         ({"url": "http://127.0.0.1:1", "events_endpoint": "http://x"}, "events_endpoint"),
         ({"url": "http://127.0.0.1:1", "bogus": 1}, "bogus"),
+        ({"url": "http://127.0.0.1:1", "name": "a/b"}, "name"),
+        ({"url": "http://127.0.0.1:1", "name": ""}, "name"),
     ]
     for body, param in cases:
         r = env.http.post("/admin/workers", json=body)
