@@ -47,18 +47,30 @@ def _check_body(path: str, body: dict) -> None:
         if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
             raise APIError(400, "'messages' must be a non-empty list of message objects", param="messages")
     else:
-        prompt = body.get("prompt")
-        ok = isinstance(prompt, str) or (
-            isinstance(prompt, list) and prompt and (
-                all(isinstance(p, str) for p in prompt)
-                or all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
-                or all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt)))
-        if not ok:
+        if not _valid_prompt(body.get("prompt")):
             raise APIError(400, "'prompt' must be a string, a list of strings, or token ids", param="prompt")
 
 
+def _is_token_ids(xs: list) -> bool:
+    # C-speed checks (map/set/min): a 128K-token prompt must not cost milliseconds here.
+    return bool(xs) and set(map(type, xs)) == {int} and min(xs) >= 0
+
+
+def _valid_prompt(prompt) -> bool:
+    if isinstance(prompt, str):
+        return True
+    if not isinstance(prompt, list) or not prompt:
+        return False
+    kinds = set(map(type, prompt))
+    if kinds == {str}:
+        return True
+    if kinds == {int}:
+        return min(prompt) >= 0
+    return kinds == {list} and all(_is_token_ids(p) for p in prompt)
+
+
 async def _explain(request: Request, path: str, body: dict, model: str | None,
-                   headers: dict[str, str]) -> schemas.Explanation:
+                   headers: dict[str, str]) -> dict:
     state = kv_state(request)
     if path not in PATHS:
         raise APIError(400, f"path must be one of {', '.join(PATHS)}", param="path")
@@ -66,13 +78,15 @@ async def _explain(request: Request, path: str, body: dict, model: str | None,
     if not isinstance(model, str) or not model:
         raise APIError(400, "the request names no model (body.model or model)", param="model")
     _check_body(path, body)
-    size = len(json.dumps(body))
+    # The request's size decides whether tokenization goes to the thread pool; the explain call's own
+    # length bounds the client body's without re-serializing it.
+    size = int(request.headers.get("content-length") or 0) or len(json.dumps(body))
     # Same call as the proxy's, on a copy of the policy; a fresh request id, and the decision is not logged.
     decision = await state.router.plan(model, body, headers, path, size=size,
                                        policy=dry_run_policy(state.policy))
     d = decision.to_dict(include_hashes=True)
     d["hashes_hex"] = [f"{h:016x}" for h in decision.hashes]
-    return schemas.Explanation(**d)
+    return d  # validated and serialized once, by the route's response model
 
 
 @router.post("", response_model=schemas.Explanation, summary="Explain how a request would be routed")
