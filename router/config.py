@@ -55,6 +55,8 @@ class RoutingConfig(BaseModel):
     prefill_tokens_per_s: float = 10_000.0
     g4_bytes_per_s: float = 2e9
     decisions_kept: int = 1000
+    # Probe each worker when it registers (router/parity.py): a mismatch marks it cache-blind.
+    parity_check: bool = True
     max_attempts: int = 3
     # Queue model: each request running on a worker delays a new prefill by this much; a request vLLM
     # reports waiting that the gateway did not send counts as this many prompt tokens.
@@ -89,6 +91,12 @@ class AdminConfig(BaseModel):
 class G4Config(BaseModel):
     path: str | None = None
     capacity_bytes: int | None = None
+    # The port of kvgate's connector endpoint on every worker (kv_connector_extra_config.prefetch_port):
+    # prefetch orders go there, and the connector's measured G4 load bandwidth is read from it.
+    prefetch_port: int | None = None
+    prefetch_scheme: str = "http"
+    # How often (at most) a worker's G4 load bandwidth is refreshed, piggybacked on prefetch orders.
+    stats_interval_s: float = 10.0
 
 
 class Settings(BaseSettings):

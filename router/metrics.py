@@ -65,6 +65,11 @@ class GatewayMetrics:
                                ["model", "reason"], registry=r)
         self.prefetch = Counter("kvgate_prefetch_orders", "G4 prefetch orders by outcome (sent, staged, failed)",
                                 ["worker", "outcome"], registry=r)
+        self.cache_blind = Gauge("kvgate_worker_cache_blind",
+                                 "1 when the parity check found that kvgate's block keys do not match the "
+                                 "worker's KV events (its cache entries are ignored)", ["worker"], registry=r)
+        self.parity_checks = Counter("kvgate_parity_checks", "Parity checks by worker and result",
+                                     ["worker", "result"], registry=r)
         self.snapshot = _Snapshot()
         r.register(self.snapshot)
 

@@ -51,6 +51,8 @@ class Worker:
     pending_tokens: int = 0  # prompt tokens sent, not yet prefilled (no first byte seen)
     pending_requests: int = 0
     prefill_tps: float = 0.0  # calibrated prefill speed, tokens/s
+    g4_bytes_per_s: float = 0.0  # G4 load bandwidth measured by the worker's connector (0: use the default)
+    g4_bytes_per_block: int = 0  # bytes of one block file on G4 (0: use the default)
     ttft_samples: int = 0
     mean_prompt_tokens: float = 0.0
     failures: int = 0
@@ -58,6 +60,12 @@ class Worker:
     last_error: str | None = None
     last_check: float = 0.0
     added_at: float = field(default_factory=time.time)
+    parity: dict | None = None  # last parity check (router/parity.py); None until one ran
+
+    @property
+    def cache_blind(self) -> bool:
+        """kvgate's block keys do not match this worker's: routing ignores its index entries."""
+        return bool(self.parity and self.parity.get("status") == "cache-blind")
 
     @property
     def host(self) -> str:
@@ -83,7 +91,7 @@ class Worker:
             "inflight": self.inflight, "pending_tokens": self.pending_tokens,
             "prefill_tokens_per_s": self.prefill_tps, "ttft_samples": self.ttft_samples,
             "failures": self.failures, "restarts": self.restarts, "last_error": self.last_error,
-            "last_check": self.last_check,
+            "last_check": self.last_check, "cache_blind": self.cache_blind, "parity": self.parity,
         }
 
 
@@ -139,6 +147,9 @@ class WorkerRegistry:
         self._task: asyncio.Task | None = None
         self._last_refresh: dict[str, float] = {}
         self._subscribed: dict[str, tuple] = {}
+        # Called with a worker each time it becomes routable (first time, or back after a failure), once
+        # its events are subscribed: the gateway runs the parity check there (router/parity.py).
+        self.on_ready = None
         self._discovery = None
 
     # --- queries -------------------------------------------------------------------------------
@@ -313,6 +324,8 @@ class WorkerRegistry:
             log.info("worker %s healthy (%s)", w.name, ", ".join(w.models))
         if full or returning:
             await self._subscribe(w)
+        if returning and self.on_ready is not None:
+            self.on_ready(w)
 
     async def _refresh_models(self, w: Worker) -> None:
         try:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from indexer.hashing import routable_blocks, sequence_hashes
-from indexer.index.base import LookupResult
+from indexer.index.base import LookupResult, WorkerMatch
 from router.cost import Candidate, CostModel
 from router.errors import APIError
 from router.policies import Policy, RouteRequest
@@ -207,7 +207,8 @@ class Router:
                 log.warning("index lookup failed: %s", d.index_error)
         t3 = time.perf_counter()
         d.g4_blocks = result.g4
-        scored = [self.cost.score(w, result.match(w.name), result.g4, d.num_tokens, bs) for w in workers]
+        scored = [self.cost.score(w, WorkerMatch() if w.cache_blind else result.match(w.name), result.g4,
+                                  d.num_tokens, bs) for w in workers]
         d.candidates = policy.order(RouteRequest(model, path, headers), scored)
         d.chosen = d.candidates[0].worker if d.candidates else None
         t4 = time.perf_counter()

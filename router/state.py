@@ -10,8 +10,9 @@ import httpx
 
 from router.config import Settings
 from router.metrics import GatewayMetrics
+from router.parity import ParityChecker
 from router.policies import Policy, create_policy
-from router.prefetch import NoopPrefetcher, Prefetcher
+from router.prefetch import Prefetcher, make_prefetcher
 from router.registry import WorkerRegistry
 from router.routing import DecisionLog, Router
 from router.tokenize import Tokenizers
@@ -38,14 +39,14 @@ def make_index(settings: Settings):
     return MemoryIndex()
 
 
-def make_ingestor(index, on_reset):
+def make_ingestor(index, on_reset, observer=None):
     """The KV event ingestor, or None when the events part is not installed."""
     try:
         from indexer.events import EventIngestor
     except ImportError:
         log.warning("indexer.events is not available: KV events are not ingested")
         return None
-    return EventIngestor(index, queue_size=10000, on_reset=on_reset)
+    return EventIngestor(index, queue_size=10000, on_reset=on_reset, observer=observer)
 
 
 class GatewayState:
@@ -60,14 +61,22 @@ class GatewayState:
                                 max_keepalive_connections=settings.max_keepalive_connections),
             follow_redirects=False, trust_env=False)
         self.upstream = Upstream(settings)
-        self.ingestor = ingestor if ingestor is not None or not with_events else make_ingestor(
-            self.index, self._on_events_reset)
-        self.registry = WorkerRegistry(settings, self.client, self.index, self.ingestor, self.metrics)
         self.tokenizers = Tokenizers(settings, self.client)
+        # Parity check at registration (router/parity.py): fed by the ingestor's observer, run by the
+        # registry's on_ready hook each time a worker becomes routable.
+        self.parity = ParityChecker(self.client, self._tokenize_probe, self._block_size,
+                                    events_seen=self._events_seen, metrics=self.metrics)
+        self.ingestor = ingestor if ingestor is not None or not with_events else make_ingestor(
+            self.index, self._on_events_reset, self.parity.observe)
+        if self.ingestor is not None and getattr(self.ingestor, "observer", False) is None:
+            self.ingestor.observer = self.parity.observe  # an ingestor passed in by the caller
+        self.registry = WorkerRegistry(settings, self.client, self.index, self.ingestor, self.metrics)
+        if settings.routing.parity_check and self.ingestor is not None:
+            self.registry.on_ready = self._check_parity
         self.policy: Policy = create_policy(settings.routing)
         self.decisions = DecisionLog(settings.routing.decisions_kept)
         self.router = Router(self)
-        self.prefetcher: Prefetcher = prefetcher or NoopPrefetcher()
+        self.prefetcher: Prefetcher = prefetcher or make_prefetcher(settings)
         self._background: set[asyncio.Task] = set()
         self.started = False
 
@@ -81,6 +90,33 @@ class GatewayState:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
+
+    # -- parity check at registration (router/parity.py) --------------------------------------------
+    def _check_parity(self, worker) -> None:
+        async def run() -> None:
+            model = worker.base_model()
+            if model is None:
+                return
+            result = await self.parity.check(worker.name, worker.url, model)
+            worker.parity = result.to_dict()
+
+        self.spawn(run())
+
+    async def _tokenize_probe(self, model: str, text: str) -> list[int] | None:
+        ns, _ = self.registry.namespace(model)
+        w = next((w for w in self.registry.workers() if model in w.models), None)
+        res = await self.tokenizers.tokenize(model, "completion", {"prompt": text}, size=len(text),
+                                             namespace=ns, worker_url=w.url if w else None)
+        return res.tokens
+
+    def _block_size(self, model: str) -> int:
+        return self.registry.block_size(model)
+
+    def _events_seen(self, worker: str) -> bool:
+        try:
+            return self.ingestor is not None and self.ingestor.status(worker).get("last_seq") is not None
+        except KeyError:
+            return False
 
     def _on_events_reset(self, worker: str, *_args) -> None:
         try:
@@ -106,6 +142,9 @@ class GatewayState:
         for t in list(self._background):
             t.cancel()
         await self.client.aclose()
+        closer = getattr(self.prefetcher, "aclose", None)
+        if closer is not None:
+            await closer()
         await self.upstream.close()
         self.tokenizers.close()
         try:

