@@ -141,7 +141,10 @@ def admin_env(redis_url, admin_tokenizer_dir):
               worker_kw: dict | None = None, index_url: str | None = None, **settings_kw) -> AdminEnv:
         workers = [LiveWorker(f"w{i + 1}", admin_tokenizer_dir, **((worker_kw or {}).get(f"w{i + 1}", {})))
                    for i in range(n_workers)]
-        kw = dict(workers=[w.config() for w in workers],
+        # The fake worker is no engine: the registration-time parity probe (router/parity.py) would wait
+        # for events nobody publishes and mark it cache-blind. Tests run the check on demand instead.
+        routing = {"parity_check": False, **settings_kw.pop("routing", {})}
+        kw = dict(workers=[w.config() for w in workers], routing=routing,
                   models={MODEL: ModelConfig(tokenizer=admin_tokenizer_dir)},
                   index=IndexConfig(backend="redis", redis_url=index_url or redis_url),
                   admin=AdminConfig(token=token, open_without_token=open_without_token),
