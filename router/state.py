@@ -65,7 +65,8 @@ class GatewayState:
         # Parity check at registration (router/parity.py): fed by the ingestor's observer, run by the
         # registry's on_ready hook each time a worker becomes routable.
         self.parity = ParityChecker(self.client, self._tokenize_probe, self._block_size,
-                                    events_seen=self._events_seen, metrics=self.metrics)
+                                    events_seen=self._events_seen, indexed=self._indexed_blocks,
+                                    metrics=self.metrics)
         self.ingestor = ingestor if ingestor is not None or not with_events else make_ingestor(
             self.index, self._on_events_reset, self.parity.observe)
         if self.ingestor is not None and getattr(self.ingestor, "observer", False) is None:
@@ -101,6 +102,15 @@ class GatewayState:
             worker.parity = result.to_dict()
 
         self.spawn(run())
+
+    async def _indexed_blocks(self, worker: str, model: str, hashes: list[int]) -> int:
+        """Leading probe blocks the index already holds for ``worker`` (parity when no new events came)."""
+        ns, _ = self.registry.namespace(model)
+        try:
+            res = await self.index.lookup(ns, hashes, workers=[worker])
+        except Exception:  # an unreachable index proves nothing either way
+            return 0
+        return res.match(worker).local
 
     async def _tokenize_probe(self, model: str, text: str) -> list[int] | None:
         ns, _ = self.registry.namespace(model)
