@@ -14,7 +14,7 @@ export KVGATE_CACHE VLLM_VENV
 $(VENV)/.demo-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e '.[bench]'
 	touch $@
 
 $(VENV)/.test-installed: pyproject.toml

@@ -24,7 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.tokenizer import build as build_tokenizer, corpus_text
+from bench.tokenizer import build as build_tokenizer
+from bench.tokenizer import corpus_text
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "bench"
@@ -36,7 +37,7 @@ class Conn:
         self.port = port
         self.reader = self.writer = None
 
-    async def open(self) -> "Conn":
+    async def open(self) -> Conn:
         self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
         return self
 

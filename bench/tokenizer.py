@@ -3,6 +3,7 @@ library's sources (about 4 characters per token on English and code), with a Cha
 Built once into ``$KVGATE_CACHE/bench-tokenizer-v1`` (default ~/.cache/kvgate)."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sysconfig
@@ -23,11 +24,14 @@ def corpus_files(limit_bytes: int = 6_000_000) -> list[Path]:
     return out
 
 
+@functools.lru_cache(maxsize=1)
+def _blob() -> str:
+    return "".join(p.read_text(errors="replace") for p in corpus_files(3_000_000)[:60])
+
+
 def corpus_text(n_bytes: int, offset: int = 0) -> str:
     """``n_bytes`` of stdlib source text starting at ``offset`` (wrapping)."""
-    buf, total = [], 0
-    files = corpus_files(3_000_000)
-    blob = "".join(p.read_text(errors="replace") for p in files[:60])
+    blob = _blob()
     offset %= max(1, len(blob) - n_bytes - 1)
     return blob[offset: offset + n_bytes]
 

@@ -91,6 +91,12 @@ class AdminConfig(BaseModel):
 class G4Config(BaseModel):
     path: str | None = None
     capacity_bytes: int | None = None
+    # The port of kvgate's connector endpoint on every worker (kv_connector_extra_config.prefetch_port):
+    # prefetch orders go there, and the connector's measured G4 load bandwidth is read from it.
+    prefetch_port: int | None = None
+    prefetch_scheme: str = "http"
+    # How often (at most) a worker's G4 load bandwidth is refreshed, piggybacked on prefetch orders.
+    stats_interval_s: float = 10.0
 
 
 class Settings(BaseSettings):

@@ -69,7 +69,10 @@ class CostModel:
         queue_tokens = worker.pending_tokens + extra_waiting * worker.mean_prompt_tokens
         queue_ms = queue_tokens / tps * 1000.0 + running * cfg.running_penalty_ms
         prefill_ms = uncached / tps * 1000.0
-        g4_ms = g4_extra * cfg.g4_bytes_per_block / max(1.0, cfg.g4_bytes_per_s) * 1000.0
+        # G4 price: the worker's calibrated figures (connector counters, router/prefetch.py) or the defaults
+        bpb = getattr(worker, "g4_bytes_per_block", 0) or cfg.g4_bytes_per_block
+        bw = getattr(worker, "g4_bytes_per_s", 0.0) or cfg.g4_bytes_per_s
+        g4_ms = g4_extra * bpb / max(1.0, bw) * 1000.0
         return Candidate(
             worker=worker.name, gpu_blocks=match.gpu, cpu_blocks=match.cpu, local_blocks=local,
             g4_blocks=g4_extra, cached_tokens=cached, uncached_tokens=uncached, inflight=worker.inflight,

@@ -15,3 +15,49 @@ class NoopPrefetcher:
 
     async def order(self, worker, model: str, hashes: list[int]) -> bool:
         return False
+
+
+class G4Prefetcher:
+    """Prefetch orders to kvgate's connector endpoint on each worker (``g4.prefetch_port``), see
+    docs/g4.md. After an order it refreshes, at most every ``g4.stats_interval_s``, the worker's G4 load
+    bandwidth and block size from the connector's counters (``worker.g4_bytes_per_s``,
+    ``worker.g4_bytes_per_block``), which the cost model uses to price G4 loads."""
+
+    def __init__(self, settings) -> None:
+        from cache_tier.prefetch_client import G4Bandwidth
+        from cache_tier.prefetch_client import G4Prefetcher as _Client
+
+        g4, routing = settings.g4, settings.routing
+        self.port = g4.prefetch_port
+        self.scheme = g4.prefetch_scheme
+        self.interval_s = g4.stats_interval_s
+        self.client = _Client(timeout_s=routing.prefetch_timeout_s)
+        self.bandwidth = G4Bandwidth(routing.g4_bytes_per_s, timeout_s=max(1.0, routing.prefetch_timeout_s))
+        self._polled: dict[str, float] = {}
+
+    def base_url(self, worker) -> str:
+        return f"{self.scheme}://{worker.host}:{self.port}"
+
+    async def order(self, worker, model: str, hashes: list[int]) -> bool:
+        import time
+
+        base = self.base_url(worker)
+        ok = await self.client.order(base, model, hashes)
+        now = time.monotonic()
+        if now - self._polled.get(worker.name, 0.0) >= self.interval_s:
+            self._polled[worker.name] = now
+            if await self.bandwidth.poll(worker.name, base) is not None:
+                worker.g4_bytes_per_s = self.bandwidth.bytes_per_s(worker.name)
+                worker.g4_bytes_per_block = self.bandwidth.block_bytes.get(worker.name, 0)
+        return ok
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+        await self.bandwidth.aclose()
+
+
+def make_prefetcher(settings) -> Prefetcher:
+    """The G4 prefetcher when the workers run kvgate's connector endpoint, else the no-op."""
+    if settings.g4.prefetch_port:
+        return G4Prefetcher(settings)
+    return NoopPrefetcher()

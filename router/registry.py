@@ -51,6 +51,8 @@ class Worker:
     pending_tokens: int = 0  # prompt tokens sent, not yet prefilled (no first byte seen)
     pending_requests: int = 0
     prefill_tps: float = 0.0  # calibrated prefill speed, tokens/s
+    g4_bytes_per_s: float = 0.0  # G4 load bandwidth measured by the worker's connector (0: use the default)
+    g4_bytes_per_block: int = 0  # bytes of one block file on G4 (0: use the default)
     ttft_samples: int = 0
     mean_prompt_tokens: float = 0.0
     failures: int = 0

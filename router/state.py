@@ -12,7 +12,7 @@ from router.config import Settings
 from router.metrics import GatewayMetrics
 from router.parity import ParityChecker
 from router.policies import Policy, create_policy
-from router.prefetch import NoopPrefetcher, Prefetcher
+from router.prefetch import Prefetcher, make_prefetcher
 from router.registry import WorkerRegistry
 from router.routing import DecisionLog, Router
 from router.tokenize import Tokenizers
@@ -76,7 +76,7 @@ class GatewayState:
         self.policy: Policy = create_policy(settings.routing)
         self.decisions = DecisionLog(settings.routing.decisions_kept)
         self.router = Router(self)
-        self.prefetcher: Prefetcher = prefetcher or NoopPrefetcher()
+        self.prefetcher: Prefetcher = prefetcher or make_prefetcher(settings)
         self._background: set[asyncio.Task] = set()
         self.started = False
 
@@ -142,6 +142,9 @@ class GatewayState:
         for t in list(self._background):
             t.cancel()
         await self.client.aclose()
+        closer = getattr(self.prefetcher, "aclose", None)
+        if closer is not None:
+            await closer()
         await self.upstream.close()
         self.tokenizers.close()
         try:

@@ -44,13 +44,13 @@ class UpstreamResponse:
         try:
             async for chunk in self._resp.content.iter_any():
                 yield chunk
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             raise _classify(e) from e
 
     async def read(self) -> bytes:
         try:
             return await self._resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             raise _classify(e) from e
 
     def close(self) -> None:
@@ -87,7 +87,7 @@ class Upstream:
         try:
             resp = await self._get().request(method, URL(url, encoded=True), data=body if body else None, headers=headers,
                                              allow_redirects=False, compress=None)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             raise _classify(e) from e
         return UpstreamResponse(resp)
 

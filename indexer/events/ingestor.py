@@ -268,6 +268,8 @@ class EventIngestor:
             elif op == "g4":
                 await self.index.store_g4(model, hashes)
                 self._observe(worker, G4, hashes)
+            elif op == "g4_remove":
+                await self.index.remove_g4(model, hashes)
             elif op == "clear":
                 await self.index.clear_worker(model, worker)
 

@@ -25,17 +25,21 @@ from indexer.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, Eve
 from indexer.index.base import Tier
 
 G4 = "G4"
+# BlockRemoved(medium="STORAGE") with this ownership comes from kvgate's connector when the G4 store's GC
+# evicts blocks; its block_hashes are kvgate sequence hashes already (docs/g4.md).
+G4_OWNERSHIP = "kvgate-g4"
 ACCEPTED_KINDS = frozenset({None, "full_attention", "mla_attention"})
 
 
 @dataclass(slots=True)
 class Ops:
-    """Index writes for one batch, in order: ``("store"|"remove", Tier, hashes)``, ``("g4", None,
-    hashes)``, ``("clear", None, None)`` (drop the worker's local tiers)."""
+    """Index writes for one batch, in order: ``("store"|"remove", Tier, hashes)``, ``("g4"|"g4_remove",
+    None, hashes)``, ``("clear", None, None)`` (drop the worker's local tiers)."""
 
     items: list[tuple[str, Tier | None, list[int] | None]] = field(default_factory=list)
 
 
+_MASK64 = (1 << 64) - 1
 _TIERS = (Tier.GPU, Tier.CPU)  # tier codes 0 and 1 (ints: cheaper dict keys than the enum)
 _CODES = {"GPU": 0, None: 0, "CPU": 1}  # fast path of medium_tier for the common spellings
 
@@ -164,7 +168,11 @@ class WorkerState:
                 code = _CODES.get(ev.medium)
                 if code is None:
                     tier = medium_tier(ev.medium)
-                    if not isinstance(tier, Tier):  # G4 entries are never removed by a worker
+                    if not isinstance(tier, Tier):  # only kvgate's G4 GC removes G4 entries
+                        if tier == G4 and ev.ownership == G4_OWNERSHIP and ev.block_hashes:
+                            self._flush(ops, pending, g4)
+                            gone = [h & _MASK64 for h in ev.block_hashes if isinstance(h, int)]
+                            ops.items.append(("g4_remove", None, gone))
                         continue
                     code = _TIERS.index(tier)
                 g = ev.group_idx

@@ -46,6 +46,7 @@ class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=Fals
     block_hashes: list[int]
     medium: str | None = None
     group_idx: int = 0
+    ownership: str | None = None  # "kvgate-g4": a G4 store eviction carrying kvgate hashes (docs/g4.md)
 
 
 class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", gc=False):
@@ -144,6 +145,7 @@ def decode_event(ev: Any) -> Event | None:
             block_hashes=_hashes(f.get("block_hashes")),
             medium=_opt_str(f.get("medium")),
             group_idx=_opt_int(f.get("group_idx")),
+            ownership=_opt_str(f.get("ownership")),
         )
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from router.cost import Candidate
-from router.policies.base import Policy, RouteRequest, Rotation
+from router.policies.base import Policy, Rotation, RouteRequest
 
 
 class RoundRobinPolicy(Policy):

@@ -55,6 +55,12 @@ async def test_non_streaming_byte_exact_and_headers(fleet, start_gateway):
     assert fwd["authorization"] == "Bearer sk-test"
     assert fwd["x-request-id"] == "req-1"
     assert st.requests[0]["raw"] == json.dumps(body).encode()  # the body is forwarded byte for byte
+    # Without X-Request-Id the gateway makes one up and sends it to the worker.
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(gw.url + "/v1/chat/completions", json=body)
+    rid = r.headers["x-request-id"]
+    assert len(rid) == 32 and st.requests[-1]["headers"]["x-request-id"] == rid
+    assert r.json()["id"] == "chatcmpl-" + rid
 
 
 async def test_streaming_byte_exact_with_usage(fleet, start_gateway):
@@ -107,10 +113,11 @@ async def test_streaming_is_not_buffered(fleet, start_gateway):
     assert b"a-says-3" in got and got.endswith(b"data: [DONE]\n\n")
 
 
-async def test_prefix_indexed_on_b_goes_to_b(fleet, start_gateway, tokenizer_dir):
+@pytest.mark.parametrize("local_tokenizer", [True, False], ids=["local", "worker-tokenize"])
+async def test_prefix_indexed_on_b_goes_to_b(fleet, start_gateway, tokenizer_dir, local_tokenizer):
     fleet.add("a")
     fleet.add("b")
-    gw = start_gateway(fleet)
+    gw = start_gateway(fleet, local_tokenizer=local_tokenizer)
     body = chat_body(LONG)
     from router.config import TokenizerConfig
     from router.tokenize import LocalTokenizer
@@ -127,6 +134,7 @@ async def test_prefix_indexed_on_b_goes_to_b(fleet, start_gateway, tokenizer_dir
             got.append(r.headers["x-kvgate-worker"])
             assert int(r.headers["x-kvgate-cached-tokens"]) == len(hashes) * BLOCK
     assert got == ["b"] * 4
+    assert gw.state.decisions.recent(1)[0].tokenizer == ("local" if local_tokenizer else "remote")
     gw.state.set_policy("round_robin")
     async with httpx.AsyncClient(timeout=30) as c:
         rr = [(await c.post(gw.url + "/v1/chat/completions", json=body)).headers["x-kvgate-worker"]

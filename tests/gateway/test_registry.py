@@ -2,8 +2,6 @@
 router's plan (explain) without sending; metrics scraped and parsed."""
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -29,7 +29,7 @@ class ThreadServer:
         asyncio.set_event_loop(self.loop)
         self.loop.run_until_complete(self.server.serve())
 
-    def start(self, timeout: float = 60.0) -> "ThreadServer":
+    def start(self, timeout: float = 60.0) -> ThreadServer:
         self.thread = threading.Thread(target=self._run, daemon=True, name=f"uvicorn-{self.port}")
         self.thread.start()
         deadline = time.monotonic() + timeout

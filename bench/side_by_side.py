@@ -1,0 +1,113 @@
+"""Policies and peers side by side: ``python -m bench.side_by_side``.
+
+One command, the same simulated fleet (fresh for every run) and the same slice of the Mooncake conversation
+trace, sent as the same text prompts to: kvgate ``kv`` with the Redis index and with the in-memory index,
+``round_robin``, ``least_loaded``, ``session``, and the peer routers ``sglang-router`` and ``vllm-router``
+(policy ``cache_aware``; installed by name from PyPI into their own virtualenvs under
+~/.cache/kvgate/peers). Fleet sizes 4 and 16 by default. Writes a Markdown table per fleet size, a PNG and
+raw JSON per fleet size under --out."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from bench import replay as rp
+from bench import replay_workloads as wl
+from bench.sim import procs
+from bench.sim.harness import Target, run_target
+from bench.sim.tokenizer import save_model_dir
+
+
+def targets(text: bool, redis: bool, include: set[str] | None) -> list[Target]:
+    ts = []
+    if redis:
+        ts.append(Target("kvgate kv (redis)", "kvgate", "kv", "redis", text))
+    ts += [
+        Target("kvgate kv (memory)", "kvgate", "kv", "memory", text),
+        Target("kvgate round_robin", "kvgate", "round_robin", "memory", text),
+        Target("kvgate least_loaded", "kvgate", "least_loaded", "memory", text),
+        Target("kvgate session", "kvgate", "session", "memory", text),
+        Target("sglang-router cache_aware", "sglang-router", "cache_aware", text=True),
+        Target("vllm-router cache_aware", "vllm-router", "cache_aware", text=True),
+    ]
+    if include:
+        ts = [t for t in ts if any(k in t.name for k in include)]
+    return ts
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.side_by_side", description=__doc__.split("\n")[0])
+    p.add_argument("--fleets", default="4,16", help="fleet sizes")
+    p.add_argument("--start", type=float, default=0.0)
+    p.add_argument("--duration", type=float, default=300.0, help="trace slice length (trace seconds)")
+    p.add_argument("--time-scale", type=float, default=5.0)
+    p.add_argument("--num-blocks", type=int, default=62_500,
+                   help="KV capacity per worker (blocks): 1M tokens, a tenth of the slice's working set")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-tokens-cap", type=int, default=128)
+    p.add_argument("--only", default="", help="comma-separated substrings of target names to run")
+    p.add_argument("--token-ids", action="store_true",
+                   help="send token ids to kvgate targets (peers always get text)")
+    p.add_argument("--out", default="bench-results/side-by-side")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    tok_dir = str(save_model_dir(out / "sim-model"))
+    rows = wl.load_trace()
+    # requests that cannot fit in one worker's KV cache are left out (a real server would refuse them too)
+    fit = args.num_blocks * args.block_size - args.max_tokens_cap
+    items = wl.trace_items(rows, start_s=args.start, duration_s=args.duration, max_tokens_cap=args.max_tokens_cap,
+                           max_prompt_tokens=fit)
+    sliced = wl.select_rows(rows, start_s=args.start, duration_s=args.duration, max_prompt_tokens=fit)
+    ceiling = wl.trace_ceiling(sliced)
+    redis = procs.start_redis(out)
+    if redis is None:
+        print("redis-server not found: skipping kvgate kv (redis)", file=sys.stderr)
+    include = {s.strip() for s in args.only.split(",") if s.strip()} or None
+    tlist = targets(not args.token_ids, redis is not None, include)
+    report = [f"Command: `python -m bench.side_by_side {' '.join(argv if argv is not None else sys.argv[1:])}`",
+              f"Trace slice {args.start:.0f}-{args.start + args.duration:.0f} s ({len(items)} requests), replayed "
+              f"{args.time_scale:g}x faster; {args.num_blocks} blocks x {args.block_size} tokens per worker; "
+              f"ceiling {100 * ceiling:.1f}%. TTFT in trace seconds.", ""]
+    try:
+        for n in [int(x) for x in args.fleets.split(",") if x.strip()]:
+            results = []
+            for t in tlist:
+                print(f"fleet {n}: {t.name} ...", flush=True)
+                t0 = time.monotonic()
+                try:
+                    res = run_target(t, items, log_dir=out / f"fleet{n}" / "logs", workers=n,
+                                     num_blocks=args.num_blocks, block_size=args.block_size,
+                                     time_scale=args.time_scale, tokenizer_dir=tok_dir, ceiling=ceiling,
+                                     redis_url=redis[1] if redis and t.index == "redis" else None,
+                                     progress=not args.no_progress)
+                except Exception as e:  # noqa: BLE001 - one failed target must not lose the others
+                    print(f"  {t.name} failed: {e}", file=sys.stderr)
+                    report.append(f"- fleet {n}, {t.name}: could not run: {str(e).splitlines()[0]}")
+                    continue
+                results.append(res)
+                s = res.summary()
+                print(f"  hit {100 * s['hit_rate']:.1f}%  mean TTFT {s['ttft_mean_s'] or 0:.2f}s  "
+                      f"failed {s['failed']}  ({time.monotonic() - t0:.0f}s)", flush=True)
+            if not results:
+                continue
+            sums = [r.summary() for r in results]
+            tab = rp.table(sums, baseline="kvgate round_robin")
+            print(f"\nfleet of {n}:\n{tab}\n")
+            report += [f"### {n} workers", "", tab, ""]
+            rp.plot(results, out / f"fleet{n}.png", title=f"{n} simulated workers, Mooncake conversation trace")
+            rp.write_json(results, out / f"fleet{n}.json", {"args": vars(args), "fleet": n})
+    finally:
+        if redis is not None:
+            redis[0].stop()
+    (out / "report.md").write_text("\n".join(report) + "\n")
+    print(f"report: {out / 'report.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,303 @@
+"""A prefix cache with vLLM's block-pool semantics (v1/core/block_pool.py), emitting vLLM's KV events.
+
+- Only full blocks are hashed; a block's hash chains its parent's digest (opaque uint64 handles in events:
+  the low 64 bits of a sha256 digest over (parent digest, token ids[, cache salt on block 0])).
+- A lookup hits at most ``(num_tokens - 1) // block_size`` blocks: the last prompt token is always computed.
+- Freed blocks keep their hashes and stay hittable in an LRU free queue; a request's blocks are freed tail
+  first, so its tail is evicted first. Taking a hashed free block evicts it: one ``BlockRemoved`` per block,
+  queued in the same batch just before the ``BlockStored`` that needed the room.
+- No de-duplication: re-caching a hash that is already cached stores (and announces) a second copy.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from bench.sim.events import BlockRemoved, BlockStored
+
+MEDIUM_GPU = "GPU"
+MEDIUM_STORAGE = "STORAGE"
+_MASK = (1 << 64) - 1
+
+
+def none_hash(seed: str = "vllm-none-hash") -> bytes:
+    return hashlib.sha256(seed.encode()).digest()
+
+
+def block_digests(tokens: Sequence[int] | np.ndarray, block_size: int, root: bytes,
+                  cache_salt: str | None = None, start: int = 0, parent: bytes | None = None,
+                  n_blocks: int | None = None) -> list[bytes]:
+    """Chained sha256 digests of full blocks ``start..`` of ``tokens`` (``parent``: digest of block start-1)."""
+    arr = np.asarray(tokens, dtype="<u4")
+    total = len(arr) // block_size if n_blocks is None else n_blocks
+    raw = arr[: total * block_size].tobytes()
+    step = 4 * block_size
+    prev = parent if (parent is not None and start > 0) else root
+    out = []
+    for i in range(start, total):
+        h = hashlib.sha256(prev)
+        h.update(raw[i * step:(i + 1) * step])
+        if i == 0 and cache_salt:
+            h.update(b"\x00salt\x00" + cache_salt.encode())
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+def external(digest: bytes) -> int:
+    """vLLM's ``maybe_convert_block_hash``: the digest's last 8 bytes, big-endian."""
+    return int.from_bytes(digest[-8:], "big")
+
+
+def _stored(hashes: list[int], parent: int | None, tokens, block_size: int, medium: str,
+            salt: str | None) -> BlockStored:
+    """A BlockStored as vLLM 0.32 fills it for a dense model: per-block extra keys (the cache salt on
+    block 0 only, else nil), group 0, spec kind full_attention."""
+    extra: list = [None] * len(hashes)
+    if salt is not None and extra:
+        extra[0] = (salt,)
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=_ints(tokens),
+                       block_size=block_size, lora_id=None, medium=medium, lora_name=None, extra_keys=extra,
+                       group_idx=0, kv_cache_spec_kind="full_attention")
+
+
+def _ints(tokens) -> list[int]:
+    return tokens.tolist() if isinstance(tokens, np.ndarray) else list(tokens)
+
+
+class _Block:
+    __slots__ = ("bid", "hash", "ref")
+
+    def __init__(self, bid: int):
+        self.bid, self.hash, self.ref = bid, None, 0
+
+
+@dataclass
+class Allocation:
+    """What admitting a request got from the cache; ``blocks`` are held until ``free``."""
+
+    blocks: list[int]
+    digests: list[bytes]          # chained digests of the prompt's full blocks
+    hashes: list[int]             # their external (event) hashes
+    hit_blocks: int               # local prefix hit, in blocks
+    prompt_len: int
+    g4_blocks: int = 0            # blocks loaded from the shared G4 store after the local hit
+    cached_upto: int = 0          # full blocks cached (announced) so far
+    extra: dict = field(default_factory=dict)
+
+
+class SharedG4Store:
+    """A model-wide store of KV blocks shared by every simulated worker of one process (off by default).
+
+    Keyed by the engine's block hash (deterministic across workers: fixed chain root), bounded LRU."""
+
+    def __init__(self, capacity_blocks: int = 1_000_000):
+        self.capacity = capacity_blocks
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+        self.reads = 0
+        self.writes = 0
+
+    def __contains__(self, h: int) -> bool:
+        return h in self._blocks
+
+    def touch(self, h: int) -> None:
+        self._blocks.move_to_end(h)
+
+    def put(self, h: int) -> bool:
+        """Store ``h``; True if it was new (the writer announces it)."""
+        if h in self._blocks:
+            self._blocks.move_to_end(h)
+            return False
+        self._blocks[h] = None
+        self.writes += 1
+        while len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)
+        return True
+
+
+class PrefixCache:
+    """One engine's GPU block pool. Not thread-safe: one event loop drives it."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, hash_seed: str = "vllm-none-hash",
+                 g4: SharedG4Store | None = None):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.root = none_hash(hash_seed)
+        self._blocks = [_Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[int, list[int]] = {}
+        self.g4 = g4
+        self.events: list = []          # pending events, taken by the engine once per step
+        self.queries = 0                # vllm:prefix_cache_queries (tokens)
+        self.hits = 0                   # vllm:prefix_cache_hits (tokens)
+        self.external_queries = 0
+        self.external_hits = 0
+        self.evictions = 0
+
+    # -- introspection -------------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def usage(self) -> float:
+        """vllm:kv_cache_usage_perc: the fraction of blocks held by running requests (cached free blocks
+        count as free, as in vLLM)."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def cached_hashes(self) -> set[int]:
+        return {h for h, ids in self._cached.items() if ids}
+
+    def take_events(self) -> list:
+        ev, self.events = self.events, []
+        return ev
+
+    # -- lookups -------------------------------------------------------------------------------------------
+    def digests(self, tokens, cache_salt: str | None = None) -> list[bytes]:
+        return block_digests(tokens, self.block_size, self.root, cache_salt)
+
+    def longest_hit(self, digests: list[bytes], num_tokens: int, hashes: list[int] | None = None) -> int:
+        """Blocks of the prompt's prefix that are cached locally, never reaching the last token."""
+        limit = min(len(digests), (num_tokens - 1) // self.block_size)
+        if hashes is None:
+            hashes = [external(d) for d in digests[:limit]]
+        cached = self._cached
+        n = 0
+        while n < limit and cached.get(hashes[n]):
+            n += 1
+        return n
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- allocation ----------------------------------------------------------------------------------------
+    def allocate(self, tokens, reserve_tokens: int, cache_salt: str | None = None,
+                 digests: list[bytes] | None = None) -> Allocation | None:
+        """Admit a prompt, holding blocks for ``reserve_tokens`` (prompt + decode). None when the pool
+        cannot hold it right now (the request waits). Queues BlockRemoved/BlockStored events."""
+        n_tok = len(tokens)
+        digests = self.digests(tokens, cache_salt) if digests is None else digests
+        hashes = [external(d) for d in digests]
+        hit = self.longest_hit(digests, n_tok, hashes)
+        need_total = self.blocks_needed(reserve_tokens)
+        if need_total > self.num_blocks:
+            raise ValueError(f"request needs {need_total} blocks, the pool has {self.num_blocks}")
+        hit_ids = [self._cached[h][0] for h in hashes[:hit]]
+        # Hit blocks that are free stop being free once touched.
+        free_hits = sum(1 for b in hit_ids if self._blocks[b].ref == 0)
+        if len(self._free) - free_hits < need_total - hit:
+            return None
+        self.queries += n_tok
+        self.hits += hit * self.block_size
+        for b in hit_ids:
+            blk = self._blocks[b]
+            if blk.ref == 0:
+                del self._free[b]
+            blk.ref += 1
+        # G4: extend the local hit with consecutive blocks found on the shared store.
+        g4_hit = 0
+        if self.g4 is not None:
+            limit = min(len(digests), (n_tok - 1) // self.block_size)
+            self.external_queries += n_tok - hit * self.block_size
+            while hit + g4_hit < limit and hashes[hit + g4_hit] in self.g4:
+                self.g4.touch(hashes[hit + g4_hit])
+                g4_hit += 1
+            self.external_hits += g4_hit * self.block_size
+            self.g4.reads += g4_hit
+        new_ids = self._get_new_blocks(need_total - hit)
+        alloc = Allocation(blocks=hit_ids + new_ids, digests=digests, hashes=hashes, hit_blocks=hit, prompt_len=n_tok,
+                           g4_blocks=g4_hit, cached_upto=hit, extra={"salt": cache_salt} if cache_salt else {})
+        self.cache_full_blocks(alloc, tokens, len(digests))
+        return alloc
+
+    def _get_new_blocks(self, n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            bid, _ = self._free.popitem(last=False)
+            blk = self._blocks[bid]
+            if blk.hash is not None:
+                copies = self._cached.get(blk.hash)
+                if copies is not None:
+                    copies.remove(bid)
+                    if not copies:
+                        del self._cached[blk.hash]
+                self.events.append(BlockRemoved(block_hashes=[blk.hash], medium=MEDIUM_GPU, group_idx=0))
+                self.evictions += 1
+                blk.hash = None
+            blk.ref = 1
+            out.append(bid)
+        return out
+
+    def cache_full_blocks(self, alloc: Allocation, all_tokens, num_full: int,
+                          digests: list[bytes] | None = None) -> None:
+        """Hash and announce blocks ``alloc.cached_upto..num_full`` (one BlockStored for the run)."""
+        if digests is not None:
+            alloc.hashes = alloc.hashes + [external(d) for d in digests[len(alloc.digests):]]
+            alloc.digests = digests
+        start = alloc.cached_upto
+        if num_full <= start:
+            return
+        B = self.block_size
+        hashes = alloc.hashes[start:num_full]
+        blocks, cached = self._blocks, self._cached
+        for h, bid in zip(hashes, alloc.blocks[start:num_full]):
+            blocks[bid].hash = h
+            lst = cached.get(h)
+            if lst is None:
+                cached[h] = [bid]
+            else:
+                lst.append(bid)
+        parent = alloc.hashes[start - 1] if start > 0 else None
+        self.events.append(_stored(hashes, parent, all_tokens[start * B:num_full * B], B, MEDIUM_GPU,
+                                   alloc.extra.get("salt") if start == 0 else None))
+        alloc.cached_upto = num_full
+
+    def write_g4(self, alloc: Allocation, all_tokens) -> None:
+        """After prefill: write the prompt's full blocks to the shared store; announce the new ones."""
+        if self.g4 is None:
+            return
+        B = self.block_size
+        run: list[int] = []
+        run_start = None
+        for i in range(alloc.cached_upto):
+            h = alloc.hashes[i]
+            if self.g4.put(h):
+                if run_start is None:
+                    run_start = i
+                run.append(h)
+            elif run:
+                self._announce_g4(alloc, all_tokens, run_start, run)
+                run, run_start = [], None
+        if run:
+            self._announce_g4(alloc, all_tokens, run_start, run)
+
+    def _announce_g4(self, alloc, all_tokens, start: int, hashes: list[int]) -> None:
+        B = self.block_size
+        parent = alloc.hashes[start - 1] if start > 0 else None
+        self.events.append(_stored(hashes, parent, all_tokens[start * B:(start + len(hashes)) * B], B,
+                                   MEDIUM_STORAGE, alloc.extra.get("salt") if start == 0 else None))
+
+    def free(self, alloc: Allocation) -> None:
+        """Release a finished request's blocks, tail first, so its tail is evicted before its head."""
+        for bid in reversed(alloc.blocks):
+            blk = self._blocks[bid]
+            blk.ref -= 1
+            if blk.ref == 0:
+                self._free[bid] = None
+        alloc.blocks = []
+
+    def reset(self) -> bool:
+        """``/reset_prefix_cache``: drop every hash when nothing is running; one AllBlocksCleared."""
+        if len(self._free) != self.num_blocks:
+            return False
+        from bench.sim.events import AllBlocksCleared
+
+        for blk in self._blocks:
+            blk.hash = None
+        self._cached.clear()
+        self.events.append(AllBlocksCleared())
+        return True

@@ -1,0 +1,93 @@
+"""One benchmark run = a fresh simulated fleet + one router in front of it + one replay of the same items.
+
+Targets: kvgate with a policy (and an index backend), or a peer router installed in its own virtualenv.
+Every run starts from empty caches, so runs are comparable."""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench import replay as rp
+from bench.sim import procs
+
+PEERS_DIR = Path.home() / ".cache" / "kvgate" / "peers"
+
+
+@dataclass
+class Target:
+    name: str
+    kind: str                      # "kvgate" | "sglang-router" | "vllm-router"
+    policy: str
+    index: str = "memory"          # kvgate only
+    text: bool = False             # send prompts as text (peers route on text)
+    extra: list[str] = field(default_factory=list)
+
+
+def peer_venv(package: str, log=print) -> Path:
+    """``~/.cache/kvgate/peers/<package>``: created and ``pip install <package>`` on first use."""
+    venv = PEERS_DIR / package
+    marker = venv / ".installed"
+    if marker.exists():
+        return venv
+    PEERS_DIR.mkdir(parents=True, exist_ok=True)
+    log(f"installing {package} from PyPI into {venv} ...")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(venv / "bin" / "pip"), "install", "-q", package], check=True)
+    marker.touch()
+    return venv
+
+
+def start_peer(t: Target, log_dir: Path, worker_urls: list[str], port: int, desc: dict) -> procs.Proc:
+    venv = peer_venv(t.kind)
+    if t.kind == "sglang-router":
+        cmd = [str(venv / "bin" / "python"), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+               "--port", str(port), "--prometheus-port", str(procs.free_port()), "--policy", t.policy,
+               "--log-level", "warn", "--worker-urls", *worker_urls, *t.extra]
+    elif t.kind == "vllm-router":
+        cmd = [str(venv / "bin" / "vllm-router"), "--host", "127.0.0.1", "--port", str(port),
+               "--prometheus-port", str(procs.free_port()), "--policy", t.policy, "--log-level", "warning",
+               "--worker-urls", *worker_urls]
+        if t.policy == "kv_aware":
+            for w in desc["workers"]:
+                cmd += ["--kv-event-source", f"{w['url']}={w['events_endpoint']}",
+                        "--kv-event-replay-source", f"{w['url']}={w['replay_endpoint']}"]
+            cmd += ["--kv-event-block-size", str(desc["block_size"]), "--kv-event-model", desc["model"]]
+        cmd += t.extra
+    else:
+        raise ValueError(t.kind)
+    proc = procs.Proc(f"{t.name}", cmd, log_dir)
+    procs.wait_http(f"http://127.0.0.1:{port}/v1/models", proc, 60, ok=(200,))
+    return proc
+
+
+def run_target(t: Target, items, *, log_dir: Path, workers: int, num_blocks: int, block_size: int,
+               time_scale: float, tokenizer_dir: str, ceiling: float | None, redis_url: str | None = None,
+               label: str | None = None, progress: bool = True, settle_s: float = 1.0) -> rp.RunResult:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    fleet, desc = procs.start_fleet(log_dir, workers, num_blocks=num_blocks, block_size=block_size,
+                                    time_scale=time_scale)
+    router = None
+    try:
+        port = procs.free_port()
+        urls = [w["url"] for w in desc["workers"]]
+        if t.kind == "kvgate":
+            settings = procs.gateway_settings(desc, t.policy, port, tokenizer_dir, t.index, redis_url)
+            router = procs.start_gateway(log_dir, f"gateway-{t.name}", settings)
+        else:
+            router = start_peer(t, log_dir, urls, port, desc)
+        time.sleep(settle_s)  # let event subscriptions connect (ZMQ slow joiner)
+        res = asyncio.run(rp.replay(items, f"http://127.0.0.1:{port}", desc["model"], name=label or t.name,
+                                    time_scale=time_scale, text=t.text, worker_urls=urls, ceiling=ceiling,
+                                    progress=progress))
+        res.extra.update({"router": t.kind, "policy": t.policy, "index": t.index if t.kind == "kvgate" else None,
+                          "workers": workers, "num_blocks": num_blocks, "block_size": block_size,
+                          "prompts_as_text": t.text})
+        return res
+    finally:
+        if router is not None:
+            router.stop()
+        fleet.stop()

@@ -1,0 +1,240 @@
+"""Response and request models of the admin API, so the app's OpenAPI document describes every route."""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Open(BaseModel):
+    """Carries extra keys through: the ingestor and the index may report more than we name here."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+# --- workers --------------------------------------------------------------------------------------------
+
+
+class EventsStatus(_Open):
+    connected: bool | None = None
+    last_seq: int | None = None
+    gaps: int = 0
+    replays: int = 0
+    resets: int = 0
+    applied: int = 0
+    dropped: int = 0
+    unknown_parent: int = 0
+
+
+class WorkerLoadOut(BaseModel):
+    running: float = Field(0, description="vLLM's num_requests_running (last scrape)")
+    waiting: float = Field(0, description="vLLM's num_requests_waiting (last scrape)")
+    kv_usage: float = Field(0, description="vLLM's kv_cache_usage_perc (0-1)")
+    inflight: int = Field(0, description="requests the gateway has in flight on this worker")
+    pending_tokens: int = Field(0, description="prompt tokens sent and not yet prefilled")
+    prefill_tokens_per_s: float = Field(0, description="calibrated prefill speed")
+
+
+class WorkerOut(BaseModel):
+    name: str
+    url: str
+    healthy: bool
+    draining: bool
+    model: str | None = Field(None, description="base model (index namespace)")
+    models: list[str] = Field(default_factory=list, description="model ids served, LoRA adapters included")
+    block_size: int | None = None
+    events: EventsStatus | None = Field(None, description="KV event ingestion status (None: not subscribed)")
+    load: WorkerLoadOut
+    cached_blocks: dict[str, int] = Field(default_factory=dict, description="index entries per tier")
+    parity: ParityResult | None = Field(None, description="last parity check (POST .../parity), if any")
+    restarts: int = 0
+    last_error: str | None = None
+
+
+class ParityResult(_Open):
+    """Whether the gateway tokenizes like the worker and sees the worker's blocks in the index."""
+
+    ok: bool
+    checked_at: float
+    seconds: float
+    block_size: int | None = None
+    tokenization: dict[str, Any] = Field(default_factory=dict,
+                                         description="match, gateway/worker token counts, first difference")
+    events: dict[str, Any] = Field(default_factory=dict,
+                                   description="match, expected and indexed blocks of the probe prompt")
+
+
+class WorkerList(BaseModel):
+    workers: list[WorkerOut]
+    index_error: str | None = Field(None, description="why cached_blocks are missing (index unreachable)")
+
+
+class AddWorker(BaseModel):
+    """A vLLM server to add at run time (same fields as a ``workers:`` entry of the configuration)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(..., description="base URL, e.g. http://10.0.0.7:8000")
+    name: str | None = Field(None, max_length=200, pattern=r"^[^/\s]+$",
+                             description="unique name (default host:port); no '/' or spaces")
+    events_endpoint: str | None = Field(None, description="ZMQ PUB endpoint; discovered when omitted")
+    replay_endpoint: str | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("url must be an http(s) URL with a host, e.g. http://10.0.0.7:8000")
+        return v
+
+    @field_validator("events_endpoint", "replay_endpoint")
+    @classmethod
+    def _zmq(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError("must be a ZMQ endpoint such as tcp://10.0.0.7:5557")
+        return v
+
+
+class WorkerRemoved(BaseModel):
+    removed: str
+
+
+# --- index ----------------------------------------------------------------------------------------------
+
+
+class ModelIndexStats(BaseModel):
+    model: str
+    blocks: int = Field(0, description="distinct blocks known for the model (G4 included)")
+    entries_per_tier: dict[str, int] = Field(default_factory=dict)
+    g4_blocks: int = 0
+    workers: dict[str, dict[str, int]] = Field(default_factory=dict, description="worker -> tier -> entries")
+    redis_used_memory: int | None = Field(None, description="Redis used_memory in bytes (Redis backend)")
+    events_applied: int = 0
+    events_dropped: int = 0
+    events_replays: int = 0
+
+
+class IndexStats(BaseModel):
+    backend: str
+    models: list[ModelIndexStats]
+
+
+class Flushed(BaseModel):
+    model: str
+    worker: str | None = None
+    removed: int = Field(..., description="index entries removed")
+
+
+# --- blocks ---------------------------------------------------------------------------------------------
+
+
+class BlockOut(BaseModel):
+    model: str
+    hash: int = Field(..., description="kvgate sequence hash (unsigned 64-bit)")
+    hash_hex: str
+    workers: dict[str, list[str]] = Field(default_factory=dict, description="worker -> tiers holding it")
+    g4: bool = Field(False, description="the index records the block on G4")
+    g4_file: dict[str, Any] | None = Field(None, description="G4 file header, when a G4 store is configured")
+
+
+# --- explain / decisions --------------------------------------------------------------------------------
+
+
+class ExplainRequest(BaseModel):
+    """A request as a client would send it, and where it would be sent."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    body: dict[str, Any] = Field(..., description="the JSON body a client would POST")
+    path: str | None = Field(None, description="/v1/chat/completions or /v1/completions; "
+                                               "inferred from the body when omitted")
+    model: str | None = Field(None, description="overrides body.model")
+    headers: dict[str, str] = Field(default_factory=dict, description="request headers that matter to "
+                                                                      "routing (e.g. the session header)")
+
+
+class CandidateOut(_Open):
+    """One worker's inputs and prediction for one request (best first in a decision)."""
+
+    worker: str
+    gpu_blocks: int = Field(0, description="leading prompt blocks held on GPU")
+    cpu_blocks: int = Field(0, description="leading prompt blocks held on CPU")
+    local_blocks: int = Field(0, description="leading blocks held on either tier (the usable local prefix)")
+    g4_blocks: int = Field(0, description="blocks loadable from G4 beyond the local prefix")
+    cached_tokens: int = 0
+    uncached_tokens: int = 0
+    inflight: int = 0
+    pending_requests: int = 0
+    pending_tokens: int = 0
+    vllm_running: float = 0
+    vllm_waiting: float = 0
+    kv_usage: float = 0
+    prefill_tokens_per_s: float = 0
+    queue_ms: float = Field(0, description="load term: predicted queue wait")
+    prefill_ms: float = Field(0, description="prefill time of the uncached tokens")
+    g4_load_ms: float = Field(0, description="time to load the G4 blocks")
+    predicted_ttft_ms: float = 0
+    load: float = 0
+
+
+class DecisionOut(_Open):
+    """A routing decision: its inputs, every candidate's prediction, and (after the response) the outcome."""
+
+    request_id: str
+    ts: float
+    model: str
+    path: str
+    policy: str
+    namespace: str = ""
+    lora_name: str | None = None
+    num_tokens: int = 0
+    block_size: int = 0
+    num_blocks: int = 0
+    tokenizer: str | None = None
+    tokenize_error: str | None = None
+    index_error: str | None = None
+    g4_blocks: int = Field(0, description="leading prompt blocks on G4 (model-wide)")
+    candidates: list[CandidateOut] = Field(default_factory=list)
+    chosen: str | None = None
+    attempts: list[str] = Field(default_factory=list)
+    timings_ms: dict[str, float] = Field(default_factory=dict, description="tokenize, hash, lookup, decide")
+    predicted_cached_tokens: int = 0
+    predicted_ttft_ms: float | None = None
+    status: int | None = None
+    outcome: str | None = None
+    observed_ttft_ms: float | None = None
+    prompt_tokens: int | None = None
+    delivered_cached_tokens: int | None = Field(None, description="usage.prompt_tokens_details.cached_tokens")
+
+
+class Explanation(DecisionOut):
+    """What the gateway would do with a request; nothing was sent to any worker."""
+
+    hashes: list[str] = Field(default_factory=list, description="block sequence hashes, decimal strings")
+    hashes_hex: list[str] = Field(default_factory=list, description="the same hashes, 16 hex digits")
+
+
+class DecisionList(BaseModel):
+    count: int
+    capacity: int
+    decisions: list[DecisionOut]
+
+
+# --- g4 -------------------------------------------------------------------------------------------------
+
+
+class G4Stats(_Open):
+    configured: bool
+    path: str | None = None
+    capacity_bytes: int | None = None
+    namespaces: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class G4Maintenance(BaseModel):
+    model: str
+    blocks: int | None = Field(None, description="blocks recorded in the index (rebuild)")
+    evicted: int | None = Field(None, description="blocks evicted and dropped from the index (gc)")
+    capacity_bytes: int | None = None

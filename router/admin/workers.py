@@ -1,0 +1,113 @@
+"""``/admin/workers``: list the fleet with health, load, events and cached blocks; add, remove, drain."""
+from __future__ import annotations
+
+import logging
+
+from fastapi import APIRouter, Query, Request
+
+from router.admin import schemas
+from router.admin.common import index_stats_or_error, ingestor_statuses, kv_state, not_found
+from router.admin.parity import check_worker
+from router.config import WorkerConfig
+from router.errors import APIError
+
+log = logging.getLogger("kvgate.admin")
+router = APIRouter(prefix="/workers", tags=["admin: workers"])
+
+
+def worker_out(state, w, stats: dict, events: dict) -> schemas.WorkerOut:
+    """One worker as the admin API shows it; ``stats`` is the index's per-model stats, ``events`` the
+    ingestor's statuses (both fetched once per call, not once per worker)."""
+    cached: dict[str, int] = {}
+    for model in {w.base_model(), *w.models} - {None}:
+        for tier, n in ((stats.get(model) or {}).get("workers", {}).get(w.name) or {}).items():
+            cached[tier] = cached.get(tier, 0) + int(n)
+    ev = events.get(w.name)
+    parity = getattr(w, "parity", None)
+    return schemas.WorkerOut(
+        name=w.name, url=w.url, healthy=w.healthy, draining=w.draining, model=w.base_model(),
+        models=sorted(w.models), block_size=w.block_size,
+        events=schemas.EventsStatus(**ev) if isinstance(ev, dict) else None,
+        load=schemas.WorkerLoadOut(
+            running=w.load.running, waiting=w.load.waiting, kv_usage=w.load.kv_usage, inflight=w.inflight,
+            pending_tokens=w.pending_tokens, prefill_tokens_per_s=w.prefill_tps),
+        cached_blocks=cached, parity=parity if isinstance(parity, dict) else None,
+        restarts=w.restarts, last_error=w.last_error,
+    )
+
+
+@router.get("", response_model=schemas.WorkerList, summary="Every worker with health, load, events, cache")
+async def list_workers(request: Request) -> schemas.WorkerList:
+    state = kv_state(request)
+    (stats, error), events = await index_stats_or_error(state), ingestor_statuses(state)
+    return schemas.WorkerList(workers=[worker_out(state, w, stats, events)
+                                       for w in sorted(state.registry.workers(), key=lambda w: w.name)],
+                              index_error=error)
+
+
+@router.get("/{name}", response_model=schemas.WorkerOut, summary="One worker")
+async def get_worker(name: str, request: Request) -> schemas.WorkerOut:
+    state = kv_state(request)
+    w = state.registry.get(name) or not_found(f"no worker named {name!r}", "name")
+    return worker_out(state, w, (await index_stats_or_error(state))[0], ingestor_statuses(state))
+
+
+@router.post("", response_model=schemas.WorkerOut, status_code=201,
+             summary="Add a worker at run time (probed at once; routable when healthy)")
+async def add_worker(spec: schemas.AddWorker, request: Request) -> schemas.WorkerOut:
+    state = kv_state(request)
+    cfg = WorkerConfig(**spec.model_dump())
+    try:
+        w = await state.registry.add(cfg)
+    except ValueError as exc:  # the registry's "already exists"
+        raise APIError(409, str(exc), param="name", code="worker_exists") from None
+    log.info("admin: added worker %s (%s)", w.name, w.url)
+    return worker_out(state, w, (await index_stats_or_error(state))[0], ingestor_statuses(state))
+
+
+@router.delete("/{name}", response_model=schemas.WorkerRemoved,
+               summary="Remove a worker: stop routing to it, unsubscribe its events, drop its index entries")
+async def remove_worker(name: str, request: Request) -> schemas.WorkerRemoved:
+    state = kv_state(request)
+    try:
+        await state.registry.remove(name)
+    except KeyError:
+        not_found(f"no worker named {name!r}", "name")
+    log.info("admin: removed worker %s", name)
+    return schemas.WorkerRemoved(removed=name)
+
+
+@router.post("/{name}/drain", response_model=schemas.WorkerOut,
+             summary="Drain a worker: no new requests, in-flight ones finish")
+async def drain_worker(name: str, request: Request) -> schemas.WorkerOut:
+    return await _set_draining(request, name, True)
+
+
+@router.post("/{name}/parity", response_model=schemas.ParityResult,
+             summary="Check tokenization and KV-event parity with the worker (sends it one probe request)")
+async def parity(name: str, request: Request,
+                 timeout_s: float = Query(10.0, gt=0, le=120, description="how long to wait for events"),
+                 ) -> schemas.ParityResult:
+    state = kv_state(request)
+    w = state.registry.get(name) or not_found(f"no worker named {name!r}", "name")
+    try:
+        result = await check_worker(state, w, timeout_s=timeout_s)
+    except ValueError as exc:
+        raise APIError(409, str(exc), param="name", code="worker_not_ready") from None
+    log.info("admin: parity of %s: %s", name, "ok" if result["ok"] else "MISMATCH")
+    return schemas.ParityResult(**result)
+
+
+@router.post("/{name}/undrain", response_model=schemas.WorkerOut, summary="Route to a drained worker again")
+async def undrain_worker(name: str, request: Request) -> schemas.WorkerOut:
+    return await _set_draining(request, name, False)
+
+
+async def _set_draining(request: Request, name: str, draining: bool) -> schemas.WorkerOut:
+    state = kv_state(request)
+    try:
+        w = await state.registry.drain(name, draining)
+    except KeyError:
+        not_found(f"no worker named {name!r}", "name")
+    log.info("admin: worker %s draining=%s", name, draining)
+    return worker_out(state, w, (await index_stats_or_error(state))[0], ingestor_statuses(state))

@@ -1,0 +1,152 @@
+"""``/metrics`` scraped over HTTP after real traffic and parsed by prometheus-client's own parser."""
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.admin.conftest import BLOCK, MODEL, until
+from tests.admin.test_workers import prompt
+
+STAGES = ("tokenize", "hash", "lookup", "decide")
+
+
+def scrape(env) -> dict[str, list]:
+    r = env.anon.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    fams = {f.name: f for f in text_string_to_metric_families(r.text)}
+    assert all(name.startswith("kvgate_") for name in fams), sorted(fams)
+    return fams
+
+
+def value(fams, family: str, sample: str | None = None, **labels) -> float:
+    """Sum of the samples of ``family`` (named ``sample``, default the family's own) matching ``labels``."""
+    fam = fams[family]
+    name = sample or fam.name
+    return sum(s.value for s in fam.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_metrics_after_traffic(admin_env):
+    env = admin_env(2)
+    hot = prompt(41, 4)
+    env.publish("w1", hot)
+    env.publish("w2", prompt(42, 3), medium="CPU")
+    env.publish("w2", prompt(43, 2), medium="STORAGE")
+    body = {"model": MODEL, "prompt": hot, "max_tokens": 4}
+
+    rids = []
+    for _ in range(3):
+        r = env.anon.post("/v1/completions", json=body)
+        assert r.status_code == 200
+        rids.append(r.headers["x-request-id"])
+    # Two streamed requests (the gateway measures TTFT on streams).
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    for _ in range(2):
+        with env.anon.stream("POST", "/v1/completions", json=streamed) as r:
+            assert r.status_code == 200
+            chunks = list(r.iter_lines())
+            assert chunks[-2:] == ["data: [DONE]", ""] or chunks[-1] == "data: [DONE]"
+        rids.append(r.headers["x-request-id"])
+    # One request to a failing worker holding the prefix: retried once on the other.
+    retry_prompt = prompt(44, 4)
+    env.publish("w2", retry_prompt)
+    env.workers["w2"].state.mode = "error500"
+    r = env.anon.post("/v1/completions", json={"model": MODEL, "prompt": retry_prompt, "max_tokens": 2})
+    assert r.status_code == 200
+    rids.append(r.headers["x-request-id"])
+    env.workers["w2"].state.mode = "ok"
+    decisions = [env.state.decisions.get(rid) for rid in rids]
+    assert [d.chosen for d in decisions] == ["w1"] * 6
+    assert decisions[-1].attempts == ["w2", "w1"]
+
+    fams = scrape(env)
+    n = len(rids)
+    # Requests by model, worker, policy, outcome.
+    assert value(fams, "kvgate_requests", "kvgate_requests_total", model=MODEL, worker="w1", policy="kv",
+                 outcome="ok") == n
+    assert value(fams, "kvgate_requests", "kvgate_requests_total") == n
+    # Routing overhead histogram, one observation per request and stage.
+    for stage in STAGES:
+        assert value(fams, "kvgate_routing_overhead_seconds", "kvgate_routing_overhead_seconds_count",
+                     stage=stage) == n
+        assert value(fams, "kvgate_routing_overhead_seconds", "kvgate_routing_overhead_seconds_sum",
+                     stage=stage) > 0
+    # Predicted vs delivered cached tokens equal what the decisions recorded.
+    predicted = sum(d.predicted_cached_tokens for d in decisions)
+    delivered = sum(d.delivered_cached_tokens or 0 for d in decisions)
+    # The five hot requests predicted their 4-block prefix on w1; the retried one is accounted on w1 too,
+    # which did not hold its prefix.
+    assert predicted == 5 * 4 * BLOCK
+    assert value(fams, "kvgate_predicted_cached_tokens", "kvgate_predicted_cached_tokens_total",
+                 model=MODEL) == predicted
+    assert value(fams, "kvgate_delivered_cached_tokens", "kvgate_delivered_cached_tokens_total",
+                 model=MODEL) == delivered
+    assert delivered == 4 * 4 * BLOCK  # the fake worker had the hot prefix from the 2nd request on
+    assert value(fams, "kvgate_prompt_tokens", "kvgate_prompt_tokens_total", model=MODEL) == sum(
+        d.prompt_tokens for d in decisions if d.prompt_tokens)
+    assert 0 < value(fams, "kvgate_cache_hit_rate", model=MODEL) < 1
+    # TTFT seen by the gateway: the two streams.
+    assert value(fams, "kvgate_ttft_seconds", "kvgate_ttft_seconds_count", model=MODEL, worker="w1") == 2
+    # Nothing in flight after the responses.
+    assert value(fams, "kvgate_inflight_requests", worker="w1") == 0
+    assert value(fams, "kvgate_inflight_requests", worker="w2") == 0
+    # Index size per tier.
+    assert value(fams, "kvgate_index_blocks", model=MODEL, tier="GPU") == 8
+    assert value(fams, "kvgate_index_blocks", model=MODEL, tier="CPU") == 3
+    assert value(fams, "kvgate_index_blocks", model=MODEL, tier="G4") == 2
+    # KV events per worker, as the ingestor counted them.
+    statuses = env.state.ingestor.statuses()
+    for w in ("w1", "w2"):
+        assert value(fams, "kvgate_events_applied", "kvgate_events_applied_total", worker=w) == \
+            statuses[w]["applied"] > 0
+        assert value(fams, "kvgate_events_dropped", "kvgate_events_dropped_total", worker=w) == 0
+        assert "kvgate_events_replays" in fams
+    # Worker health, retries, prefetch orders.
+    assert value(fams, "kvgate_worker_healthy", worker="w1") == 1
+    assert value(fams, "kvgate_retries", "kvgate_retries_total", model=MODEL, reason="upstream_500") == 1
+    assert "kvgate_prefetch_orders" in fams
+
+    # Admin gauges: events connected, draining.
+    assert value(fams, "kvgate_events_connected", worker="w1") == 1
+    assert value(fams, "kvgate_worker_draining", worker="w2") == 0
+    assert env.http.post("/admin/workers/w2/drain").status_code == 200
+    assert value(scrape(env), "kvgate_worker_draining", worker="w2") == 1
+
+    # A worker failing its health checks shows as 0.
+    env.workers["w2"].state.mode = "unhealthy"
+    until(lambda: not env.state.registry.get("w2").healthy, what="w2 unhealthy")
+    fams = scrape(env)
+    assert value(fams, "kvgate_worker_healthy", worker="w2") == 0
+    assert value(fams, "kvgate_worker_healthy", worker="w1") == 1
+
+
+def test_malformed_events_are_counted_as_dropped(admin_env):
+    env = admin_env(1)
+    env.publish("w1", prompt(51, 2))
+    env.workers["w1"].pub.publish([], raw_payload=b"\xc1 not msgpack")
+    until(lambda: env.state.ingestor.statuses()["w1"]["dropped"] == 1, what="the bad batch dropped")
+    fams = scrape(env)
+    assert value(fams, "kvgate_events_dropped", "kvgate_events_dropped_total", worker="w1") == 1
+    w1 = env.http.get("/admin/workers/w1").json()
+    assert w1["events"]["dropped"] == 1 and w1["healthy"] is True
+
+
+def test_openapi_documents_the_admin_api(admin_env):
+    env = admin_env(1)
+    spec = httpx.get(env.url + "/openapi.json", timeout=30, trust_env=False).json()
+    paths = spec["paths"]
+    expected = {
+        ("/admin/workers", "get"): "WorkerList", ("/admin/workers", "post"): "WorkerOut",
+        ("/admin/workers/{name}", "delete"): "WorkerRemoved",
+        ("/admin/workers/{name}/drain", "post"): "WorkerOut",
+        ("/admin/index", "get"): "IndexStats", ("/admin/index/{model}", "delete"): "Flushed",
+        ("/admin/explain", "post"): "Explanation", ("/admin/blocks/{model}/{block_hash}", "get"): "BlockOut",
+        ("/admin/decisions", "get"): "DecisionList", ("/admin/g4", "get"): "G4Stats",
+    }
+    for (path, method), schema in expected.items():
+        op = paths[path][method]
+        ok = next(v for k, v in op["responses"].items() if k.startswith("2"))
+        assert ok["content"]["application/json"]["schema"]["$ref"].endswith("/" + schema), (path, method)
+    assert "ExplainRequest" in spec["components"]["schemas"]
+    assert "CandidateOut" in spec["components"]["schemas"]

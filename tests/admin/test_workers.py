@@ -1,0 +1,197 @@
+"""``/admin/workers`` on a live gateway: listing, run-time add/remove, drain, bad inputs."""
+from __future__ import annotations
+
+import threading
+
+import httpx
+
+from indexer.hashing import sequence_hashes
+from tests.admin.conftest import BLOCK, MODEL, LiveWorker, until
+
+
+def prompt(seed: int, blocks: int = 4) -> list[int]:
+    """Token ids of ``blocks`` full blocks plus one token (vLLM never serves a prompt's last token from
+    cache, so all ``blocks`` are routable)."""
+    return [(seed * 7919 + i * 31) % 900 + 10 for i in range(blocks * BLOCK + 1)]
+
+
+def complete(env, tokens, **kw) -> httpx.Response:
+    r = env.anon.post("/v1/completions", json={"model": MODEL, "prompt": tokens, "max_tokens": 4, **kw})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def served_by(env, r: httpx.Response) -> str:
+    rid = r.headers["x-request-id"]
+    return env.state.decisions.get(rid).chosen
+
+
+def test_list_workers_shows_health_model_events_and_cache(admin_env):
+    env = admin_env(2)
+    env.publish("w1", prompt(1, 3))
+    env.publish("w1", prompt(2, 2), medium="CPU")
+    r = env.http.get("/admin/workers")
+    assert r.status_code == 200
+    ws = {w["name"]: w for w in r.json()["workers"]}
+    assert set(ws) == {"w1", "w2"}
+    w1 = ws["w1"]
+    assert w1["healthy"] is True and w1["draining"] is False
+    assert w1["model"] == MODEL and w1["models"] == [MODEL]
+    assert w1["block_size"] == BLOCK
+    assert w1["url"] == env.workers["w1"].url
+    assert w1["events"]["connected"] is True
+    assert w1["events"]["last_seq"] == 1
+    assert w1["events"]["gaps"] == 0
+    assert w1["cached_blocks"] == {"GPU": 3, "CPU": 2}
+    assert ws["w2"]["cached_blocks"] in ({}, {"GPU": 0, "CPU": 0})
+    assert w1["load"]["kv_usage"] == 0.25  # the fake worker's vllm:kv_cache_usage_perc
+    one = env.http.get("/admin/workers/w1").json()
+    assert one["cached_blocks"] == {"GPU": 3, "CPU": 2}
+
+
+def test_add_worker_at_run_time_then_remove(admin_env, admin_tokenizer_dir):
+    env = admin_env(1)
+    extra = LiveWorker("w9", admin_tokenizer_dir)
+    try:
+        r = env.http.post("/admin/workers", json={"url": extra.url, "name": "w9",
+                                                  "events_endpoint": extra.events_endpoint,
+                                                  "replay_endpoint": extra.replay_endpoint})
+        assert r.status_code == 201, r.text
+        assert r.json()["name"] == "w9"
+        env.workers["w9"] = extra
+        env.wait_healthy("w9")
+        env.wait_subscribed("w9")
+        # Its events reach the index, and a request whose prefix it holds goes there.
+        toks = prompt(9, 4)
+        env.publish("w9", toks)
+        assert served_by(env, complete(env, toks)) == "w9"
+        assert env.http.get("/admin/workers/w9").json()["cached_blocks"]["GPU"] == 4
+
+        # Same name again: 409.
+        dup = env.http.post("/admin/workers", json={"url": extra.url, "name": "w9"})
+        assert dup.status_code == 409 and dup.json()["error"]["param"] == "name"
+
+        r = env.http.delete("/admin/workers/w9")
+        assert r.status_code == 200 and r.json() == {"removed": "w9"}
+        assert "w9" not in {w["name"] for w in env.http.get("/admin/workers").json()["workers"]}
+        # Its index entries went with it, and no request goes there any more.
+        lookup = env.call(env.state.index.lookup(MODEL, sequence_hashes(toks, BLOCK)))
+        assert lookup.match("w9").gpu == 0
+        assert served_by(env, complete(env, toks)) == "w1"
+        assert env.http.get("/admin/workers/w9").status_code == 404
+        assert env.http.delete("/admin/workers/w9").status_code == 404
+    finally:
+        extra.stop()
+
+
+def test_drain_stops_new_requests_and_lets_inflight_finish(admin_env):
+    env = admin_env(2, worker_kw={"w1": {"first_token_delay_s": 4.0}})
+    toks = prompt(3, 4)
+    env.publish("w1", toks)  # w1 holds the prefix: it is the one the policy wants
+    result: dict = {}
+
+    def slow_request():
+        result["r"] = env.anon.post("/v1/completions", json={"model": MODEL, "prompt": toks, "max_tokens": 4})
+
+    t = threading.Thread(target=slow_request)
+    t.start()
+    until(lambda: env.state.registry.get("w1").inflight == 1, what="request in flight on w1")
+    r = env.http.post("/admin/workers/w1/drain")
+    assert r.status_code == 200 and r.json()["draining"] is True
+    assert r.json()["load"]["inflight"] == 1
+    t.join(60)
+    assert result["r"].status_code == 200  # the in-flight request finished on w1
+    assert served_by(env, result["r"]) == "w1"
+    # New requests avoid w1 although it holds the prefix.
+    for _ in range(3):
+        assert served_by(env, complete(env, toks)) == "w2"
+    listed = {w["name"]: w for w in env.http.get("/admin/workers").json()["workers"]}
+    assert listed["w1"]["draining"] is True and listed["w1"]["load"]["inflight"] == 0
+    r = env.http.post("/admin/workers/w1/undrain")
+    assert r.status_code == 200 and r.json()["draining"] is False
+    env.workers["w1"].state.first_token_delay_s = 0
+    assert served_by(env, complete(env, toks)) == "w1"
+
+
+def test_worker_bad_inputs(admin_env):
+    env = admin_env(1)
+    cases = [
+        ({"url": "not a url"}, "url"),
+        ({"url": "ftp://host:1"}, "url"),
+        ({"name": "x"}, "url"),
+        ({"url": "http://127.0.0.1:1", "events_endpoint": "http://x"}, "events_endpoint"),
+        ({"url": "http://127.0.0.1:1", "bogus": 1}, "bogus"),
+        ({"url": "http://127.0.0.1:1", "name": "a/b"}, "name"),
+        ({"url": "http://127.0.0.1:1", "name": ""}, "name"),
+    ]
+    for body, param in cases:
+        r = env.http.post("/admin/workers", json=body)
+        assert r.status_code == 422, (body, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and err["message"] and err["type"] == "invalid_request_error"
+    # Unreachable: accepted, shown unhealthy with the reason, never routed to.
+    from tests.support.procs import free_port
+
+    r = env.http.post("/admin/workers", json={"url": f"http://127.0.0.1:{free_port()}", "name": "ghost"})
+    assert r.status_code == 201 and r.json()["healthy"] is False and r.json()["last_error"]
+    assert served_by(env, complete(env, prompt(4, 1))) == "w1"
+    assert env.http.delete("/admin/workers/ghost").status_code == 200
+    r = env.http.post("/admin/workers", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "error" in r.json()
+    for method, path in (("POST", "/admin/workers/nope/drain"), ("GET", "/admin/workers/nope"),
+                         ("DELETE", "/admin/workers/nope")):
+        r = env.http.request(method, path)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def _engine_for_probe(env, worker: str, tokens_of=lambda toks: toks):
+    """Play the engine: when the parity probe reaches the fake worker, publish the blocks vLLM would
+    (``tokens_of`` lets a test publish something else, as a drifting engine would)."""
+    st = env.workers[worker].state
+
+    def run():
+        def probe():
+            return next((r for r in st.requests
+                         if r["headers"].get("x-request-id", "").startswith("kvgate-parity-")), None)
+
+        req = until(probe, what="the parity probe at the worker")
+        env.workers[worker].publish(tokens_of(req["body"]["prompt"]))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_parity_check(admin_env):
+    env = admin_env(2)
+    assert env.http.get("/admin/workers/w1").json()["parity"] is None
+    t = _engine_for_probe(env, "w1")
+    r = env.http.post("/admin/workers/w1/parity")
+    t.join(30)
+    assert r.status_code == 200, r.text
+    res = r.json()
+    assert res["ok"] is True
+    assert res["tokenization"]["match"] is True and res["tokenization"]["gateway_source"] == "local"
+    assert res["tokenization"]["gateway_tokens"] == res["tokenization"]["worker_tokens"] > 0
+    assert res["events"]["match"] is True
+    assert res["events"]["expected_blocks"] == res["events"]["indexed_blocks"] >= 4
+    assert env.http.get("/admin/workers/w1").json()["parity"]["ok"] is True
+    # The probe went to w1 only, straight (no routing decision was recorded for it).
+    assert len(env.workers["w2"].state.requests) == 0
+    assert len(env.state.decisions) == 0
+
+    # An engine whose blocks differ from what the gateway computes (e.g. another tokenizer): mismatch.
+    t = _engine_for_probe(env, "w2", tokens_of=lambda toks: [x + 1 for x in toks])
+    r = env.http.post("/admin/workers/w2/parity", params={"timeout_s": 1})
+    t.join(30)
+    res = r.json()
+    assert res["ok"] is False and res["events"]["match"] is False and res["events"]["indexed_blocks"] == 0
+    listed = {w["name"]: w for w in env.http.get("/admin/workers").json()["workers"]}
+    assert listed["w2"]["parity"]["ok"] is False and listed["w1"]["parity"]["ok"] is True
+    from tests.admin.test_metrics import scrape, value
+
+    fams = scrape(env)
+    assert value(fams, "kvgate_worker_parity_ok", worker="w1") == 1
+    assert value(fams, "kvgate_worker_parity_ok", worker="w2") == 0
+    assert env.http.post("/admin/workers/w1/parity", params={"timeout_s": 0}).status_code == 422
+    assert env.http.post("/admin/workers/nope/parity").status_code == 404

@@ -1,0 +1,184 @@
+"""Gateway-side G4 pieces against real servers on loopback: the worker's prefetch/stats HTTP endpoint
+(the same server the connector runs inside vLLM, here around a real store and stager), the prefetch
+client, the bandwidth calibration, and the index rebuild/GC hooks with the in-memory index."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from cache_tier.inventory import gc_store, rebuild_index
+from cache_tier.prefetch_client import G4Bandwidth, G4Prefetcher
+from cache_tier.prefetch_server import serve_in_thread
+from cache_tier.stager import Stager
+from cache_tier.store import G4Store, Namespace
+from indexer.index.memory import MemoryIndex
+from tests.support.procs import free_port
+
+B = 32
+NS = Namespace(model="tiny", dtype="bfloat16", block_size=B, layer_shapes=((4 * B * 128,),) * 2)
+
+
+def toks(i):
+    return list(range(i * B, (i + 1) * B))
+
+
+def fill(store: G4Store, hashes):
+    for i, h in enumerate(hashes):
+        store.put(h, toks(i), None, torch.full((2, 4 * B * 128), float(i)).to(torch.bfloat16))
+
+
+class Endpoint:
+    """What the connector's worker side exposes to the HTTP server: cfg.model, stager, stats()."""
+
+    def __init__(self, store: G4Store):
+        self.cfg = type("Cfg", (), {"model": NS.model})()
+        self.store = store
+        self.stager = Stager(store, capacity_bytes=4 * store.file_bytes)
+        self.load_bytes, self.load_seconds = 0, 0.0
+
+    def stats(self):
+        return {
+            "load_bytes": self.load_bytes,
+            "load_seconds": self.load_seconds,
+            "block_bytes": self.store.file_bytes,
+            "staging": self.stager.stats(),
+        }
+
+
+@pytest.fixture
+def endpoint(tmp_path):
+    ep = Endpoint(G4Store(tmp_path, NS))
+    port = free_port()
+    srv = serve_in_thread(ep, "127.0.0.1", port)
+    ep.url = f"http://127.0.0.1:{port}"
+    yield ep
+    srv.shutdown()
+    ep.stager.close()
+
+
+def wait_for(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not cond():
+        time.sleep(0.02)
+    return cond()
+
+
+async def test_prefetch_order_stages_blocks_and_is_idempotent(endpoint):
+    fill(endpoint.store, [11, 12, 13])
+    pf = G4Prefetcher(timeout_s=2.0)
+    try:
+        assert await pf.order(endpoint.url, "tiny", [11, 12, 13, 99])
+        assert wait_for(lambda: endpoint.stager.stats()["staged"] == 3)
+        assert endpoint.stager.stats()["stage_misses"] == 1  # 99 is not on G4: harmless
+        assert await pf.order(endpoint.url, "tiny", [11, 12])  # again: nothing new is read
+        assert endpoint.stager.stats()["staged"] == 3
+        # the connector takes staged blocks first, checking token ids
+        assert endpoint.stager.take(11, toks(1)) is None  # wrong ids: refused
+        got = endpoint.stager.take(12, toks(1))
+        assert got is not None and got.numel() == NS.payload_bytes
+        # bounded: staging never exceeds its capacity (4 blocks) however much is ordered
+        fill(endpoint.store, list(range(100, 110)))
+        assert await pf.order(endpoint.url, "tiny", list(range(100, 110)))
+        assert wait_for(lambda: endpoint.stager.stats()["in_flight"] == 0)
+        st = endpoint.stager.stats()
+        assert st["blocks"] <= 4 and st["bytes"] <= st["capacity_bytes"]
+        assert pf.counters["sent"] == 3
+    finally:
+        await pf.aclose()
+
+
+async def test_prefetch_refusals_and_unreachable_worker(endpoint):
+    import httpx
+
+    async with httpx.AsyncClient() as c:
+        r = await c.post(endpoint.url + "/kvgate/prefetch", json={"model": "other", "hashes": [1]})
+        assert r.status_code == 404 and r.json()["error"]["code"] == 404
+        r = await c.post(endpoint.url + "/kvgate/prefetch", json={"hashes": ["zz-not-hex"]})
+        assert r.status_code == 400 and "error" in r.json()
+        r = await c.post(endpoint.url + "/kvgate/prefetch", content=b"{not json")
+        assert r.status_code == 400
+    pf = G4Prefetcher(timeout_s=0.5)
+    t0 = time.monotonic()
+    assert not await pf.order(f"http://127.0.0.1:{free_port()}", "tiny", [1, 2])
+    assert time.monotonic() - t0 < 5
+    assert not await pf.order(None, "tiny", [1])
+    assert pf.counters == {"sent": 0, "failed": 1, "skipped": 1, "hashes": 0}
+    await pf.aclose()
+
+
+async def test_bandwidth_calibrated_from_connector_counters(endpoint):
+    bw = G4Bandwidth(default_bytes_per_s=1e9, alpha=0.5)
+    assert bw.bytes_per_s("w1") == 1e9
+    endpoint.load_bytes, endpoint.load_seconds = 100 << 20, 0.5
+    await bw.poll("w1", endpoint.url)
+    assert bw.bytes_per_s("w1") == pytest.approx((100 << 20) / 0.5)
+    endpoint.load_bytes, endpoint.load_seconds = 200 << 20, 1.5  # the next 100 MiB took 1 s
+    await bw.poll("w1", endpoint.url)
+    assert bw.bytes_per_s("w1") == pytest.approx(0.5 * (200 << 20) + 0.5 * (100 << 20))
+    assert bw.seconds_for_blocks("w1", 10) == pytest.approx(
+        10 * endpoint.store.file_bytes / bw.bytes_per_s("w1")
+    )
+    assert await bw.poll("w2", f"http://127.0.0.1:{free_port()}") is None
+    assert bw.bytes_per_s("w2") == 1e9
+    await bw.aclose()
+
+
+async def test_rebuild_index_after_restart_and_gateway_gc(tmp_path):
+    st = G4Store(tmp_path, NS)
+    fill(st, [1, 2, 3, 4, 5])
+    other = G4Store(
+        tmp_path, Namespace(model="other", dtype="bfloat16", block_size=B, layer_shapes=((4 * B * 128,),) * 2)
+    )
+    fill(other, [77])
+    index = MemoryIndex()
+    assert await rebuild_index(index, "tiny", str(tmp_path)) == 5
+    res = await index.lookup("tiny", [1, 2, 3, 4, 5, 6])
+    assert res.g4 == 5
+    assert (await index.lookup("other", [77])).g4 == 0  # not rebuilt: another model
+    import os
+
+    for i, h in enumerate([1, 2, 3, 4, 5]):
+        os.utime(st.path(h), (1000 + i, 1000 + i))
+    evicted = await gc_store(index, "tiny", str(tmp_path), capacity_bytes=int(3.2 * st.file_bytes))
+    assert sorted(evicted) == [1, 2, 3]
+    assert (await index.lookup("tiny", [4, 5])).g4 == 2
+    assert (await index.lookup("tiny", [1])).g4 == 0
+
+
+async def test_gateway_prefetcher_orders_and_calibrates_the_cost_model(endpoint):
+    """The gateway's G4 prefetcher (router/prefetch.py) against the connector endpoint on loopback: the
+    order stages the blocks, and the worker's G4 price then follows the connector's measured bandwidth."""
+    from urllib.parse import urlsplit
+
+    from indexer.index.base import WorkerMatch
+    from router.config import Settings, WorkerConfig
+    from router.cost import CostModel
+    from router.prefetch import G4Prefetcher as GatewayPrefetcher
+    from router.prefetch import NoopPrefetcher, make_prefetcher
+    from router.registry import Worker
+
+    assert isinstance(make_prefetcher(Settings()), NoopPrefetcher)
+    port = urlsplit(endpoint.url).port
+    settings = Settings(g4={"prefetch_port": port, "stats_interval_s": 0.0})
+    pf = make_prefetcher(settings)
+    assert isinstance(pf, GatewayPrefetcher)
+    w = Worker(name="w1", url="http://127.0.0.1:1", config=WorkerConfig(url="http://127.0.0.1:1"))
+    cost = CostModel(settings.routing)
+    before = cost.score(w, WorkerMatch(), g4=10, num_tokens=10 * B + 1, block_size=B).g4_load_ms
+    fill(endpoint.store, [21, 22])
+    endpoint.load_bytes, endpoint.load_seconds = 64 << 20, 0.25  # the connector measured 256 MiB/s
+    try:
+        assert await pf.order(w, "tiny", [21, 22])
+        assert wait_for(lambda: endpoint.stager.stats()["staged"] == 2)
+        assert w.g4_bytes_per_s == pytest.approx((64 << 20) / 0.25)
+        assert w.g4_bytes_per_block == endpoint.store.file_bytes
+        after = cost.score(w, WorkerMatch(), g4=10, num_tokens=10 * B + 1, block_size=B).g4_load_ms
+        assert after == pytest.approx(10 * endpoint.store.file_bytes / ((64 << 20) / 0.25) * 1000.0)
+        assert after != before
+        assert not await pf.order(Worker(name="gone", url="http://127.0.0.1:1",
+                                         config=WorkerConfig(url="http://127.0.0.1:1")), "other", [21])
+    finally:
+        await pf.aclose()

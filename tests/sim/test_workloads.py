@@ -1,0 +1,50 @@
+"""Trace handling: deterministic block tokens, shared prefixes, and the workload ceiling (37.4%)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bench.replay_workloads import (TraceRow, block_tokens, load_trace, token_ceiling, trace_ceiling, trace_items,
+                                    trace_path, chat_items, rag_items, agent_items)
+
+
+def test_block_tokens_are_fixed_and_distinct():
+    a, b = block_tokens(7), block_tokens(7)
+    assert a.dtype == np.uint32 and len(a) == 512 and (a == b).all()
+    assert not (block_tokens(8) == a).all()
+    assert int(a.max()) < 32000
+
+
+def test_requests_sharing_hash_ids_share_token_prefixes():
+    rows = [TraceRow(0, 1100, 5, [1, 2, 3]), TraceRow(10, 700, 5, [1, 2])]
+    items = trace_items(rows)
+    assert len(items[0].tokens) == 1100 and len(items[1].tokens) == 700
+    assert (items[0].tokens[:700] == items[1].tokens).all()
+
+
+def test_ceiling_counts_leading_seen_blocks():
+    rows = [TraceRow(0, 1024, 1, [1, 2]), TraceRow(0, 1500, 1, [1, 2, 9]), TraceRow(0, 600, 1, [5, 1])]
+    # second: 2 leading blocks seen (1024 tokens); third: first block unseen -> 0
+    assert trace_ceiling(rows) == pytest.approx(1024 / (1024 + 1500 + 600))
+
+
+@pytest.mark.skipif(not trace_path().exists(), reason="the shared trace is not beside the repository")
+def test_full_trace_ceiling_is_37_4_percent():
+    rows = load_trace()
+    assert len(rows) == 12031
+    assert round(100 * trace_ceiling(rows), 1) == 37.4
+
+
+@pytest.mark.skipif(not trace_path().exists(), reason="the shared trace is not beside the repository")
+def test_token_ceiling_at_engine_block_size_is_close_to_the_trace_ceiling():
+    rows = load_trace()[:300]
+    items = trace_items(rows)
+    c512, c16 = trace_ceiling(rows), token_ceiling(items, 16)
+    # finer blocks also reuse the partial tails of shared 512-token blocks; never less than the trace's
+    assert c16 >= c512 - 0.01 and c16 < c512 + 0.1
+
+
+def test_synthetic_workloads_share_prefixes():
+    for items in (chat_items(sessions=4, turns=3), rag_items(users=10), agent_items(agents=3, steps=3)):
+        assert items and all(items[i].at <= items[i + 1].at for i in range(len(items) - 1))
+        assert token_ceiling(items, 16) > 0.3
