@@ -185,8 +185,13 @@ class _Lease:
         worker.pending_tokens += self.tokens
         worker.mean_prompt_tokens = 0.9 * worker.mean_prompt_tokens + 0.1 * self.tokens
         state.metrics.child(state.metrics.inflight, worker.name).set(worker.inflight)
+        # A non-streamed response shows no first token: count its prompt as queued until twice the
+        # predicted TTFT has passed (vLLM's own waiting gauge covers a longer wait), not for its whole decode.
+        self._timer = asyncio.get_running_loop().call_later(
+            max(0.01, 2 * cand.predicted_ttft_ms / 1000.0), self.first_byte)
 
     def first_byte(self) -> None:
+        self._timer.cancel()
         if self.pending:
             self.pending = False
             self.worker.pending_requests -= 1

@@ -173,7 +173,7 @@ async def test_gateway_queue_makes_hot_worker_lose(fleet, start_gateway, tokeniz
     """In-flight prompt tokens the gateway sent (no first byte yet) count as queue."""
     fleet.add("a")
     slow = fleet.add("b", first_token_delay_s=5.0)
-    gw = start_gateway(fleet, routing={"prefill_tokens_per_s": 2000.0})
+    gw = start_gateway(fleet, routing={"prefill_tokens_per_s": 200.0})
     body = chat_body(LONG, stream=True)
     from router.config import TokenizerConfig
     from router.tokenize import LocalTokenizer

@@ -20,9 +20,10 @@ from bench.sim.tokenizer import save_model_dir
 pytestmark = pytest.mark.slow
 
 
-def sessions(n_sessions=7, turns=4, first=600, per_turn=300, gap_s=6.0, seed=7) -> list[WorkItem]:
+def sessions(n_sessions=7, turns=4, first=600, per_turn=300, gap_s=40.0, seed=7) -> list[WorkItem]:
     """Distinct sessions (no shared prefix between them); each turn resends the history plus new text.
-    7 sessions over 4 workers: round robin never sends a session's next turn to the same worker."""
+    7 sessions over 4 workers: round robin never sends a session's next turn to the same worker. Turns are
+    far apart (2 s of wall time at 20x) so a loaded machine still finishes a turn before the next one."""
     rng = np.random.default_rng(seed)
     out = []
     for s in range(n_sessions):

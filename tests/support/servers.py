@@ -13,12 +13,16 @@ from tests.support.procs import free_port
 class ThreadServer:
     def __init__(self, app, port: int | None = None) -> None:
         self.app = app
-        self.port = port or free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    lifespan="on", timeout_graceful_shutdown=1,
-                                                    access_log=False))
+        self.fixed_port = port is not None
+        self._configure(port or free_port())
         self.thread: threading.Thread | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+
+    def _configure(self, port: int) -> None:
+        self.port = port
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning",
+                                                    lifespan="on", timeout_graceful_shutdown=1,
+                                                    access_log=False))
 
     @property
     def url(self) -> str:
@@ -29,15 +33,22 @@ class ThreadServer:
         asyncio.set_event_loop(self.loop)
         self.loop.run_until_complete(self.server.serve())
 
-    def start(self, timeout: float = 60.0) -> ThreadServer:
-        self.thread = threading.Thread(target=self._run, daemon=True, name=f"uvicorn-{self.port}")
-        self.thread.start()
-        deadline = time.monotonic() + timeout
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"server on port {self.port} did not start")
-            time.sleep(0.02)
-        return self
+    def start(self, timeout: float = 60.0, attempts: int = 3) -> ThreadServer:
+        """Start serving; a free port taken by another process in the meantime means another try."""
+        for attempt in range(attempts):
+            self.thread = threading.Thread(target=self._run, daemon=True, name=f"uvicorn-{self.port}")
+            self.thread.start()
+            deadline = time.monotonic() + timeout
+            while not self.server.started:
+                if not self.thread.is_alive() or time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
+            if self.server.started:
+                return self
+            if self.fixed_port or attempt == attempts - 1 or self.thread.is_alive():
+                break
+            self._configure(free_port())
+        raise RuntimeError(f"server on port {self.port} did not start")
 
     def call(self, coro, timeout: float = 30.0):
         """Run a coroutine on the server's event loop (e.g. to touch its in-memory state)."""
