@@ -60,12 +60,13 @@ class Worker:
     last_error: str | None = None
     last_check: float = 0.0
     added_at: float = field(default_factory=time.time)
-    parity: dict | None = None  # last parity check (router/parity.py); None until one ran
+    parity: dict | None = None  # last on-demand check by an operator (router/admin/parity.py)
+    registration_parity: dict | None = None  # last check at registration (router/parity.py)
 
     @property
     def cache_blind(self) -> bool:
         """kvgate's block keys do not match this worker's: routing ignores its index entries."""
-        return bool(self.parity and self.parity.get("status") == "cache-blind")
+        return bool(self.registration_parity and self.registration_parity.get("status") == "cache-blind")
 
     @property
     def host(self) -> str:
@@ -92,6 +93,7 @@ class Worker:
             "prefill_tokens_per_s": self.prefill_tps, "ttft_samples": self.ttft_samples,
             "failures": self.failures, "restarts": self.restarts, "last_error": self.last_error,
             "last_check": self.last_check, "cache_blind": self.cache_blind, "parity": self.parity,
+            "registration_parity": self.registration_parity,
         }
 
 

@@ -99,7 +99,7 @@ class GatewayState:
             if model is None:
                 return
             result = await self.parity.check(worker.name, worker.url, model)
-            worker.parity = result.to_dict()
+            worker.registration_parity = result.to_dict()
 
         self.spawn(run())
 
