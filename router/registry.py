@@ -60,13 +60,13 @@ class Worker:
     last_error: str | None = None
     last_check: float = 0.0
     added_at: float = field(default_factory=time.time)
-    parity: dict | None = None  # last on-demand check by an operator (router/admin/parity.py)
-    registration_parity: dict | None = None  # last check at registration (router/parity.py)
+    # Last parity check (router/parity.py), at registration or on demand (POST /admin/workers/{name}/parity).
+    parity: dict | None = None
 
     @property
     def cache_blind(self) -> bool:
         """kvgate's block keys do not match this worker's: routing ignores its index entries."""
-        return bool(self.registration_parity and self.registration_parity.get("status") == "cache-blind")
+        return bool(self.parity and self.parity.get("status") == "cache-blind")
 
     @property
     def host(self) -> str:
@@ -93,7 +93,6 @@ class Worker:
             "prefill_tokens_per_s": self.prefill_tps, "ttft_samples": self.ttft_samples,
             "failures": self.failures, "restarts": self.restarts, "last_error": self.last_error,
             "last_check": self.last_check, "cache_blind": self.cache_blind, "parity": self.parity,
-            "registration_parity": self.registration_parity,
         }
 
 
@@ -152,6 +151,8 @@ class WorkerRegistry:
         # Called with a worker each time it becomes routable (first time, or back after a failure), once
         # its events are subscribed: the gateway runs the parity check there (router/parity.py).
         self.on_ready = None
+        # Called with a worker's name whenever its index entries are dropped (restart, removal).
+        self.on_cleared = None
         self._discovery = None
 
     # --- queries -------------------------------------------------------------------------------
@@ -407,6 +408,8 @@ class WorkerRegistry:
             log.warning("removing event source of %s: %s", w.name, e)
 
     async def _clear_index(self, w: Worker) -> None:
+        if self.on_cleared is not None:
+            self.on_cleared(w.name)
         models = {self.namespace(m)[0] for m in w.models} or set()
         try:
             models.update(await self.index.models())

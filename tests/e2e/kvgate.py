@@ -39,7 +39,7 @@ class KvGate:
                 workers
                 and all(w.healthy for w in workers)
                 and all(w.name in self._statuses() for w in workers)
-                and (not parity or all(w.registration_parity is not None for w in workers))
+                and (not parity or all(w.parity is not None for w in workers))
             ):
                 return
             time.sleep(0.2)

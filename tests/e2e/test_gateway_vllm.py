@@ -236,10 +236,10 @@ def test_restart_drops_entries_and_routes_after(kvgate, vllm_servers, texts):
     worker = gw.state.registry.get(server.name)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (
-        worker.healthy and worker.registration_parity and worker.registration_parity["checked_at"] > t_restart
+        worker.healthy and worker.parity and worker.parity["checked_at"] > t_restart
     ):
         time.sleep(0.2)
-    assert worker.healthy and worker.registration_parity["status"] == "ok"
+    assert worker.healthy and worker.parity["status"] == "ok"
     status = gw.state.ingestor.status(server.name)
     assert worker.restarts >= 1 or status["resets"] >= 1
     assert gw.held(hashes, server.name) == 0
@@ -268,8 +268,8 @@ def test_parity_check_passes_on_matching_workers(kvgate, vllm_servers):
     gw = kvgate("kv")
     for s in vllm_servers:
         w = gw.state.registry.get(s.name)
-        assert w.registration_parity["status"] == "ok" and not w.cache_blind, w.registration_parity
-        assert w.registration_parity["matched_blocks"] == w.registration_parity["expected_blocks"] > 0
+        assert w.parity["status"] == "ok" and not w.cache_blind, w.parity
+        assert w.parity["matched_blocks"] == w.parity["expected_blocks"] > 0
         assert _metric(gw, "kvgate_worker_cache_blind", s.name) == 0.0
 
 
@@ -295,12 +295,12 @@ def test_parity_mismatch_marks_worker_cache_blind(
     gw = kvgate("kv", **kw)
     for s in vllm_servers:
         w = gw.state.registry.get(s.name)
-        assert w.registration_parity["status"] == "cache-blind" and w.cache_blind, w.registration_parity
-        assert w.registration_parity["matched_blocks"] == 0
+        assert w.parity["status"] == "cache-blind" and w.cache_blind, w.parity
+        assert w.parity["matched_blocks"] == 0
         assert _metric(gw, "kvgate_worker_cache_blind", s.name) == 1.0
         assert any(s.name in rec.getMessage() and "CACHE-BLIND" in rec.getMessage() for rec in caplog.records)
     if mismatch == "tokenizer":
-        assert "different tokenizer" in gw.state.registry.get(vllm_servers[0].name).registration_parity["reason"]
+        assert "different tokenizer" in gw.state.registry.get(vllm_servers[0].name).parity["reason"]
     # A prompt the gateway sent to a worker is in that worker's cache, yet no hit is predicted there.
     body = _chat(f"{_tag()} " + texts.text(300))
     r = _post(gw.url, CHAT, body)
