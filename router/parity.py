@@ -13,7 +13,10 @@ its own tokenizer and block size, and waits for those hashes to come back throug
 - events came back but not those blocks (or no events at all after a few probes): ``cache-blind``. The
   worker still serves traffic, but routing ignores its index entries (its predicted hit is 0), a warning
   names the cause, and ``kvgate_worker_cache_blind{worker}`` is 1;
-- kvgate cannot tokenize for the model (no tokenizer at all): ``unverified`` (nothing to compare).
+- kvgate cannot tokenize for the model (no tokenizer at all): ``unverified`` (nothing to compare);
+- no new events because the worker already had the probe cached (a tokenizer that maps the nonce to an
+  unknown-word token repeats an earlier probe): ``ok`` when the index already holds every probe block for
+  that worker -- the keys matched when those blocks were announced.
 
 The probe is retried with a fresh nonce when the ingestor saw no event at all yet, because a new ZMQ
 subscription misses what is published before it is live (the ingestor replays the missed batches when
@@ -119,6 +122,7 @@ class ParityChecker:
         block_size: Callable[[str], int],
         *,
         events_seen: Callable[[str], bool] | None = None,
+        indexed: Callable[[str, str, list[int]], Awaitable[int]] | None = None,
         metrics=None,
         attempts: int = 3,
         settle_s: float = 5.0,
@@ -128,6 +132,7 @@ class ParityChecker:
         self.tokenize = tokenize
         self.block_size = block_size
         self.events_seen = events_seen or (lambda worker: True)
+        self.indexed = indexed
         self.metrics = metrics
         self.attempts = attempts
         self.settle_s = settle_s
@@ -192,6 +197,11 @@ class ParityChecker:
             result.matched_blocks = _leading(expected, watch.seen)
             if watch.done.is_set():
                 result.status, result.reason = OK, f"{len(expected)} probe blocks matched"
+                return
+            if self.indexed is not None and await self.indexed(result.worker, model, expected) == len(expected):
+                result.matched_blocks = len(expected)
+                result.status = OK
+                result.reason = f"{len(expected)} probe blocks were already cached and indexed for this worker"
                 return
             if watch.events or self.events_seen(result.worker):
                 result.status = CACHE_BLIND

@@ -11,6 +11,7 @@ import httpx
 from router.config import Settings
 from router.metrics import GatewayMetrics
 from router.parity import ParityChecker
+from router.pending import PendingBlocks
 from router.policies import Policy, create_policy
 from router.prefetch import Prefetcher, make_prefetcher
 from router.registry import WorkerRegistry
@@ -65,7 +66,8 @@ class GatewayState:
         # Parity check at registration (router/parity.py): fed by the ingestor's observer, run by the
         # registry's on_ready hook each time a worker becomes routable.
         self.parity = ParityChecker(self.client, self._tokenize_probe, self._block_size,
-                                    events_seen=self._events_seen, metrics=self.metrics)
+                                    events_seen=self._events_seen, indexed=self._indexed_blocks,
+                                    metrics=self.metrics)
         self.ingestor = ingestor if ingestor is not None or not with_events else make_ingestor(
             self.index, self._on_events_reset, self.parity.observe)
         if self.ingestor is not None and getattr(self.ingestor, "observer", False) is None:
@@ -75,6 +77,8 @@ class GatewayState:
             self.registry.on_ready = self._check_parity
         self.policy: Policy = create_policy(settings.routing)
         self.decisions = DecisionLog(settings.routing.decisions_kept)
+        self.pending = PendingBlocks(settings.routing.pending_ttl_s, settings.routing.pending_max_blocks)
+        self.registry.on_cleared = self.pending.forget_worker
         self.router = Router(self)
         self.prefetcher: Prefetcher = prefetcher or make_prefetcher(settings)
         self._background: set[asyncio.Task] = set()
@@ -101,6 +105,15 @@ class GatewayState:
             worker.parity = result.to_dict()
 
         self.spawn(run())
+
+    async def _indexed_blocks(self, worker: str, model: str, hashes: list[int]) -> int:
+        """Leading probe blocks the index already holds for ``worker`` (parity when no new events came)."""
+        ns, _ = self.registry.namespace(model)
+        try:
+            res = await self.index.lookup(ns, hashes, workers=[worker])
+        except Exception:  # an unreachable index proves nothing either way
+            return 0
+        return res.match(worker).local
 
     async def _tokenize_probe(self, model: str, text: str) -> list[int] | None:
         ns, _ = self.registry.namespace(model)

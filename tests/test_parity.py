@@ -70,7 +70,8 @@ def _error(status: int):
 
 
 async def run(
-    worker: Worker, *, kvgate_tokenize=chars, block_size: int = 16, events_seen: bool = True, metrics=None
+    worker: Worker, *, kvgate_tokenize=chars, block_size: int = 16, events_seen: bool = True, metrics=None,
+    indexed=None,
 ):
     async def tokenize(model: str, text: str):
         return kvgate_tokenize(text) if kvgate_tokenize else None
@@ -81,6 +82,7 @@ async def run(
             tokenize,
             lambda model: block_size,
             events_seen=lambda w: events_seen,
+            indexed=indexed,
             metrics=metrics,
             attempts=3,
             settle_s=0.5,
@@ -138,3 +140,21 @@ async def test_a_failing_probe_does_not_mark_the_worker(worker):
     worker.status = 500
     r = await run(worker)
     assert r.status == UNVERIFIED and "probe failed" in r.reason and not r.cache_blind
+
+
+async def test_probe_already_cached_and_indexed_is_ok(worker):
+    """A worker whose tokenizer maps the nonce to an unknown-word token sees the same probe again: it has
+    the blocks cached and publishes nothing new. The index already holding every probe block for that
+    worker settles it; an index that holds only part of them does not."""
+    worker.publish_after = 99
+
+    async def all_indexed(w, model, hashes):
+        return len(hashes)
+
+    async def half_indexed(w, model, hashes):
+        return len(hashes) // 2
+
+    r = await run(worker, indexed=all_indexed)
+    assert r.status == OK and "already cached" in r.reason and r.matched_blocks == r.expected_blocks
+    r = await run(worker, indexed=half_indexed)
+    assert r.status == CACHE_BLIND

@@ -21,7 +21,7 @@ def admin_router() -> APIRouter:
 
 def install(app) -> None:
     """Mount the admin API on a gateway app (``router.app.create_app`` calls this) and add its gauges
-    (draining, parity, events connected) to the gateway's metrics registry."""
+    (draining, events connected) to the gateway's metrics registry."""
     from router.admin.metrics import AdminCollector
 
     app.include_router(admin_router())

@@ -1,5 +1,6 @@
-"""Worker-state gauges the operator acts on through the admin API, read from the registry and the
-ingestor at scrape time (a custom collector on the gateway's own metrics registry; nothing cached)."""
+"""Worker-state gauges the operator acts on through the admin API (draining, events connected), read
+from the registry and the ingestor at scrape time (a custom collector on the gateway's own metrics
+registry; nothing cached)."""
 from __future__ import annotations
 
 import logging
@@ -19,22 +20,15 @@ class AdminCollector:
     def collect(self):
         draining = GaugeMetricFamily("kvgate_worker_draining", "1 while a worker is drained (admin API)",
                                      labels=["worker"])
-        parity = GaugeMetricFamily("kvgate_worker_parity_ok",
-                                   "Last parity check of a worker (1 ok, 0 mismatch); absent until checked",
-                                   labels=["worker"])
         connected = GaugeMetricFamily("kvgate_events_connected",
                                       "1 when the worker's KV event stream is connected", labels=["worker"])
         try:
             for w in self.state.registry.workers():
                 draining.add_metric([w.name], 1.0 if w.draining else 0.0)
-                result = getattr(w, "parity", None)
-                if isinstance(result, dict):
-                    parity.add_metric([w.name], 1.0 if result.get("ok") else 0.0)
             ing = self.state.ingestor
             for worker, st in (ing.statuses() if ing is not None else {}).items():
                 connected.add_metric([worker], 1.0 if st.get("connected") else 0.0)
         except Exception as exc:  # a scrape must never fail because of one reader
             log.warning("admin metrics collection failed: %s", exc)
         yield draining
-        yield parity
         yield connected

@@ -46,22 +46,27 @@ class WorkerOut(BaseModel):
     events: EventsStatus | None = Field(None, description="KV event ingestion status (None: not subscribed)")
     load: WorkerLoadOut
     cached_blocks: dict[str, int] = Field(default_factory=dict, description="index entries per tier")
-    parity: ParityResult | None = Field(None, description="last parity check (POST .../parity), if any")
+    parity: ParityOut | None = Field(None, description="last parity check (at registration or on demand)")
+    cache_blind: bool = Field(False, description="parity failed: routing ignores its cache entries")
     restarts: int = 0
     last_error: str | None = None
 
 
-class ParityResult(_Open):
-    """Whether the gateway tokenizes like the worker and sees the worker's blocks in the index."""
+class ParityOut(_Open):
+    """The gateway's parity check of a worker (router/parity.py): do kvgate's block keys of a probe
+    prompt come back in the worker's KV events?"""
 
-    ok: bool
-    checked_at: float
-    seconds: float
-    block_size: int | None = None
-    tokenization: dict[str, Any] = Field(default_factory=dict,
-                                         description="match, gateway/worker token counts, first difference")
-    events: dict[str, Any] = Field(default_factory=dict,
-                                   description="match, expected and indexed blocks of the probe prompt")
+    status: str = Field(..., description="ok | cache-blind (routing ignores its cache) | unverified")
+    reason: str = ""
+    model: str | None = None
+    block_size: int = 0
+    expected_blocks: int = 0
+    matched_blocks: int = 0
+    kvgate_tokens: int = 0
+    worker_tokens: int | None = None
+    attempts: int = 0
+    elapsed_s: float = 0.0
+    checked_at: float | None = None
 
 
 class WorkerList(BaseModel):

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Request
 
 from router.admin import schemas
 from router.admin.common import index_stats_or_error, ingestor_statuses, kv_state, not_found
-from router.admin.parity import check_worker
 from router.config import WorkerConfig
 from router.errors import APIError
 
@@ -32,6 +31,7 @@ def worker_out(state, w, stats: dict, events: dict) -> schemas.WorkerOut:
             running=w.load.running, waiting=w.load.waiting, kv_usage=w.load.kv_usage, inflight=w.inflight,
             pending_tokens=w.pending_tokens, prefill_tokens_per_s=w.prefill_tps),
         cached_blocks=cached, parity=parity if isinstance(parity, dict) else None,
+        cache_blind=bool(getattr(w, "cache_blind", False)),
         restarts=w.restarts, last_error=w.last_error,
     )
 
@@ -83,19 +83,18 @@ async def drain_worker(name: str, request: Request) -> schemas.WorkerOut:
     return await _set_draining(request, name, True)
 
 
-@router.post("/{name}/parity", response_model=schemas.ParityResult,
-             summary="Check tokenization and KV-event parity with the worker (sends it one probe request)")
-async def parity(name: str, request: Request,
-                 timeout_s: float = Query(10.0, gt=0, le=120, description="how long to wait for events"),
-                 ) -> schemas.ParityResult:
+@router.post("/{name}/parity", response_model=schemas.ParityOut,
+             summary="Run the parity check now (router/parity.py: one probe request to the worker)")
+async def parity(name: str, request: Request) -> schemas.ParityOut:
     state = kv_state(request)
     w = state.registry.get(name) or not_found(f"no worker named {name!r}", "name")
-    try:
-        result = await check_worker(state, w, timeout_s=timeout_s)
-    except ValueError as exc:
-        raise APIError(409, str(exc), param="name", code="worker_not_ready") from None
-    log.info("admin: parity of %s: %s", name, "ok" if result["ok"] else "MISMATCH")
-    return schemas.ParityResult(**result)
+    model = w.base_model()
+    if model is None:
+        raise APIError(409, f"worker {name} serves no model yet", param="name", code="worker_not_ready")
+    result = await state.parity.check(w.name, w.url, model)
+    w.parity = result.to_dict()  # as the registration-time check records it
+    log.info("admin: parity of %s: %s", name, result.status)
+    return schemas.ParityOut(**w.parity)
 
 
 @router.post("/{name}/undrain", response_model=schemas.WorkerOut, summary="Route to a drained worker again")

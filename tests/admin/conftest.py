@@ -141,14 +141,20 @@ def admin_env(redis_url, admin_tokenizer_dir):
               worker_kw: dict | None = None, index_url: str | None = None, **settings_kw) -> AdminEnv:
         workers = [LiveWorker(f"w{i + 1}", admin_tokenizer_dir, **((worker_kw or {}).get(f"w{i + 1}", {})))
                    for i in range(n_workers)]
-        kw = dict(workers=[w.config() for w in workers],
+        # The fake worker is no engine: the registration-time parity probe (router/parity.py) would wait
+        # for events nobody publishes and mark it cache-blind. Tests run the check on demand instead.
+        routing = {"parity_check": False, **settings_kw.pop("routing", {})}
+        kw = dict(workers=[w.config() for w in workers], routing=routing,
                   models={MODEL: ModelConfig(tokenizer=admin_tokenizer_dir)},
                   index=IndexConfig(backend="redis", redis_url=index_url or redis_url),
                   admin=AdminConfig(token=token, open_without_token=open_without_token),
                   health_interval_s=0.2, refresh_interval_s=1.0, request_timeout_s=30.0,
                   connect_timeout_s=2.0)
         kw.update(settings_kw)
-        app = create_app(Settings(**kw), index=RedisIndex(index_url or redis_url, timeout_s=2.0),
+        settings = Settings(**kw)
+        # The fake workers count requests; the registration probe (router/parity.py) would be one more.
+        settings.routing.parity_check = False
+        app = create_app(settings, index=RedisIndex(index_url or redis_url, timeout_s=2.0),
                          with_events=True)
         server = ThreadServer(app).start()
         env = AdminEnv(server, workers, redis_url, token)
