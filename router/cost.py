@@ -22,6 +22,10 @@ from indexer.index.base import WorkerMatch
 from router.config import RoutingConfig
 
 MIN_CALIBRATION_TOKENS = 256
+# A worker's own prefill speed is used once it has this many calibrating observations; until then the
+# fleet-wide estimate is. Otherwise the first worker to be calibrated looks faster (or slower) than the
+# rest, which still carry the configured guess, and takes (or loses) every request: a hot spot.
+MIN_OWN_SAMPLES = 3
 
 
 @dataclass
@@ -55,10 +59,15 @@ class Candidate:
 class CostModel:
     def __init__(self, cfg: RoutingConfig) -> None:
         self.cfg = cfg
+        self.fleet_tps = cfg.prefill_tokens_per_s  # every observation calibrates it
+
+    def prefill_speed(self, worker) -> float:
+        own = worker.prefill_tps if getattr(worker, "prefill_samples", 0) >= MIN_OWN_SAMPLES else 0.0
+        return max(1.0, own or self.fleet_tps)
 
     def score(self, worker, match: WorkerMatch, g4: int, num_tokens: int, block_size: int) -> Candidate:
         cfg = self.cfg
-        tps = max(1.0, worker.prefill_tps or cfg.prefill_tokens_per_s)
+        tps = self.prefill_speed(worker)
         local = match.local
         g4_extra = max(0, g4 - local)
         cached = min(num_tokens, (local + g4_extra) * block_size)
@@ -95,7 +104,11 @@ class CostModel:
         compute_s = ttft_s - predicted.queue_ms / 1000.0 - predicted.g4_load_ms / 1000.0
         if compute_s <= 1e-4:
             return
-        current = worker.prefill_tps or self.cfg.prefill_tokens_per_s
-        sample = min(current * 10, max(current / 10, uncached / compute_s))
         a = self.cfg.calibration_alpha
+        fleet = self.fleet_tps
+        self.fleet_tps = (1 - a) * fleet + a * min(fleet * 10, max(fleet / 10, uncached / compute_s))
+        # A worker's own estimate starts from the fleet's, so its first samples refine rather than jump.
+        current = worker.prefill_tps if getattr(worker, "prefill_samples", 0) else fleet
+        sample = min(current * 10, max(current / 10, uncached / compute_s))
         worker.prefill_tps = (1 - a) * current + a * sample
+        worker.prefill_samples = getattr(worker, "prefill_samples", 0) + 1

@@ -54,6 +54,7 @@ class Worker:
     g4_bytes_per_s: float = 0.0  # G4 load bandwidth measured by the worker's connector (0: use the default)
     g4_bytes_per_block: int = 0  # bytes of one block file on G4 (0: use the default)
     ttft_samples: int = 0
+    prefill_samples: int = 0  # TTFT observations that calibrated prefill_tps (router/cost.py)
     mean_prompt_tokens: float = 0.0
     failures: int = 0
     restarts: int = 0
@@ -91,6 +92,7 @@ class Worker:
                      "kv_usage": self.load.kv_usage, "updated_at": self.load.updated_at},
             "inflight": self.inflight, "pending_tokens": self.pending_tokens,
             "prefill_tokens_per_s": self.prefill_tps, "ttft_samples": self.ttft_samples,
+            "prefill_samples": self.prefill_samples,
             "failures": self.failures, "restarts": self.restarts, "last_error": self.last_error,
             "last_check": self.last_check, "cache_blind": self.cache_blind, "parity": self.parity,
         }

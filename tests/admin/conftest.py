@@ -143,7 +143,9 @@ def admin_env(redis_url, admin_tokenizer_dir):
                    for i in range(n_workers)]
         # The fake worker is no engine: the registration-time parity probe (router/parity.py) would wait
         # for events nobody publishes and mark it cache-blind. Tests run the check on demand instead.
-        routing = {"parity_check": False, **settings_kw.pop("routing", {})}
+        # Nor does it announce what it serves: the tests place blocks in the index themselves (env.publish), so
+        # the gateway's record of forwarded prompts (router/pending.py) is off here.
+        routing = {"parity_check": False, "pending_ttl_s": 0, **settings_kw.pop("routing", {})}
         kw = dict(workers=[w.config() for w in workers], routing=routing,
                   models={MODEL: ModelConfig(tokenizer=admin_tokenizer_dir)},
                   index=IndexConfig(backend="redis", redis_url=index_url or redis_url),

@@ -61,3 +61,23 @@ def test_policies_order():
     # Ties between identical idle workers rotate.
     idle = [cm.score(worker(n), WorkerMatch(), 0, 100, 16) for n in "xyz"]
     assert len({kv.order(req, idle)[0].worker for _ in range(3)}) == 3
+
+
+def test_one_calibrated_worker_does_not_take_every_request():
+    """The first observation calibrates the fleet-wide speed, which every worker without enough samples of
+    its own uses: a freshly calibrated worker does not look faster than its idle twins (a hot spot)."""
+    cm = CostModel(RoutingConfig(prefill_tokens_per_s=1000.0, calibration_alpha=0.5))
+    a, b = worker("a"), worker("b")
+    c = cm.score(a, WorkerMatch(), g4=0, num_tokens=4000, block_size=16)
+    cm.observe_ttft(a, 0.5, c)  # 8000 t/s observed on a
+    sa = cm.score(a, WorkerMatch(), g4=0, num_tokens=4000, block_size=16)
+    sb = cm.score(b, WorkerMatch(), g4=0, num_tokens=4000, block_size=16)
+    assert sa.predicted_ttft_ms == sb.predicted_ttft_ms < c.predicted_ttft_ms
+    policy = create_policy(RoutingConfig(), "kv")
+    firsts = {policy.order(RouteRequest("m", "/v1/completions", {}), [sa, sb])[0].worker for _ in range(4)}
+    assert firsts == {"a", "b"}  # ties rotate
+    for _ in range(3):  # with samples of its own, each worker's measured speed counts
+        cm.observe_ttft(a, 0.5, cm.score(a, WorkerMatch(), g4=0, num_tokens=4000, block_size=16))
+        cm.observe_ttft(b, 4.0, cm.score(b, WorkerMatch(), g4=0, num_tokens=4000, block_size=16))
+    assert cm.prefill_speed(a) == a.prefill_tps and cm.prefill_speed(b) == b.prefill_tps
+    assert cm.prefill_speed(a) > cm.prefill_speed(b)

@@ -42,7 +42,7 @@ async def _route_twice(gw) -> tuple[str, str, int]:
 async def test_follow_up_goes_where_the_prefix_was_sent(fleet, start_gateway):
     fleet.add("a")
     fleet.add("b")
-    gw = start_gateway(fleet)
+    gw = start_gateway(fleet, pending=True)
     w1, w2, cached = await _route_twice(gw)
     assert w2 == w1 and cached > 0
 
@@ -52,7 +52,6 @@ async def test_without_pending_blocks_ties_rotate(fleet, start_gateway):
     other worker (this is what the record fixes)."""
     fleet.add("a")
     fleet.add("b")
-    gw = start_gateway(fleet)
-    gw.state.pending.ttl_s = 0
+    gw = start_gateway(fleet, pending=False)
     w1, w2, cached = await _route_twice(gw)
     assert w2 != w1 and cached == 0
