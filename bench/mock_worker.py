@@ -7,6 +7,8 @@ import argparse
 import asyncio
 import json
 
+from bench.sim.asgi import serve_lifespan
+
 MODEL = "bench"
 
 _CHAT = json.dumps({
@@ -27,13 +29,7 @@ _METRICS = (b'vllm:num_requests_running{engine="0",model_name="bench"} 0.0\n'
 
 async def app(scope, receive, send):
     if scope["type"] == "lifespan":
-        while True:
-            msg = await receive()
-            if msg["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif msg["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+        return await serve_lifespan(receive, send)
     body = b""
     more = True
     while more:

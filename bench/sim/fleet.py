@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import uvicorn
 import zmq.asyncio
 
+from bench.sim.asgi import serve_lifespan
 from bench.sim.cache import PrefixCache, SharedG4Store
 from bench.sim.engine import SimEngine
 from bench.sim.events import ZmqPublisher
@@ -77,13 +78,7 @@ class _Dispatcher:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                if msg["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif msg["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            return await serve_lifespan(receive, send)
         server = scope.get("server") or (None, None)
         app = self.apps.get(server[1])
         if app is None:

@@ -12,10 +12,11 @@ from router.policies.kv import KVPolicy
 class SessionPolicy(Policy):
     name = "session"
 
-    def __init__(self, header: str = "x-session-id", max_sessions: int = 100_000) -> None:
+    def __init__(self, header: str = "x-session-id", max_sessions: int = 100_000,
+                 cache_affinity: float = 0.1) -> None:
         self.header = header.lower()
         self.max_sessions = max_sessions
-        self._fallback = KVPolicy()
+        self._fallback = KVPolicy(cache_affinity)
         self._sticky: OrderedDict[str, str] = OrderedDict()
 
     def order(self, req: RouteRequest, candidates: list[Candidate]) -> list[Candidate]:

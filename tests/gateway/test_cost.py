@@ -81,3 +81,15 @@ def test_one_calibrated_worker_does_not_take_every_request():
         cm.observe_ttft(b, 4.0, cm.score(b, WorkerMatch(), g4=0, num_tokens=4000, block_size=16))
     assert cm.prefill_speed(a) == a.prefill_tps and cm.prefill_speed(b) == b.prefill_tps
     assert cm.prefill_speed(a) > cm.prefill_speed(b)
+
+
+def test_near_tie_goes_to_the_cache_holder_clear_win_does_not():
+    from router.cost import Candidate
+
+    holder = Candidate(worker="h", cached_tokens=600, uncached_tokens=240, predicted_ttft_ms=81.0)
+    idle = Candidate(worker="i", cached_tokens=0, uncached_tokens=840, predicted_ttft_ms=78.0)
+    req = RouteRequest("m", "/v1/completions", {})
+    assert create_policy(RoutingConfig(), "kv").order(req, [idle, holder])[0].worker == "h"
+    assert create_policy(RoutingConfig(cache_affinity=0.0), "kv").order(req, [holder, idle])[0].worker == "i"
+    busy = Candidate(worker="h", cached_tokens=600, uncached_tokens=240, predicted_ttft_ms=120.0)
+    assert create_policy(RoutingConfig(), "kv").order(req, [busy, idle])[0].worker == "i"
