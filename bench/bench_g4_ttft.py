@@ -21,12 +21,13 @@ import time
 
 import httpx
 
-from tests.g4.vllm_support import VllmServer, tiny_model
+from bench import tiny_model
+from bench.vllm_server import VllmServer
 
 
 def ttft(srv: VllmServer, prompt: list[int]) -> tuple[float, int]:
     body = {
-        "model": srv.name,
+        "model": srv.served_model_name,
         "prompt": prompt,
         "max_tokens": 1,
         "temperature": 0,
@@ -56,19 +57,18 @@ def reset(srv: VllmServer) -> None:
 
 
 def run(sizes: list[int], reps: int) -> list[dict]:
-    model = tiny_model(
-        hidden=1024, layers=12, heads=16, kv_heads=4, intermediate=2816, vocab=8192, name="g4-llama-152m"
-    )
+    model = tiny_model.ensure("152m")
     g4 = tempfile.mkdtemp(prefix="kvgate-g4-ttft-")
-    srv = VllmServer(
+    srv = VllmServer(  # VLLM_SERVER_DEV_MODE=1 (always set) enables POST /reset_prefix_cache
         model,
-        g4,
-        name="m152",
-        threads_bind="auto",
-        kv_space_gib=4,
-        extra_args=["--max-num-batched-tokens", "8192"],
-        env={"VLLM_SERVER_DEV_MODE": "1"},
-    )  # enables POST /reset_prefix_cache
+        name="g4-ttft",
+        served_model_name="m152",
+        omp_threads_bind="auto",
+        max_model_len=8192,
+        kv_cache_gib=4,
+        extra_args=["--dtype", "bfloat16", "--max-num-batched-tokens", "8192"],
+        g4_path=g4,
+    )
     rng = random.Random(0)
     out = []
     with srv:

@@ -5,7 +5,8 @@ It lives in its own virtual environment (``tests/support/vllm-env.sh``; ``$VLLM_
 flags from ``../shared/vllm-cpu.md``: block size 32, prefix caching, ``--enable-prompt-tokens-details``,
 KV events on a ZMQ PUB endpoint with a replay endpoint (free ports, kept across restarts so a gateway's
 worker entry stays valid), ``VLLM_SERVER_DEV_MODE=1`` (for ``/reset_prefix_cache``) and, optionally,
-``--num-gpu-blocks-override`` for a KV cache small enough to evict. A server that does not become
+``--num-gpu-blocks-override`` for a KV cache small enough to evict, and kvgate's G4 connector on a
+directory (``g4_path``). A server that does not become
 healthy raises :class:`VllmStartError` carrying the tail of its log: callers fail, never skip.
 """
 
@@ -25,6 +26,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 LAUNCHER = Path(__file__).with_name("vllm_launch.py")
+# Where ``cache_tier`` lives: put on vLLM's PYTHONPATH so its processes can import kvgate's connector.
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
 class VllmStartError(RuntimeError):
@@ -48,7 +51,11 @@ def free_port() -> int:
 
 class VllmServer:
     """A vLLM OpenAI-compatible server on loopback with KV events. ``start()`` returns at once;
-    ``wait_ready()`` blocks until ``/health`` answers 200."""
+    ``wait_ready()`` blocks until ``/health`` answers 200.
+
+    With ``g4_path`` it runs kvgate's KV connector (``cache_tier.connector``) on that G4 directory, with
+    its prefetch/stats endpoint on ``prefetch_port`` and ``g4_config`` as further
+    ``kv_connector_extra_config`` keys (e.g. ``capacity_bytes``)."""
 
     def __init__(
         self,
@@ -67,6 +74,8 @@ class VllmServer:
         python: str | os.PathLike | None = None,
         startup_timeout_s: float = 300.0,
         workdir: str | os.PathLike | None = None,
+        g4_path: str | os.PathLike | None = None,
+        g4_config: Mapping[str, object] | None = None,
     ) -> None:
         self.model_dir = str(model_dir)
         self.name = name
@@ -86,6 +95,9 @@ class VllmServer:
         self.replay_port = free_port()
         self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"kvgate-{name}-"))
         self.log_path = self.workdir / "vllm.log"
+        self.g4_path = None if g4_path is None else str(g4_path)
+        self.g4_config = dict(g4_config or {})
+        self.prefetch_port = free_port() if g4_path is not None else None
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
@@ -144,6 +156,21 @@ class VllmServer:
         ]
         if self.num_gpu_blocks is not None:
             cmd += ["--num-gpu-blocks-override", str(self.num_gpu_blocks)]
+        if self.g4_path is not None:
+            extra = {
+                "g4_path": self.g4_path,
+                "prefetch_port": self.prefetch_port,
+                "stats_path": str(self.workdir / "g4-stats.json"),
+                **self.g4_config,
+            }
+            transfer = {
+                "kv_connector": "KvgateConnector",
+                "kv_connector_module_path": "cache_tier.connector",
+                "kv_role": "kv_both",
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": extra,
+            }
+            cmd += ["--kv-transfer-config", json.dumps(transfer)]
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:
@@ -161,6 +188,8 @@ class VllmServer:
             VLLM_SERVER_DEV_MODE="1",
             PYTHONUNBUFFERED="1",
         )
+        if self.g4_path is not None:
+            env["PYTHONPATH"] = str(PROJECT_ROOT)
         env.update(self.extra_env)
         return env
 
@@ -198,6 +227,14 @@ class VllmServer:
                 return r.status == 200
         except (urllib.error.URLError, OSError):
             return False
+
+    def g4_stats(self, timeout_s: float = 10.0) -> dict:
+        """The connector's counters (``GET /kvgate/g4/stats`` on ``prefetch_port``)."""
+        if self.prefetch_port is None:
+            raise RuntimeError(f"{self.name} runs without the G4 connector")
+        url = f"http://127.0.0.1:{self.prefetch_port}/kvgate/g4/stats"
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return json.load(r)
 
     def wait_ready(self, timeout_s: float | None = None) -> "VllmServer":
         """Block until /health answers 200; raise :class:`VllmStartError` with the log on failure."""

@@ -68,6 +68,10 @@ class RoutingConfig(BaseModel):
     g4_bytes_per_block: int = 2 * 1024 * 1024
     prefetch_timeout_s: float = 0.5
     sessions_kept: int = 100_000
+    # Blocks of a forwarded prompt count as the chosen worker's until its KV events reach the index
+    # (router/pending.py); 0 turns it off.
+    pending_ttl_s: float = 30.0
+    pending_max_blocks: int = 100_000
 
 
 class TokenizerConfig(BaseModel):

@@ -289,6 +289,8 @@ class Forwarder:
                     lease.release()
                     continue
                 self._tell_policy(w)
+                if self.hashes and not w.cache_blind:
+                    st.pending.record(d.namespace, self.hashes, w.name)
                 if resp.headers.get("content-type", "").startswith("text/event-stream"):
                     it = resp.chunks()
                     try:

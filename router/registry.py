@@ -60,7 +60,8 @@ class Worker:
     last_error: str | None = None
     last_check: float = 0.0
     added_at: float = field(default_factory=time.time)
-    parity: dict | None = None  # last parity check (router/parity.py); None until one ran
+    # Last parity check (router/parity.py), at registration or on demand (POST /admin/workers/{name}/parity).
+    parity: dict | None = None
 
     @property
     def cache_blind(self) -> bool:
@@ -150,6 +151,8 @@ class WorkerRegistry:
         # Called with a worker each time it becomes routable (first time, or back after a failure), once
         # its events are subscribed: the gateway runs the parity check there (router/parity.py).
         self.on_ready = None
+        # Called with a worker's name whenever its index entries are dropped (restart, removal).
+        self.on_cleared = None
         self._discovery = None
 
     # --- queries -------------------------------------------------------------------------------
@@ -405,6 +408,8 @@ class WorkerRegistry:
             log.warning("removing event source of %s: %s", w.name, e)
 
     async def _clear_index(self, w: Worker) -> None:
+        if self.on_cleared is not None:
+            self.on_cleared(w.name)
         models = {self.namespace(m)[0] for m in w.models} or set()
         try:
             models.update(await self.index.models())

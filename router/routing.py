@@ -207,8 +207,17 @@ class Router:
                 log.warning("index lookup failed: %s", d.index_error)
         t3 = time.perf_counter()
         d.g4_blocks = result.g4
-        scored = [self.cost.score(w, WorkerMatch() if w.cache_blind else result.match(w.name), result.g4,
-                                  d.num_tokens, bs) for w in workers]
+        pending_worker, pending_n = st.pending.leading(ns, d.hashes) if d.hashes else (None, 0)
+
+        def match(w) -> WorkerMatch:
+            if w.cache_blind:
+                return WorkerMatch()
+            m = result.match(w.name)
+            if w.name == pending_worker and pending_n > m.local:  # sent there, events not indexed yet
+                return WorkerMatch(gpu=max(m.gpu, pending_n), cpu=m.cpu, local=pending_n)
+            return m
+
+        scored = [self.cost.score(w, match(w), result.g4, d.num_tokens, bs) for w in workers]
         d.candidates = policy.order(RouteRequest(model, path, headers), scored)
         d.chosen = d.candidates[0].worker if d.candidates else None
         t4 = time.perf_counter()

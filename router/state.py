@@ -11,6 +11,7 @@ import httpx
 from router.config import Settings
 from router.metrics import GatewayMetrics
 from router.parity import ParityChecker
+from router.pending import PendingBlocks
 from router.policies import Policy, create_policy
 from router.prefetch import Prefetcher, make_prefetcher
 from router.registry import WorkerRegistry
@@ -76,6 +77,8 @@ class GatewayState:
             self.registry.on_ready = self._check_parity
         self.policy: Policy = create_policy(settings.routing)
         self.decisions = DecisionLog(settings.routing.decisions_kept)
+        self.pending = PendingBlocks(settings.routing.pending_ttl_s, settings.routing.pending_max_blocks)
+        self.registry.on_cleared = self.pending.forget_worker
         self.router = Router(self)
         self.prefetcher: Prefetcher = prefetcher or make_prefetcher(settings)
         self._background: set[asyncio.Task] = set()

@@ -151,7 +151,10 @@ def admin_env(redis_url, admin_tokenizer_dir):
                   health_interval_s=0.2, refresh_interval_s=1.0, request_timeout_s=30.0,
                   connect_timeout_s=2.0)
         kw.update(settings_kw)
-        app = create_app(Settings(**kw), index=RedisIndex(index_url or redis_url, timeout_s=2.0),
+        settings = Settings(**kw)
+        # The fake workers count requests; the registration probe (router/parity.py) would be one more.
+        settings.routing.parity_check = False
+        app = create_app(settings, index=RedisIndex(index_url or redis_url, timeout_s=2.0),
                          with_events=True)
         server = ThreadServer(app).start()
         env = AdminEnv(server, workers, redis_url, token)

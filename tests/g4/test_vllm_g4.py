@@ -15,15 +15,35 @@ import time
 import httpx
 import pytest
 
+from bench import tiny_model
+from bench.vllm_server import VllmServer, start_all, vllm_python
 from cache_tier.store import G4Store, store_for_dir
 from indexer.hashing import routable_blocks, sequence_hashes
 from tests.g4.events import EventTap, IndexThread, g4_hashes_from_events
-from tests.g4.vllm_support import BLOCK, VllmServer, tiny_model, vllm_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
-if vllm_python() is None:  # `make test` builds it; a missing env is a setup error, not a skip
+if not (vllm_python().parent.parent / ".kvgate-ready").exists():  # `make test` builds it
     pytestmark.append(pytest.mark.skip(reason="vLLM env missing: run `make vllm-env`"))
+
+BLOCK = 32
+MODEL = "tiny"  # the served model name
+
+
+def g4_server(model, g4: str, name: str, **kw) -> VllmServer:
+    """A vLLM CPU server of the tiny model running kvgate's connector on the G4 directory ``g4``."""
+    return VllmServer(
+        model, name=name, served_model_name=MODEL, block_size=BLOCK, max_model_len=8192,
+        extra_args=["--dtype", "bfloat16"], g4_path=g4, **kw,
+    )
+
+
+def complete(srv: VllmServer, prompt_ids: list[int], max_tokens: int = 8, **extra) -> dict:
+    r = httpx.post(srv.url + "/v1/completions", timeout=300, json={
+        "model": MODEL, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True, **extra})
+    r.raise_for_status()
+    return r.json()
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -53,7 +73,7 @@ def cached(resp: dict) -> int:
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model()
+    return tiny_model.ensure("tiny")
 
 
 @pytest.fixture(scope="module")
@@ -63,23 +83,22 @@ def g4(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(model, g4):
-    a = VllmServer(model, g4, threads_bind="auto").launch()
-    b = VllmServer(model, g4, threads_bind="1").launch()
+    a = g4_server(model, g4, "g4-a", omp_threads_bind="auto")
+    b = g4_server(model, g4, "g4-b", omp_threads_bind="1")
     try:
-        a.wait_healthy()
-        b.wait_healthy()
-        taps = {"a": EventTap(a.zmq_port), "b": EventTap(b.zmq_port)}
+        start_all([a, b])
+        taps = {"a": EventTap(a.events_port, a.topic), "b": EventTap(b.events_port, b.topic)}
         idx = IndexThread()
-        idx.add("a", a.name, a.zmq_port, BLOCK)
-        idx.add("b", b.name, b.zmq_port, BLOCK)
+        idx.add("a", MODEL, a.events_port, BLOCK, a.topic)
+        idx.add("b", MODEL, b.events_port, BLOCK, b.topic)
         time.sleep(1.0)  # ZMQ slow joiner
         yield {"a": a, "b": b, "taps": taps, "index": idx}
         idx.close()
         for t in taps.values():
             t.close()
     finally:
-        a.stop()
-        b.stop()
+        a.close()
+        b.close()
 
 
 P = prompt(1, 20 * BLOCK + 7)  # 20 full blocks + a tail
@@ -88,7 +107,7 @@ QUESTION = prompt(2, 24)
 
 def test_1_a_serves_p_blocks_land_in_store_and_events_mark_them_g4(servers, g4):
     a = servers["a"]
-    a.complete(P, max_tokens=4)
+    complete(a, P, max_tokens=4)
     want = sequence_hashes(P, BLOCK)[: routable_blocks(len(P), BLOCK)]
     st = store_of(g4)
     assert wait_for(lambda: all(st.contains(h) for h in want)), "P's full blocks are not all in the store"
@@ -101,7 +120,7 @@ def test_1_a_serves_p_blocks_land_in_store_and_events_mark_them_g4(servers, g4):
     assert stored, "no BlockStored(medium=STORAGE) for P's blocks"
     # ... and kvgate's ingestion marks them as on G4 in the index (model-wide)
     idx = servers["index"]
-    assert wait_for(lambda: idx.g4(a.name, want) == len(want)), idx.g4(a.name, want)
+    assert wait_for(lambda: idx.g4(MODEL, want) == len(want)), idx.g4(MODEL, want)
     assert a.g4_stats()["saves_written"] >= len(want)
 
 
@@ -109,14 +128,14 @@ def test_2_b_serves_p_plus_question_from_g4_with_the_same_output(servers):
     b = servers["b"]
     pq = P + QUESTION
     # reference without G4: the same prompt under a cache_salt shares no block with anything stored
-    ref = b.complete(pq, max_tokens=12, cache_salt="no-g4-reference")
+    ref = complete(b, pq, max_tokens=12, cache_salt="no-g4-reference")
     assert cached(ref) == 0
     # the salted blocks were saved too, and indexed under kvgate's salted hashes
     salted = sequence_hashes(pq, BLOCK, cache_salt="no-g4-reference")[: routable_blocks(len(pq), BLOCK)]
     idx = servers["index"]
-    assert wait_for(lambda: idx.g4(b.name, salted) == len(salted)), idx.g4(b.name, salted)
+    assert wait_for(lambda: idx.g4(MODEL, salted) == len(salted)), idx.g4(MODEL, salted)
     before = b.g4_stats()
-    got = b.complete(pq, max_tokens=12)
+    got = complete(b, pq, max_tokens=12)
     full_p = (len(P) // BLOCK) * BLOCK
     assert cached(got) >= 0.9 * full_p, got["usage"]
     assert got["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
@@ -136,7 +155,7 @@ def test_2b_through_kvgate_the_gateway_plans_the_g4_load_on_the_worker_without_p
     p4 = prompt(8, 14 * BLOCK + 5)
     settings = Settings(
         workers=[WorkerConfig(url=a.url, name="a"), WorkerConfig(url=b.url, name="b")],
-        models={a.name: ModelConfig(tokenizer=str(model), block_size=BLOCK)},
+        models={MODEL: ModelConfig(tokenizer=str(model), block_size=BLOCK)},
         index=IndexConfig(backend="memory"), health_interval_s=0.5, refresh_interval_s=2.0,
     )
     gw = ThreadServer(create_app(settings)).start()
@@ -144,13 +163,13 @@ def test_2b_through_kvgate_the_gateway_plans_the_g4_load_on_the_worker_without_p
         st = gw.app.state.kv
         assert wait_for(lambda: {w.name for w in st.registry.workers() if w.routable} == {"a", "b"}, 60)
         time.sleep(1.5)  # event subscriptions (slow joiner)
-        a.complete(p4, max_tokens=2)
+        complete(a, p4, max_tokens=2)
         hs = sequence_hashes(p4, BLOCK)[: routable_blocks(len(p4), BLOCK)]
-        assert wait_for(lambda: gw.call(st.index.lookup(a.name, hs)).g4 == len(hs), 60)
+        assert wait_for(lambda: gw.call(st.index.lookup(MODEL, hs)).g4 == len(hs), 60)
         gw.call(st.registry.drain("a"))
-        ref = b.complete(p4 + QUESTION, max_tokens=8, cache_salt="no-g4-reference-2b")
+        ref = complete(b, p4 + QUESTION, max_tokens=8, cache_salt="no-g4-reference-2b")
         r = httpx.post(gw.url + "/v1/completions", timeout=300, json={
-            "model": a.name, "prompt": p4 + QUESTION, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "model": MODEL, "prompt": p4 + QUESTION, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True})
         assert r.status_code == 200, r.text
         assert r.headers["x-kvgate-worker"] == "b"
@@ -166,7 +185,7 @@ def test_2b_through_kvgate_the_gateway_plans_the_g4_load_on_the_worker_without_p
 def test_4_corrupted_block_is_recomputed_with_correct_output_and_counted(servers, g4):
     a, b = servers["a"], servers["b"]
     p2 = prompt(3, 12 * BLOCK + 3)
-    a.complete(p2, max_tokens=2)
+    complete(a, p2, max_tokens=2)
     hs = sequence_hashes(p2, BLOCK)[: routable_blocks(len(p2), BLOCK)]
     st = store_of(g4)
     assert wait_for(lambda: all(st.contains(h) for h in hs))
@@ -178,9 +197,9 @@ def test_4_corrupted_block_is_recomputed_with_correct_output_and_counted(servers
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0x5A]))
     q = p2 + QUESTION
-    ref = b.complete(q, max_tokens=12, cache_salt="no-g4-reference-4")
+    ref = complete(b, q, max_tokens=12, cache_salt="no-g4-reference-4")
     before = b.g4_stats()
-    got = b.complete(q, max_tokens=12)
+    got = complete(b, q, max_tokens=12)
     after = b.g4_stats()
     assert after["corruptions"] - before["corruptions"] == 1
     assert after["load_failures"] - before["load_failures"] >= 1
@@ -191,20 +210,20 @@ def test_4_corrupted_block_is_recomputed_with_correct_output_and_counted(servers
 def test_6_prefetch_order_stages_blocks_before_prefill(servers, g4):
     a, b = servers["a"], servers["b"]
     p3 = prompt(4, 10 * BLOCK + 9)
-    a.complete(p3, max_tokens=2)
+    complete(a, p3, max_tokens=2)
     hs = sequence_hashes(p3, BLOCK)[: routable_blocks(len(p3), BLOCK)]
     st = store_of(g4)
     assert wait_for(lambda: all(st.contains(h) for h in hs))
     before = b.g4_stats()
     r = httpx.post(
         f"http://127.0.0.1:{b.prefetch_port}/kvgate/prefetch",
-        json={"model": b.name, "hashes": [f"{h:016x}" for h in hs]},
+        json={"model": MODEL, "hashes": [f"{h:016x}" for h in hs]},
         timeout=10,
     )
     assert r.status_code == 202 and r.json()["accepted"] == len(hs)
     staged = wait_for(lambda: b.g4_stats()["staging"]["staged"] - before["staging"]["staged"] >= len(hs))
     assert staged, b.g4_stats()["staging"]
-    got = b.complete(p3 + QUESTION, max_tokens=4)
+    got = complete(b, p3 + QUESTION, max_tokens=4)
     after = b.g4_stats()
     assert cached(got) >= len(hs) * BLOCK
     assert after["prefetch_hits"] - before["prefetch_hits"] == len(hs)
@@ -229,54 +248,51 @@ def test_3_both_restarted_p_still_served_from_g4(servers):
     a, b = servers["a"], servers["b"]
     a.stop()
     b.stop()
-    a.launch()
-    b.launch()
-    a.wait_healthy()
-    b.wait_healthy()
+    start_all([a, b])
     q2 = prompt(5, 16)
     for s in (a, b):
-        got = s.complete(P + q2, max_tokens=4)
+        got = complete(s, P + q2, max_tokens=4)
         assert cached(got) >= 0.9 * (len(P) // BLOCK) * BLOCK, got["usage"]
         assert s.g4_stats()["loads"] >= 0.9 * (len(P) // BLOCK)
 
 
 def test_5_store_over_capacity_evicts_oldest_and_index_forgets(model, tmp_path):
     g4 = str(tmp_path / "g4-small")
-    probe = VllmServer(model, g4, extra_config={"capacity_bytes": 8 * 2**20})
+    probe = g4_server(model, g4, "g4-probe", g4_config={"capacity_bytes": 8 * 2**20})
     # capacity for 12 blocks of this model: computed from the block file size after the first save
     with probe:
-        tap = EventTap(probe.zmq_port)
+        tap = EventTap(probe.events_port, probe.topic)
         time.sleep(1.0)
         first = prompt(6, 8 * BLOCK + 1)
-        probe.complete(first, max_tokens=1)
+        complete(probe, first, max_tokens=1)
         st = store_of(g4)
         hs_first = sequence_hashes(first, BLOCK)[:8]
         assert wait_for(lambda: all(st.contains(h) for h in hs_first))
         block_bytes = probe.g4_stats()["block_bytes"]
     tap.close()
     cap = 12 * block_bytes
-    srv = VllmServer(model, g4, extra_config={"capacity_bytes": cap})
+    srv = g4_server(model, g4, "g4-c", g4_config={"capacity_bytes": cap})
     idx = IndexThread()
     with srv:
-        tap = EventTap(srv.zmq_port)
-        idx.add("c", srv.name, srv.zmq_port, BLOCK)
+        tap = EventTap(srv.events_port, srv.topic)
+        idx.add("c", MODEL, srv.events_port, BLOCK, srv.topic)
         time.sleep(1.0)
         # the index learned the first prompt's G4 blocks from the inventory before the restart
         from cache_tier.inventory import rebuild_index
 
-        assert idx.call(rebuild_index(idx.index, srv.name, g4)) == 8
-        assert idx.g4(srv.name, hs_first) == 8
+        assert idx.call(rebuild_index(idx.index, MODEL, g4)) == 8
+        assert idx.g4(MODEL, hs_first) == 8
         second = prompt(7, 8 * BLOCK + 1)  # 8 more blocks: 16 > 12 -> the oldest go first
-        srv.complete(second, max_tokens=1)
+        complete(srv, second, max_tokens=1)
         hs_second = sequence_hashes(second, BLOCK)[:8]
         st = store_of(g4)
         assert wait_for(lambda: all(st.contains(h) for h in hs_second))
-        kept = wait_for(lambda: idx.on_g4(srv.name, hs_second) == set(hs_second)) and set(hs_second)
+        kept = wait_for(lambda: idx.on_g4(MODEL, hs_second) == set(hs_second)) and set(hs_second)
         # every eviction the store made has been announced (GC runs in rounds as blocks arrive)
         stats = srv.g4_stats()
         wait_for(lambda: len(g4_hashes_from_events(tap.snapshot(), BLOCK)[1]) >= stats["store"]["evictions"])
         ev = g4_hashes_from_events(tap.snapshot(), BLOCK)[1]
-        forgotten = wait_for(lambda: ev and not idx.on_g4(srv.name, sorted(ev)))
+        forgotten = wait_for(lambda: ev and not idx.on_g4(MODEL, sorted(ev)))
         tap.close()
         stats = srv.g4_stats()
     idx.close()
