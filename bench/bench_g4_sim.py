@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.bench_g4_sim", description=__doc__.split("\n")[0])
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--start", type=float, default=0.0)
-    p.add_argument("--duration", type=float, default=600.0, help="trace slice length (trace seconds)")
+    p.add_argument("--duration", type=float, default=900.0, help="trace slice length (trace seconds)")
     p.add_argument("--time-scale", type=float, default=10.0)
     p.add_argument("--num-blocks", type=int, default=12_500,
                    help="GPU KV capacity per worker (blocks): 200K tokens, far below the slice's working set")
