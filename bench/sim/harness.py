@@ -25,6 +25,7 @@ class Target:
     index: str = "memory"          # kvgate only
     text: bool = False             # send prompts as text (peers route on text)
     extra: list[str] = field(default_factory=list)
+    g4: bool = False               # the fleet shares a simulated G4 store (``kvgate sim --g4``)
 
 
 def peer_venv(package: str, log=print) -> Path:
@@ -66,16 +67,21 @@ def start_peer(t: Target, log_dir: Path, worker_urls: list[str], port: int, desc
 
 def run_target(t: Target, items, *, log_dir: Path, workers: int, num_blocks: int, block_size: int,
                time_scale: float, tokenizer_dir: str, ceiling: float | None, redis_url: str | None = None,
-               label: str | None = None, progress: bool = True, settle_s: float = 1.0) -> rp.RunResult:
+               label: str | None = None, progress: bool = True, settle_s: float = 1.0,
+               g4_capacity_blocks: int = 1_000_000, routing: dict | None = None) -> rp.RunResult:
+    """``routing``: overrides of the gateway's ``routing`` settings (kvgate targets). With ``t.g4`` the
+    result's extra also holds what the gateway saw of G4 (``gateway_g4``, see :func:`gateway_g4_view`)."""
     log_dir.mkdir(parents=True, exist_ok=True)
+    g4_args = ["--g4", "--g4-capacity-blocks", str(g4_capacity_blocks)] if t.g4 else []
     fleet, desc = procs.start_fleet(log_dir, workers, num_blocks=num_blocks, block_size=block_size,
-                                    time_scale=time_scale)
+                                    time_scale=time_scale, extra=g4_args)
     router = None
     try:
         port = procs.free_port()
         urls = [w["url"] for w in desc["workers"]]
         if t.kind == "kvgate":
             settings = procs.gateway_settings(desc, t.policy, port, tokenizer_dir, t.index, redis_url)
+            settings["routing"].update(routing or {})
             router = procs.start_gateway(log_dir, f"gateway-{t.name}", settings)
         else:
             router = start_peer(t, log_dir, urls, port, desc)
@@ -85,9 +91,29 @@ def run_target(t: Target, items, *, log_dir: Path, workers: int, num_blocks: int
                                     progress=progress))
         res.extra.update({"router": t.kind, "policy": t.policy, "index": t.index if t.kind == "kvgate" else None,
                           "workers": workers, "num_blocks": num_blocks, "block_size": block_size,
-                          "prompts_as_text": t.text})
+                          "prompts_as_text": t.text, "g4": t.g4})
+        if t.kind == "kvgate" and t.g4:
+            res.extra["gateway_g4"] = gateway_g4_view(f"http://127.0.0.1:{port}", desc["model"])
         return res
     finally:
         if router is not None:
             router.stop()
         fleet.stop()
+
+
+def gateway_g4_view(base_url: str, model: str) -> dict:
+    """What the gateway learnt of G4 during the run: the index's G4 blocks for ``model`` (fed by the
+    simulated workers' STORAGE events) and how many of its recent routing decisions counted G4 blocks."""
+    import httpx
+
+    out: dict = {}
+    try:
+        idx = httpx.get(base_url + "/admin/index", timeout=30).json()
+        out["index_g4_blocks"] = next((m["g4_blocks"] for m in idx["models"] if m["model"] == model), 0)
+        dec = httpx.get(base_url + "/admin/decisions", params={"limit": 100_000}, timeout=30).json()
+        g4 = [d.get("g4_blocks") or 0 for d in dec["decisions"]]
+        out.update(decisions=len(g4), decisions_with_g4=sum(1 for x in g4 if x > 0),
+                   decision_g4_blocks=sum(g4))
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        out["error"] = f"{type(e).__name__}: {e}"[:200]
+    return out
