@@ -415,8 +415,11 @@ def build_router() -> APIRouter:
         return Response(json.dumps({"object": "list", "data": list(seen.values())}),
                         media_type="application/json")
 
+    # Left out of the OpenAPI document: one function under five methods would give five operations with
+    # one id (FastAPI warns), and a pass-through has no schema of its own to describe.
     @api.api_route("/v1/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
-                   summary="Any other OpenAI path, forwarded to a healthy worker serving the model")
+                   summary="Any other OpenAI path, forwarded to a healthy worker serving the model",
+                   include_in_schema=False)
     async def other(request: Request, rest: str) -> Response:
         return await routed(request, "/v1/" + rest, need_model=False)
 
