@@ -5,27 +5,15 @@ Real parts on loopback, through the benchmark's own harness: a ``kvgate sim`` fl
 process (in-memory index), the replayer. Only hit rates and counts are asserted, never timings."""
 from __future__ import annotations
 
-import numpy as np
-
 from bench import bench_g4_sim
-from bench.replay_workloads import WorkItem, token_ceiling
-
-
-def sessions(n_sessions=6, turns=3, first=600, per_turn=300, gap_s=40.0, seed=11) -> list[WorkItem]:
-    """Distinct multi-turn sessions; each turn resends the history plus new text. Turns are 2 s of wall time
-    apart at 20x so a loaded machine has written the previous turn to G4 before the next one arrives."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for s in range(n_sessions):
-        hist = rng.integers(0, 32000, first).astype(np.uint32)
-        for k in range(turns):
-            out.append(WorkItem(at=s * 0.3 + k * gap_s, tokens=hist.copy(), max_tokens=8, session=f"s{s}"))
-            hist = np.concatenate([hist, rng.integers(0, 32000, per_turn).astype(np.uint32)])
-    return sorted(out, key=lambda w: w.at)
+from bench.replay_workloads import token_ceiling
+from tests.sim.test_replay_gateway import sessions
 
 
 def test_g4_on_raises_hit_rate(tmp_path):
-    items = sessions()
+    # 6 sessions x 3 turns, 2 s of wall time apart at 20x: a loaded machine has written the previous turn to
+    # G4 before the next one arrives
+    items = sessions(n_sessions=6, turns=3, seed=11, stagger_s=0.3)
     ceiling = token_ceiling(items, 16)
     off, on = bench_g4_sim.targets()[:2]
     # 2 workers of 80 blocks (1,280 tokens): each holds one history at a time, so local caches alone lose

@@ -20,7 +20,8 @@ from bench.sim.tokenizer import save_model_dir
 pytestmark = pytest.mark.slow
 
 
-def sessions(n_sessions=7, turns=4, first=600, per_turn=300, gap_s=40.0, seed=7) -> list[WorkItem]:
+def sessions(n_sessions=7, turns=4, first=600, per_turn=300, gap_s=40.0, seed=7,
+             stagger_s=0.5) -> list[WorkItem]:
     """Distinct sessions (no shared prefix between them); each turn resends the history plus new text.
     7 sessions over 4 workers: round robin never sends a session's next turn to the same worker. Turns are
     far apart (2 s of wall time at 20x) so a loaded machine still finishes a turn before the next one."""
@@ -29,7 +30,8 @@ def sessions(n_sessions=7, turns=4, first=600, per_turn=300, gap_s=40.0, seed=7)
     for s in range(n_sessions):
         hist = rng.integers(0, 32000, first).astype(np.uint32)
         for k in range(turns):
-            out.append(WorkItem(at=s * 0.5 + k * gap_s, tokens=hist.copy(), max_tokens=8, session=f"s{s}"))
+            out.append(WorkItem(at=s * stagger_s + k * gap_s, tokens=hist.copy(), max_tokens=8,
+                                session=f"s{s}"))
             hist = np.concatenate([hist, rng.integers(0, 32000, per_turn).astype(np.uint32)])
     return sorted(out, key=lambda w: w.at)
 
