@@ -74,6 +74,9 @@ class RoutingConfig(BaseModel):
     # kv policy: a worker holding the whole prompt counts its predicted TTFT up to this share lower
     # (router/policies/kv.py), so near ties stay where the conversation's prefix lives.
     cache_affinity: float = Field(0.1, ge=0.0, lt=1.0)
+    # kv policy: a worker pays this many times the prefill time of the prompt tokens it would recompute
+    # that another candidate holds (router/policies/kv.py); 0 prices only this request's TTFT.
+    recompute_weight: float = Field(1.0, ge=0.0)
     pending_max_blocks: int = 100_000
 
 

@@ -50,6 +50,7 @@ class Candidate:
     prefill_ms: float = 0.0
     g4_load_ms: float = 0.0
     predicted_ttft_ms: float = 0.0
+    score_ms: float | None = None  # the policy's ordering key, when it has one (router.policies.kv)
     load: float = 0.0
 
     def to_dict(self) -> dict:

@@ -182,6 +182,9 @@ class CandidateOut(_Open):
     prefill_ms: float = Field(0, description="prefill time of the uncached tokens")
     g4_load_ms: float = Field(0, description="time to load the G4 blocks")
     predicted_ttft_ms: float = 0
+    score_ms: float | None = Field(None, description="the policy's ordering key, lowest first (kv: predicted "
+                                                     "TTFT plus the recompute penalty, less the cache-affinity "
+                                                     "edge); null for policies that do not score")
     load: float = 0
 
 

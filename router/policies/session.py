@@ -13,10 +13,10 @@ class SessionPolicy(Policy):
     name = "session"
 
     def __init__(self, header: str = "x-session-id", max_sessions: int = 100_000,
-                 cache_affinity: float = 0.1) -> None:
+                 cache_affinity: float = 0.1, recompute_weight: float = 1.0) -> None:
         self.header = header.lower()
         self.max_sessions = max_sessions
-        self._fallback = KVPolicy(cache_affinity)
+        self._fallback = KVPolicy(cache_affinity, recompute_weight)
         self._sticky: OrderedDict[str, str] = OrderedDict()
 
     def order(self, req: RouteRequest, candidates: list[Candidate]) -> list[Candidate]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from indexer.hashing import sequence_hashes
 from tests.admin.conftest import BLOCK, MODEL
@@ -54,6 +55,11 @@ def test_explain_token_ids_matches_the_real_choice(admin_env):
     assert cands["w2"]["predicted_ttft_ms"] < cands["w1"]["predicted_ttft_ms"]
     for c in cands.values():
         assert c["predicted_ttft_ms"] == c["queue_ms"] + c["prefill_ms"] + c["g4_load_ms"]
+    # The ordering key is shown, lowest first; the idle workers pay for recomputing w2's 4 blocks.
+    scores = [c["score_ms"] for c in ex["candidates"]]
+    assert scores == sorted(scores)
+    redo = 4 * BLOCK / cands["w1"]["prefill_tokens_per_s"] * 1000.0
+    assert cands["w1"]["score_ms"] == pytest.approx(cands["w1"]["predicted_ttft_ms"] + redo, abs=1e-3)
     assert set(ex["timings_ms"]) >= {"tokenize", "hash", "lookup", "decide"}
     # The same request, sent: the proxy makes the same choice.
     _, chosen = send(env, "/v1/completions", body)

@@ -86,10 +86,22 @@ def test_one_calibrated_worker_does_not_take_every_request():
 def test_near_tie_goes_to_the_cache_holder_clear_win_does_not():
     from router.cost import Candidate
 
-    holder = Candidate(worker="h", cached_tokens=600, uncached_tokens=240, predicted_ttft_ms=81.0)
-    idle = Candidate(worker="i", cached_tokens=0, uncached_tokens=840, predicted_ttft_ms=78.0)
+    def cand(name, cached, uncached, ttft):
+        return Candidate(worker=name, cached_tokens=cached, uncached_tokens=uncached, predicted_ttft_ms=ttft,
+                         prefill_tokens_per_s=10_000.0)
+
     req = RouteRequest("m", "/v1/completions", {})
-    assert create_policy(RoutingConfig(), "kv").order(req, [idle, holder])[0].worker == "h"
-    assert create_policy(RoutingConfig(cache_affinity=0.0), "kv").order(req, [holder, idle])[0].worker == "i"
-    busy = Candidate(worker="h", cached_tokens=600, uncached_tokens=240, predicted_ttft_ms=120.0)
-    assert create_policy(RoutingConfig(), "kv").order(req, [busy, idle])[0].worker == "i"
+    holder, idle = cand("h", 600, 240, 81.0), cand("i", 0, 840, 78.0)
+    no_redo = RoutingConfig(recompute_weight=0.0)
+    assert create_policy(no_redo, "kv").order(req, [idle, holder])[0].worker == "h"
+    assert create_policy(RoutingConfig(cache_affinity=0.0, recompute_weight=0.0),
+                         "kv").order(req, [holder, idle])[0].worker == "i"
+    # A second turn whose holder is busy with one other prompt (the multi-turn case on real vLLM): per
+    # request the idle worker is 30% faster, but it would recompute the 600 tokens the holder has, so the
+    # turn stays; pricing only this request's TTFT sends it away.
+    busy = cand("h", 600, 240, 107.0)
+    assert create_policy(RoutingConfig(), "kv").order(req, [idle, busy])[0].worker == "h"
+    assert create_policy(no_redo, "kv").order(req, [busy, idle])[0].worker == "i"
+    # A holder whose queue costs more than recomputing the prefix twice loses the request.
+    swamped = cand("h", 600, 240, 250.0)
+    assert create_policy(RoutingConfig(), "kv").order(req, [swamped, idle])[0].worker == "i"
