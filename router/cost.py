@@ -7,7 +7,8 @@
   size), divided by the worker's prefill speed; plus a small penalty per running request (decode steps
   share the batch with a new prefill);
 - prefill: prompt tokens beyond the worker's longest cached prefix (GPU or CPU tier), at the worker's
-  prefill speed, calibrated online from observed TTFTs (EWMA, starting from the configured default);
+  prefill speed, calibrated online (EWMA, starting from the configured default) from observed TTFTs of
+  streamed responses and from vLLM's own prefill histograms on ``/metrics`` (every request);
 - G4: blocks the worker would load from the shared tier beyond its local prefix, at the configured
   bytes per block and G4 read bandwidth.
 
@@ -96,8 +97,7 @@ class CostModel:
     def observe_ttft(self, worker, ttft_s: float, predicted: Candidate) -> None:
         """Calibrate the worker's prefill speed from one observed TTFT (streamed responses only).
 
-        Small prefills are dominated by fixed overheads and are skipped; one sample moves the estimate by
-        ``calibration_alpha`` and is clamped to a factor of 10 around the current value."""
+        Small prefills are dominated by fixed overheads and are skipped."""
         worker.ttft_samples += 1
         uncached = predicted.uncached_tokens
         if uncached < MIN_CALIBRATION_TOKENS:
@@ -105,11 +105,24 @@ class CostModel:
         compute_s = ttft_s - predicted.queue_ms / 1000.0 - predicted.g4_load_ms / 1000.0
         if compute_s <= 1e-4:
             return
+        self._calibrate(worker, uncached / compute_s)
+
+    def observe_engine_prefill(self, worker, tokens: float, seconds: float, requests: float) -> None:
+        """Calibrate from vLLM's own accounting between two /metrics scrapes: tokens computed in prefill
+        over seconds from scheduling to first token (``vllm:request_prefill_kv_computed_tokens`` and
+        ``vllm:request_prefill_time_seconds``). It sees every request, streamed or not, and no queue wait."""
+        if requests <= 0 or seconds <= 1e-4 or tokens / requests < MIN_CALIBRATION_TOKENS:
+            return
+        self._calibrate(worker, tokens / seconds)
+
+    def _calibrate(self, worker, observed_tps: float) -> None:
+        """One sample moves the fleet's and the worker's estimates by ``calibration_alpha``, clamped to a
+        factor of 10 around the current value."""
         a = self.cfg.calibration_alpha
         fleet = self.fleet_tps
-        self.fleet_tps = (1 - a) * fleet + a * min(fleet * 10, max(fleet / 10, uncached / compute_s))
+        self.fleet_tps = (1 - a) * fleet + a * min(fleet * 10, max(fleet / 10, observed_tps))
         # A worker's own estimate starts from the fleet's, so its first samples refine rather than jump.
         current = worker.prefill_tps if getattr(worker, "prefill_samples", 0) else fleet
-        sample = min(current * 10, max(current / 10, uncached / compute_s))
+        sample = min(current * 10, max(current / 10, observed_tps))
         worker.prefill_tps = (1 - a) * current + a * sample
         worker.prefill_samples = getattr(worker, "prefill_samples", 0) + 1

@@ -31,6 +31,18 @@ class WorkerLoad:
     waiting: float = 0.0
     kv_usage: float = 0.0
     updated_at: float = 0.0
+    # Cumulative, from vLLM's per-request histograms (recorded together when a request finishes):
+    # tokens computed in prefill, seconds from scheduled to first token, and the requests counted.
+    prefill_tokens: float = 0.0
+    prefill_seconds: float = 0.0
+    prefill_requests: float = 0.0
+
+    def prefill_since(self, before: WorkerLoad) -> tuple[float, float, float] | None:
+        """(tokens, seconds, requests) finished between two scrapes; None when nothing finished or the
+        counters went back (a restarted server)."""
+        d = (self.prefill_tokens - before.prefill_tokens, self.prefill_seconds - before.prefill_seconds,
+             self.prefill_requests - before.prefill_requests)
+        return d if d[2] > 0 and d[0] >= 0 and d[1] > 0 else None
 
 
 @dataclass
@@ -114,6 +126,10 @@ def resolve_endpoint(endpoint: str | None, host: str) -> str | None:
     return endpoint
 
 
+_PREFILL_HISTOGRAMS = {"vllm:request_prefill_kv_computed_tokens": "prefill_tokens",
+                       "vllm:request_prefill_time_seconds": "prefill_seconds"}
+
+
 def parse_metrics(text: str) -> tuple[WorkerLoad, int | None]:
     """Load gauges and block size from a vLLM /metrics page (summed over engines)."""
     load = WorkerLoad(updated_at=time.time())
@@ -127,6 +143,12 @@ def parse_metrics(text: str) -> tuple[WorkerLoad, int | None]:
             load.waiting += sum(s.value for s in fam.samples)
         elif name == "vllm:kv_cache_usage_perc":
             usage.extend(s.value for s in fam.samples)
+        elif name in _PREFILL_HISTOGRAMS:
+            for smp in fam.samples:
+                if smp.name == name + "_sum":
+                    setattr(load, _PREFILL_HISTOGRAMS[name], getattr(load, _PREFILL_HISTOGRAMS[name]) + smp.value)
+                elif smp.name == name + "_count" and name == "vllm:request_prefill_time_seconds":
+                    load.prefill_requests += smp.value
         elif name == "vllm:cache_config_info":
             for s in fam.samples:
                 bs = s.labels.get("block_size")
@@ -155,6 +177,8 @@ class WorkerRegistry:
         self.on_ready = None
         # Called with a worker's name whenever its index entries are dropped (restart, removal).
         self.on_cleared = None
+        # Called with (worker, tokens, seconds, requests) of prefills vLLM finished between two scrapes.
+        self.on_prefill = None
         self._discovery = None
 
     # --- queries -------------------------------------------------------------------------------
@@ -372,7 +396,10 @@ class WorkerRegistry:
         except (httpx.HTTPError, ValueError) as e:
             w.last_error = f"/metrics: {e}"
             return
+        done = load.prefill_since(w.load) if w.load.updated_at else None  # not the first scrape
         w.load = load
+        if done is not None and self.on_prefill is not None:
+            self.on_prefill(w, *done)
         if bs:
             w.block_size = bs
 

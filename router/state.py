@@ -80,6 +80,7 @@ class GatewayState:
         self.pending = PendingBlocks(settings.routing.pending_ttl_s, settings.routing.pending_max_blocks)
         self.registry.on_cleared = self.pending.forget_worker
         self.router = Router(self)
+        self.registry.on_prefill = self.router.cost.observe_engine_prefill
         self.prefetcher: Prefetcher = prefetcher or make_prefetcher(settings)
         self._background: set[asyncio.Task] = set()
         self.started = False

@@ -30,6 +30,7 @@ class SimRequest:
     generated: list[int] = field(default_factory=list)
     cancelled: bool = False
     done: bool = False
+    prefill_s: float | None = None  # simulated seconds from the start of its prefill to its first token
 
 
 @dataclass
@@ -38,6 +39,11 @@ class EngineStats:
     generation_tokens: int = 0
     requests_ok: int = 0
     requests_aborted: int = 0
+    # vLLM's per-request histograms, recorded when a request finishes (sum and count only):
+    # vllm:request_prefill_kv_computed_tokens and vllm:request_prefill_time_seconds.
+    prefill_kv_computed_tokens: int = 0
+    prefill_time_s: float = 0.0
+    prefill_requests: int = 0
 
 
 class SimEngine:
@@ -127,6 +133,7 @@ class SimEngine:
             dt = self.timing.prefill_s(len(req.tokens) - local - g4, local + g4, g4)
             if not req.cancelled:
                 await asyncio.sleep(self.timing.wall(dt))
+                req.prefill_s = dt
             self.cache.write_g4(a, req.tokens)
             self._publish()
             t = asyncio.get_running_loop().create_task(self._decode(req))
@@ -170,6 +177,10 @@ class SimEngine:
         self.cache.free(a)
         self.running -= 1
         self.stats.generation_tokens += len(req.generated)
+        if req.prefill_s is not None:
+            self.stats.prefill_kv_computed_tokens += len(req.tokens) - req.cached_tokens
+            self.stats.prefill_time_s += req.prefill_s
+            self.stats.prefill_requests += 1
         if req.cancelled:
             self.stats.requests_aborted += 1
         else:

@@ -69,6 +69,17 @@ def render_metrics(w: WorkerInfo) -> str:
     counter("vllm:prompt_tokens", e.stats.prompt_tokens, "Number of prefill tokens processed.")
     counter("vllm:generation_tokens", e.stats.generation_tokens, "Number of generation tokens processed.")
     counter("vllm:num_preemptions", 0, "Cumulative number of preemption from the engine.")
+    st = e.stats
+
+    def histogram(name, total, count, help_):  # sum and count; one +Inf bucket (the sim keeps no buckets)
+        out.extend([f"# HELP {name} {help_}", f"# TYPE {name} histogram",
+                    f'{name}_bucket{{{lab},le="+Inf"}} {float(count)}', f"{name}_count{{{lab}}} {float(count)}",
+                    f"{name}_sum{{{lab}}} {float(total)}"])
+
+    histogram("vllm:request_prefill_time_seconds", st.prefill_time_s, st.prefill_requests,
+              "Histogram of time spent in PREFILL phase for request.")
+    histogram("vllm:request_prefill_kv_computed_tokens", st.prefill_kv_computed_tokens, st.prefill_requests,
+              "Histogram of new KV tokens computed during prefill (excluding cached tokens).")
     info = {
         "block_size": c.block_size, "cache_dtype": "auto", "calculate_kv_scales": "False",
         "enable_prefix_caching": "True", "engine": "0", "gpu_memory_utilization": "0.9",

@@ -32,7 +32,11 @@ class WorkerLoadOut(BaseModel):
     kv_usage: float = Field(0, description="vLLM's kv_cache_usage_perc (0-1)")
     inflight: int = Field(0, description="requests the gateway has in flight on this worker")
     pending_tokens: int = Field(0, description="prompt tokens sent and not yet prefilled")
-    prefill_tokens_per_s: float = Field(0, description="calibrated prefill speed")
+    prefill_tokens_per_s: float = Field(0, description="calibrated prefill speed (this worker's own once it "
+                                                      "has 3 samples; until then the fleet's)")
+    prefill_samples: int = Field(0, description="observations that calibrated it: streamed TTFTs and "
+                                                "vLLM's prefill histograms between two scrapes")
+    ttft_samples: int = Field(0, description="streamed responses whose time to first byte was seen")
 
 
 class WorkerOut(BaseModel):

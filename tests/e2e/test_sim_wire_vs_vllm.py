@@ -8,6 +8,7 @@ tests/e2e so it shares that session's servers.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import msgspec
@@ -102,3 +103,25 @@ def test_simulator_frames_have_the_real_servers_structure(request):
     assert "BlockStored" in r["events"] and "BlockStored" in s["events"]
     for kind in r["events"].keys() & s["events"].keys():
         assert r["events"][kind] == s["events"][kind], (kind, sorted(r["events"][kind]), sorted(s["events"][kind]))
+
+
+def test_gateway_reads_the_same_metrics_from_the_simulator_and_real_vllm(request):
+    """Load gauges, block size and the prefill histograms that calibrate the cost model, parsed by the
+    gateway's own code from a real server's /metrics after it computed a fresh prompt."""
+    from router.registry import parse_metrics
+    from tests.support.vllm_server import unique_prompt
+
+    server = request.getfixturevalue("vllm_server")
+    before, _ = parse_metrics(httpx.get(server.url + "/metrics", timeout=30).text)
+    r = httpx.post(server.url + "/v1/completions", timeout=120,
+                   json={"model": server.served_model_name, "prompt": unique_prompt(300), "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    prompt = r.json()["usage"]["prompt_tokens"]
+    for _ in range(50):  # vLLM records a finished request's histograms in its output loop
+        after, block_size = parse_metrics(httpx.get(server.url + "/metrics", timeout=30).text)
+        if after.prefill_since(before):
+            break
+        time.sleep(0.1)
+    assert block_size == server.block_size
+    tokens, seconds, requests = after.prefill_since(before)
+    assert requests == 1 and 0 < tokens <= prompt and seconds > 0

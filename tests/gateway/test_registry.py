@@ -3,6 +3,7 @@ router's plan (explain) without sending; metrics scraped and parsed."""
 from __future__ import annotations
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from indexer.hashing import sequence_hashes
@@ -164,3 +165,25 @@ async def test_metrics_scraped_and_parsed(fleet, start_gateway):
     delivered = [s.value for s in fams["kvgate_delivered_cached_tokens"].samples if s.name.endswith("_total")]
     assert delivered and delivered[0] > 0
     assert [s.value for s in fams["kvgate_worker_healthy"].samples] == [1.0]
+
+
+async def test_vllm_prefill_histograms_calibrate_non_streamed_traffic(fleet, start_gateway):
+    """Non-streamed responses show no first token, so the TTFT calibration never sees them; vLLM's own
+    prefill histograms on /metrics do. The fake worker takes 1 s to prefill 2,000 tokens (2,000 tokens/s
+    against the configured 10,000), and the gateway's estimate, and so its predictions, follow."""
+    fleet.add("a")
+    fleet.states[0].first_token_delay_s = 1.0
+    gw = start_gateway(fleet)
+    body = {"model": MODEL, "prompt": list(range(1000, 3000)), "max_tokens": 2}
+    async with httpx.AsyncClient(timeout=30) as c:
+        before = (await c.post(gw.url + "/admin/explain", json={"body": body})).json()["candidates"][0]
+        assert (await c.post(gw.url + "/v1/completions", json=body)).status_code == 200
+        await wait_until(lambda: gw.state.registry.get("a").prefill_samples >= 1)
+        w = next(x for x in (await c.get(gw.url + "/admin/workers")).json()["workers"] if x["name"] == "a")
+        after = (await c.post(gw.url + "/admin/explain",
+                              json={"body": body | {"prompt": list(range(5000, 7000))}})).json()
+    load = w["load"]
+    assert load["ttft_samples"] == 0 and load["prefill_samples"] == 1
+    assert before["prefill_tokens_per_s"] == 10_000
+    assert load["prefill_tokens_per_s"] == pytest.approx(0.8 * 10_000 + 0.2 * 2_000)
+    assert after["candidates"][0]["prefill_ms"] > before["prefill_ms"]

@@ -11,6 +11,7 @@ import pytest
 from bench.sim.fleet import FleetConfig, SimFleet
 from bench.sim.timing import DEFAULT_TIMING
 from bench.sim.tokenizer import ids_to_text
+from router.registry import parse_metrics
 
 
 def sse(text: str) -> list:
@@ -99,6 +100,11 @@ async def test_metrics_use_vllms_names_and_labels(fleet):
     assert val("vllm:prefix_cache_queries_total") == 80 and val("vllm:prefix_cache_hits_total") == 32
     info = re.search(r'^vllm:cache_config_info\{([^}]*)\} 1\.0$', text, re.M)
     assert info and 'block_size="16"' in info.group(1) and 'engine="0"' in info.group(1)
+    # vLLM's per-request prefill histograms, as the gateway's calibration reads them: the second prompt
+    # computed only its 8 tokens past the 2 cached blocks.
+    load, block_size = parse_metrics(text)
+    assert block_size == 16 and load.prefill_requests == 2 and load.prefill_tokens == 40 + 8
+    assert load.prefill_seconds > 0
 
 
 async def test_discovery_models_health(fleet):
