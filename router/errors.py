@@ -73,7 +73,10 @@ def install_handlers(app: FastAPI) -> None:
     async def _validation(_: Request, exc: RequestValidationError) -> Response:
         errs = exc.errors()
         first = errs[0] if errs else {}
-        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        parts = list(first.get("loc", ()))
+        if parts and parts[0] in ("body", "query", "path", "header"):  # FastAPI's location, not a field
+            parts = parts[1:]
+        loc = ".".join(str(p) for p in parts) or None
         return error_response(APIError(422, first.get("msg", "invalid request"), param=loc))
 
     @app.exception_handler(Exception)
