@@ -19,7 +19,8 @@ class Policy(abc.ABC):
 
     @abc.abstractmethod
     def order(self, req: RouteRequest, candidates: list[Candidate]) -> list[Candidate]:
-        """Candidates best-first. Must not mutate its input or block."""
+        """Candidates best-first, in a new list. Must not block. The candidates are this request's own
+        (made by the cost model for it): a policy may set their ``score_ms``, nothing else."""
 
     def chosen(self, req: RouteRequest, worker: str) -> None:
         """Told which worker actually served the request (after retries)."""

@@ -13,8 +13,6 @@ fleet afterwards:
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 from router.cost import Candidate
 from router.policies.base import Policy, Rotation, RouteRequest
 
@@ -29,13 +27,13 @@ def effective_ttft_ms(c: Candidate, affinity: float, recompute_weight: float = 0
 
 def kv_order(candidates: list[Candidate], start: int, affinity: float = 0.0,
              recompute_weight: float = 0.0) -> list[Candidate]:
-    """Best first; returns copies carrying their ``score_ms`` (the inputs are not mutated)."""
+    """Best first; sets each candidate's ``score_ms`` (the ordering key the admin API shows)."""
     n = len(candidates)
     best = max((c.cached_tokens for c in candidates), default=0)
-    scored = [replace(c, score_ms=round(effective_ttft_ms(c, affinity, recompute_weight, best), 3))
-              for c in candidates]
-    keyed = sorted(((c.score_ms, c.load, (i - start) % n), i) for i, c in enumerate(scored))
-    return [scored[i] for _, i in keyed]
+    for c in candidates:
+        c.score_ms = round(effective_ttft_ms(c, affinity, recompute_weight, best), 3)
+    keyed = sorted(((c.score_ms, c.load, (i - start) % n), i) for i, c in enumerate(candidates))
+    return [candidates[i] for _, i in keyed]
 
 
 class KVPolicy(Policy):
