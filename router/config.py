@@ -53,6 +53,9 @@ class RoutingConfig(BaseModel):
     policy: Literal["kv", "round_robin", "least_loaded", "session"] = "kv"
     session_header: str = "x-session-id"
     prefill_tokens_per_s: float = 10_000.0
+    # Attention makes a prompt token's prefill cost grow with its context: a token at context L costs
+    # (1 + L / attention_knee_tokens) times one at context 0 (router/cost.py); 0 = linear in tokens.
+    attention_knee_tokens: int = Field(16_384, ge=0)
     g4_bytes_per_s: float = 2e9
     decisions_kept: int = 1000
     # Probe each worker when it registers (router/parity.py): a mismatch marks it cache-blind.
@@ -62,8 +65,12 @@ class RoutingConfig(BaseModel):
     # reports waiting that the gateway did not send counts as this many prompt tokens.
     running_penalty_ms: float = 1.0
     queued_request_tokens: int = 1024
-    # EWMA weight of one observed TTFT in the per-worker prefill-speed calibration.
+    # EWMA weight of one observation in the fleet-wide prefill-speed calibration (router/cost.py).
     calibration_alpha: float = 0.2
+    # Price each worker at its own calibrated speed (the fleet's times its learnt ratio) instead of the
+    # fleet's: for fleets of mixed hardware. Off by default: on identical workers the ratios drift apart
+    # with each worker's request mix, and the one that looks fastest draws more than its share.
+    per_worker_prefill_speed: bool = False
     # Bytes of KV per block on G4 (model dependent; the g4 part calibrates it).
     g4_bytes_per_block: int = 2 * 1024 * 1024
     prefetch_timeout_s: float = 0.5

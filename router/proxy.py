@@ -178,7 +178,8 @@ class _Lease:
     """Gateway-side load a request puts on a worker: in flight until done, pending until its first byte."""
 
     def __init__(self, state, worker, cand) -> None:
-        self.state, self.worker, self.tokens = state, worker, cand.uncached_tokens
+        # prefill work (tokens at context 0, router/cost.py), so a long context queues as what it costs
+        self.state, self.worker, self.tokens = state, worker, round(cand.prefill_work)
         self.pending = self.active = True
         worker.inflight += 1
         worker.pending_requests += 1

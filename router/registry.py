@@ -36,13 +36,14 @@ class WorkerLoad:
     prefill_tokens: float = 0.0
     prefill_seconds: float = 0.0
     prefill_requests: float = 0.0
+    prompt_tokens: float = 0.0  # vllm:request_prompt_tokens (sum): with prefill_tokens, the cached context
 
-    def prefill_since(self, before: WorkerLoad) -> tuple[float, float, float] | None:
-        """(tokens, seconds, requests) finished between two scrapes; None when nothing finished or the
-        counters went back (a restarted server)."""
+    def prefill_since(self, before: WorkerLoad) -> tuple[float, float, float, float] | None:
+        """(computed tokens, seconds, requests, prompt tokens) of the requests finished between two
+        scrapes; None when nothing finished or the counters went back (a restarted server)."""
         d = (self.prefill_tokens - before.prefill_tokens, self.prefill_seconds - before.prefill_seconds,
-             self.prefill_requests - before.prefill_requests)
-        return d if d[2] > 0 and d[0] >= 0 and d[1] > 0 else None
+             self.prefill_requests - before.prefill_requests, self.prompt_tokens - before.prompt_tokens)
+        return d if d[2] > 0 and d[0] >= 0 and d[1] > 0 and d[3] >= 0 else None
 
 
 @dataclass
@@ -60,13 +61,14 @@ class Worker:
     event_sources: list[dict] = field(default_factory=list)
     load: WorkerLoad = field(default_factory=WorkerLoad)
     inflight: int = 0
-    pending_tokens: int = 0  # prompt tokens sent, not yet prefilled (no first byte seen)
+    pending_tokens: int = 0  # prefill work sent, not yet prefilled (no first byte seen), tokens at context 0
     pending_requests: int = 0
-    prefill_tps: float = 0.0  # calibrated prefill speed, tokens/s
+    prefill_tps: float = 0.0  # calibrated prefill speed, tokens/s, as of its last sample (router/cost.py)
+    prefill_ratio: float = 1.0  # this worker's speed relative to the fleet-wide estimate (router/cost.py)
     g4_bytes_per_s: float = 0.0  # G4 load bandwidth measured by the worker's connector (0: use the default)
     g4_bytes_per_block: int = 0  # bytes of one block file on G4 (0: use the default)
     ttft_samples: int = 0
-    prefill_samples: int = 0  # TTFT observations that calibrated prefill_tps (router/cost.py)
+    prefill_samples: int = 0  # observations that calibrated it: streamed TTFTs, vLLM prefill histograms
     mean_prompt_tokens: float = 0.0
     failures: int = 0
     restarts: int = 0
@@ -127,7 +129,8 @@ def resolve_endpoint(endpoint: str | None, host: str) -> str | None:
 
 
 _PREFILL_HISTOGRAMS = {"vllm:request_prefill_kv_computed_tokens": "prefill_tokens",
-                       "vllm:request_prefill_time_seconds": "prefill_seconds"}
+                       "vllm:request_prefill_time_seconds": "prefill_seconds",
+                       "vllm:request_prompt_tokens": "prompt_tokens"}
 
 
 def parse_metrics(text: str) -> tuple[WorkerLoad, int | None]:
@@ -177,7 +180,8 @@ class WorkerRegistry:
         self.on_ready = None
         # Called with a worker's name whenever its index entries are dropped (restart, removal).
         self.on_cleared = None
-        # Called with (worker, tokens, seconds, requests) of prefills vLLM finished between two scrapes.
+        # Called with (worker, computed tokens, seconds, requests, prompt tokens) of prefills vLLM finished
+        # between two scrapes.
         self.on_prefill = None
         self._discovery = None
 

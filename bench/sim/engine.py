@@ -30,7 +30,9 @@ class SimRequest:
     generated: list[int] = field(default_factory=list)
     cancelled: bool = False
     done: bool = False
-    prefill_s: float | None = None  # simulated seconds from the start of its prefill to its first token
+    # Seconds from the start of its prefill to its first token, on the wall clock (like vLLM's): a fleet
+    # replayed N times faster looks to the gateway like N-times-faster GPUs, for every latency it sees.
+    prefill_s: float | None = None
 
 
 @dataclass
@@ -44,6 +46,7 @@ class EngineStats:
     prefill_kv_computed_tokens: int = 0
     prefill_time_s: float = 0.0
     prefill_requests: int = 0
+    request_prompt_tokens: int = 0  # vllm:request_prompt_tokens (sum; same count)
 
 
 class SimEngine:
@@ -132,8 +135,8 @@ class SimEngine:
             g4 = a.g4_blocks * self.block_size
             dt = self.timing.prefill_s(len(req.tokens) - local - g4, local + g4, g4)
             if not req.cancelled:
-                await asyncio.sleep(self.timing.wall(dt))
-                req.prefill_s = dt
+                req.prefill_s = self.timing.wall(dt)
+                await asyncio.sleep(req.prefill_s)
             self.cache.write_g4(a, req.tokens)
             self._publish()
             t = asyncio.get_running_loop().create_task(self._decode(req))
@@ -181,6 +184,7 @@ class SimEngine:
             self.stats.prefill_kv_computed_tokens += len(req.tokens) - req.cached_tokens
             self.stats.prefill_time_s += req.prefill_s
             self.stats.prefill_requests += 1
+            self.stats.request_prompt_tokens += len(req.tokens)
         if req.cancelled:
             self.stats.requests_aborted += 1
         else:

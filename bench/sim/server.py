@@ -80,6 +80,8 @@ def render_metrics(w: WorkerInfo) -> str:
               "Histogram of time spent in PREFILL phase for request.")
     histogram("vllm:request_prefill_kv_computed_tokens", st.prefill_kv_computed_tokens, st.prefill_requests,
               "Histogram of new KV tokens computed during prefill (excluding cached tokens).")
+    histogram("vllm:request_prompt_tokens", st.request_prompt_tokens, st.prefill_requests,
+              "Number of prefill tokens processed.")
     info = {
         "block_size": c.block_size, "cache_dtype": "auto", "calculate_kv_scales": "False",
         "enable_prefix_caching": "True", "engine": "0", "gpu_memory_utilization": "0.9",

@@ -31,9 +31,14 @@ class WorkerLoadOut(BaseModel):
     waiting: float = Field(0, description="vLLM's num_requests_waiting (last scrape)")
     kv_usage: float = Field(0, description="vLLM's kv_cache_usage_perc (0-1)")
     inflight: int = Field(0, description="requests the gateway has in flight on this worker")
-    pending_tokens: int = Field(0, description="prompt tokens sent and not yet prefilled")
-    prefill_tokens_per_s: float = Field(0, description="calibrated prefill speed (this worker's own once it "
-                                                      "has 3 samples; until then the fleet's)")
+    pending_tokens: int = Field(0, description="prefill work sent and not yet prefilled, in tokens at "
+                                               "context 0 (see routing.attention_knee_tokens)")
+    prefill_tokens_per_s: float = Field(0, description="calibrated prefill speed in use: the fleet-wide "
+                                                      "estimate (times prefill_ratio with routing."
+                                                      "per_worker_prefill_speed)")
+    prefill_ratio: float = Field(1.0, description="this worker's observed speed relative to the fleet's "
+                                                  "(slow EWMA); a persistent value far from 1 suggests "
+                                                  "different hardware")
     prefill_samples: int = Field(0, description="observations that calibrated it: streamed TTFTs and "
                                                 "vLLM's prefill histograms between two scrapes")
     ttft_samples: int = Field(0, description="streamed responses whose time to first byte was seen")
@@ -183,7 +188,9 @@ class CandidateOut(_Open):
     kv_usage: float = 0
     prefill_tokens_per_s: float = 0
     queue_ms: float = Field(0, description="load term: predicted queue wait")
-    prefill_ms: float = Field(0, description="prefill time of the uncached tokens")
+    prefill_work: float = Field(0, description="the uncached tokens' prefill work, in tokens at context 0 "
+                                               "(attention makes later tokens cost more)")
+    prefill_ms: float = Field(0, description="prefill time of the uncached tokens (work / speed)")
     g4_load_ms: float = Field(0, description="time to load the G4 blocks")
     predicted_ttft_ms: float = 0
     score_ms: float | None = Field(None, description="the policy's ordering key, lowest first (kv: predicted "

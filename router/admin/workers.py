@@ -29,8 +29,8 @@ def worker_out(state, w, stats: dict, events: dict) -> schemas.WorkerOut:
         events=schemas.EventsStatus(**ev) if isinstance(ev, dict) else None,
         load=schemas.WorkerLoadOut(
             running=w.load.running, waiting=w.load.waiting, kv_usage=w.load.kv_usage, inflight=w.inflight,
-            pending_tokens=w.pending_tokens, prefill_tokens_per_s=w.prefill_tps,
-            prefill_samples=w.prefill_samples, ttft_samples=w.ttft_samples),
+            pending_tokens=w.pending_tokens, prefill_tokens_per_s=state.router.cost.prefill_speed(w),
+            prefill_ratio=w.prefill_ratio, prefill_samples=w.prefill_samples, ttft_samples=w.ttft_samples),
         cached_blocks=cached, parity=parity if isinstance(parity, dict) else None,
         cache_blind=bool(getattr(w, "cache_blind", False)),
         restarts=w.restarts, last_error=w.last_error,

@@ -4,7 +4,7 @@ The cost model prices only this request. Two terms make the order account for wh
 fleet afterwards:
 
 - ``routing.recompute_weight`` (default 1.0): a worker that would recompute prompt tokens another candidate
-  already holds pays for them, at its own prefill speed, times the weight. Leaving the prefix holder spends
+  already holds pays for that extra prefill work, at its own prefill speed, times the weight. Leaving the prefix holder spends
   that compute a second time and splits the conversation's prefix over two workers, so the next turns miss
   too; a greedy per-request TTFT choice does that whenever the holder has a short transient queue. A holder
   whose queue costs more than recomputing the prefix twice still loses the request.
@@ -17,10 +17,12 @@ from router.cost import Candidate
 from router.policies.base import Policy, Rotation, RouteRequest
 
 
-def effective_ttft_ms(c: Candidate, affinity: float, recompute_weight: float = 0.0, best_cached: int = 0) -> float:
+def effective_ttft_ms(c: Candidate, affinity: float, recompute_weight: float = 0.0, least_work: float = 0.0) -> float:
+    """``least_work``: the smallest prefill work among the candidates (the best holder's); what this one
+    would compute beyond it is recomputation of tokens another worker holds."""
     total = c.cached_tokens + c.uncached_tokens
     share = c.cached_tokens / total if total else 0.0
-    redo = max(0, best_cached - c.cached_tokens)
+    redo = max(0.0, c.prefill_work - least_work)
     penalty = recompute_weight * redo / max(1.0, c.prefill_tokens_per_s) * 1000.0
     return c.predicted_ttft_ms * (1.0 - affinity * share) + penalty
 
@@ -29,9 +31,9 @@ def kv_order(candidates: list[Candidate], start: int, affinity: float = 0.0,
              recompute_weight: float = 0.0) -> list[Candidate]:
     """Best first; sets each candidate's ``score_ms`` (the ordering key the admin API shows)."""
     n = len(candidates)
-    best = max((c.cached_tokens for c in candidates), default=0)
+    least = min((c.prefill_work for c in candidates), default=0.0)
     for c in candidates:
-        c.score_ms = round(effective_ttft_ms(c, affinity, recompute_weight, best), 3)
+        c.score_ms = round(effective_ttft_ms(c, affinity, recompute_weight, least), 3)
     keyed = sorted(((c.score_ms, c.load, (i - start) % n), i) for i, c in enumerate(candidates))
     return [candidates[i] for _, i in keyed]
 

@@ -58,8 +58,10 @@ def test_explain_token_ids_matches_the_real_choice(admin_env):
     # The ordering key is shown, lowest first; the idle workers pay for recomputing w2's 4 blocks.
     scores = [c["score_ms"] for c in ex["candidates"]]
     assert scores == sorted(scores)
-    redo = 4 * BLOCK / cands["w1"]["prefill_tokens_per_s"] * 1000.0
-    assert cands["w1"]["score_ms"] == pytest.approx(cands["w1"]["predicted_ttft_ms"] + redo, abs=1e-3)
+    redo = cands["w1"]["prefill_work"] - cands["w2"]["prefill_work"]
+    assert redo > 4 * BLOCK  # the recomputed blocks' work, their context included
+    redo_ms = redo / cands["w1"]["prefill_tokens_per_s"] * 1000.0
+    assert cands["w1"]["score_ms"] == pytest.approx(cands["w1"]["predicted_ttft_ms"] + redo_ms, abs=1e-3)
     assert set(ex["timings_ms"]) >= {"tokenize", "hash", "lookup", "decide"}
     # The same request, sent: the proxy makes the same choice.
     _, chosen = send(env, "/v1/completions", body)

@@ -1,6 +1,8 @@
 """The cost model and policies on hand-built inputs (no servers)."""
 from __future__ import annotations
 
+import pytest
+
 from indexer.index.base import WorkerMatch
 from router.config import RoutingConfig, WorkerConfig
 from router.cost import CostModel
@@ -18,7 +20,7 @@ def worker(name, **kw):
 
 def test_prediction_terms():
     cfg = RoutingConfig(prefill_tokens_per_s=1000.0, running_penalty_ms=2.0, g4_bytes_per_block=1000,
-                        g4_bytes_per_s=1e6)
+                        g4_bytes_per_s=1e6, attention_knee_tokens=0)
     cm = CostModel(cfg)
     w = worker("a", pending_tokens=1000, pending_requests=1, inflight=3)
     w.load.waiting, w.load.running = 3, 1
@@ -31,14 +33,15 @@ def test_prediction_terms():
 
 
 def test_calibration_moves_towards_observed_speed():
-    cm = CostModel(RoutingConfig(prefill_tokens_per_s=1000.0, calibration_alpha=0.5))
+    cm = CostModel(RoutingConfig(prefill_tokens_per_s=1000.0, calibration_alpha=0.5, attention_knee_tokens=0))
     w = worker("a")
     c = cm.score(w, WorkerMatch(), g4=0, num_tokens=4000, block_size=16)
     cm.observe_ttft(w, 1.0, c)  # 4000 tokens in 1 s: 4000 t/s observed
-    assert w.prefill_tps == 2500.0
+    assert cm.prefill_speed(w) == 2500.0
     small = cm.score(w, WorkerMatch(), g4=0, num_tokens=10, block_size=16)
     cm.observe_ttft(w, 5.0, small)  # too small to say anything about prefill speed
-    assert w.prefill_tps == 2500.0
+    assert cm.prefill_speed(w) == 2500.0
+    assert cm.score(w, WorkerMatch(), g4=0, num_tokens=5000, block_size=16).prefill_ms == 2000.0
 
 
 def test_policies_order():
@@ -66,7 +69,7 @@ def test_policies_order():
 def test_one_calibrated_worker_does_not_take_every_request():
     """The first observation calibrates the fleet-wide speed, which every worker without enough samples of
     its own uses: a freshly calibrated worker does not look faster than its idle twins (a hot spot)."""
-    cm = CostModel(RoutingConfig(prefill_tokens_per_s=1000.0, calibration_alpha=0.5))
+    cm = CostModel(RoutingConfig(prefill_tokens_per_s=1000.0, calibration_alpha=0.5, attention_knee_tokens=0))
     a, b = worker("a"), worker("b")
     c = cm.score(a, WorkerMatch(), g4=0, num_tokens=4000, block_size=16)
     cm.observe_ttft(a, 0.5, c)  # 8000 t/s observed on a
@@ -76,19 +79,78 @@ def test_one_calibrated_worker_does_not_take_every_request():
     policy = create_policy(RoutingConfig(), "kv")
     firsts = {policy.order(RouteRequest("m", "/v1/completions", {}), [sa, sb])[0].worker for _ in range(4)}
     assert firsts == {"a", "b"}  # ties rotate
-    for _ in range(3):  # with samples of its own, each worker's measured speed counts
-        cm.observe_ttft(a, 0.5, cm.score(a, WorkerMatch(), g4=0, num_tokens=4000, block_size=16))
-        cm.observe_ttft(b, 4.0, cm.score(b, WorkerMatch(), g4=0, num_tokens=4000, block_size=16))
-    assert cm.prefill_speed(a) == a.prefill_tps and cm.prefill_speed(b) == b.prefill_tps
-    assert cm.prefill_speed(a) > cm.prefill_speed(b)
+
+
+def test_attention_makes_long_contexts_cost_more_and_calibration_sees_through_it():
+    """Prefill time per token grows with context (attention). The same 1,000 new tokens cost more after a
+    30K-token cached prefix than cold; and a worker that serves long conversations is not mistaken for a
+    slow worker: observed speeds of short and long prompts on one device calibrate to the same figure."""
+    knee = 16_384
+    cm = CostModel(RoutingConfig(prefill_tokens_per_s=10_000.0, attention_knee_tokens=knee))
+    w = worker("a")
+    cold = cm.score(w, WorkerMatch(), 0, 1000, 16)
+    long = cm.score(w, WorkerMatch(local=30_000 // 16), 0, 31_000, 16)
+    assert long.uncached_tokens == cold.uncached_tokens == 1000
+    assert long.prefill_ms > 2.5 * cold.prefill_ms
+    # One device: seconds = work / 20,000 for every request (the model's own shape)
+    short_s = cm.work(2000, 0) / 20_000
+    long_s = cm.work(2000, 60_000) / 20_000
+    assert long_s > 4 * short_s  # per token, the long-context request looks over 4x slower
+    a, b = worker("a"), worker("b")
+    cm.cfg.per_worker_prefill_speed = True
+    for _ in range(80):  # a serves short prompts, b long conversations, as sticky routing does
+        cm.observe_engine_prefill(a, 2000, short_s, 1, prompt_tokens=2000)
+        cm.observe_engine_prefill(b, 2000, long_s, 1, prompt_tokens=62_000)
+    assert cm.prefill_speed(a) == pytest.approx(20_000, rel=0.01)
+    assert cm.prefill_speed(b) == pytest.approx(20_000, rel=0.01)
+
+
+def _engine_samples(cm, workers, speeds, rounds):
+    """vLLM prefill histograms of ``rounds`` scrape intervals: worker i computes at speeds[k] x its factor."""
+    for k in range(rounds):
+        for w, factor in workers:
+            tps = speeds[k % len(speeds)] * factor
+            cm.observe_engine_prefill(w, tokens=4000, seconds=4000 / tps, requests=2)
+
+
+def test_identical_workers_keep_one_speed_through_a_noisy_mix():
+    """Observed prefill speed swings with the request mix (short cold prompts look fast, long or
+    context-heavy ones slow). Identical workers that happened to see different parts of the mix must still
+    be priced alike, or the one that looks fastest draws far more than its share."""
+    cm = CostModel(RoutingConfig(prefill_tokens_per_s=10_000.0, attention_knee_tokens=0,
+                                 per_worker_prefill_speed=True))
+    a, b = worker("a"), worker("b")
+    for k in range(60):  # a sees the fast half of the mix, b the slow half, in turn
+        fast, slow = (a, b) if k % 2 else (b, a)
+        cm.observe_engine_prefill(fast, 4000, 4000 / 30_000, 2)
+        cm.observe_engine_prefill(slow, 4000, 4000 / 10_000, 2)
+    for k in range(6):  # then a run of the mix's extremes
+        cm.observe_engine_prefill(a, 4000, 4000 / 30_000, 2)
+        cm.observe_engine_prefill(b, 4000, 4000 / 10_000, 2)
+    ratio = cm.prefill_speed(a) / cm.prefill_speed(b)
+    assert 1.0 < ratio < 1.6  # a 3x apart per-worker EWMA would say ~2.5
+    fleet_only = CostModel(RoutingConfig(prefill_tokens_per_s=10_000.0))  # the default prices them alike
+    _engine_samples(fleet_only, [(a, 1.0), (b, 0.5)], [30_000, 10_000], 40)
+    assert fleet_only.prefill_speed(a) == fleet_only.prefill_speed(b)
+
+
+def test_a_persistently_slower_worker_is_priced_slower():
+    cm = CostModel(RoutingConfig(prefill_tokens_per_s=10_000.0, attention_knee_tokens=0,
+                                 per_worker_prefill_speed=True))
+    a, b = worker("a"), worker("b")
+    _engine_samples(cm, [(a, 1.0), (b, 0.5)], [30_000, 10_000, 20_000], 120)
+    assert 0.35 < cm.prefill_speed(b) / cm.prefill_speed(a) < 0.65  # half the speed, give or take the mix
+    holder, other = (cm.score(w, WorkerMatch(), 0, 4000, 16) for w in (a, b))
+    assert create_policy(RoutingConfig(), "kv").order(RouteRequest("m", "/v1/completions", {}),
+                                                      [other, holder])[0].worker == "a"
 
 
 def test_near_tie_goes_to_the_cache_holder_clear_win_does_not():
     from router.cost import Candidate
 
     def cand(name, cached, uncached, ttft):
-        return Candidate(worker=name, cached_tokens=cached, uncached_tokens=uncached, predicted_ttft_ms=ttft,
-                         prefill_tokens_per_s=10_000.0)
+        return Candidate(worker=name, cached_tokens=cached, uncached_tokens=uncached, prefill_work=uncached,
+                         predicted_ttft_ms=ttft, prefill_tokens_per_s=10_000.0)
 
     req = RouteRequest("m", "/v1/completions", {})
     holder, idle = cand("h", 600, 240, 81.0), cand("i", 0, 840, 78.0)

@@ -40,8 +40,9 @@ class FakeState:
     cancelled: int = 0
     active: int = 0
     cache: set = field(default_factory=set)
-    # vLLM's per-request prefill histograms (sum, sum, count): computed tokens, seconds, requests.
-    prefill: list = field(default_factory=lambda: [0, 0.0, 0])
+    # vLLM's per-request histograms (sum, sum, sum, count): computed tokens, prefill seconds, prompt tokens,
+    # requests.
+    prefill: list = field(default_factory=lambda: [0, 0.0, 0, 0])
 
 
 def _reply_words(st: FakeState, n_prompt: int) -> list[str]:
@@ -120,7 +121,8 @@ def create_fake_worker(state: FakeState, tokenizer_dir: str | None = None) -> Fa
                 await asyncio.sleep(st.first_token_delay_s)
             st.prefill[0] += n - cached
             st.prefill[1] += st.first_token_delay_s
-            st.prefill[2] += 1
+            st.prefill[2] += n
+            st.prefill[3] += 1
             text = " ".join(words)
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
                       if kind == "chat" else {"index": 0, "text": text, "finish_reason": "length"})
@@ -231,8 +233,9 @@ def create_fake_worker(state: FakeState, tokenizer_dir: str | None = None) -> Fa
             f'vllm:cache_config_info{{block_size="{st.block_size}",enable_prefix_caching="True",engine="0",'
             f'prefix_caching_hash_algo="sha256"}} 1.0\n'
         )
-        for name, i in (("vllm:request_prefill_kv_computed_tokens", 0), ("vllm:request_prefill_time_seconds", 1)):
-            text += (f"# TYPE {name} histogram\n{name}_count{{{lbl}}} {float(st.prefill[2])}\n"
+        for name, i in (("vllm:request_prefill_kv_computed_tokens", 0), ("vllm:request_prefill_time_seconds", 1),
+                        ("vllm:request_prompt_tokens", 2)):
+            text += (f"# TYPE {name} histogram\n{name}_count{{{lbl}}} {float(st.prefill[3])}\n"
                      f"{name}_sum{{{lbl}}} {float(st.prefill[i])}\n")
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
