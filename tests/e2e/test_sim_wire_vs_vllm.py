@@ -124,5 +124,5 @@ def test_gateway_reads_prefill_histograms_from_real_vllm(request):
             break
         time.sleep(0.1)
     assert block_size == server.block_size
-    tokens, seconds, requests = after.prefill_since(before)
-    assert requests == 1 and 0 < tokens <= prompt and seconds > 0
+    tokens, seconds, requests, prompt_tokens = after.prefill_since(before)
+    assert requests == 1 and 0 < tokens <= prompt and seconds > 0 and prompt_tokens == prompt
