@@ -9,15 +9,15 @@ import threading
 import httpx
 import pytest
 
+from bench.sim import fleet as sim_fleet
+from bench.sim import timing as sim_timing
+from bench.sim import tokenizer as sim_tokenizer
 from indexer.index.redis import RedisIndex
 from router.app import create_app
 from router.config import AdminConfig, IndexConfig, ModelConfig, Settings, WorkerConfig
 from tests.admin.conftest import until
 from tests.support.servers import ThreadServer
 
-sim_fleet = pytest.importorskip("bench.sim.fleet", reason="the simulator (bench/sim) is not installed")
-sim_timing = pytest.importorskip("bench.sim.timing")
-sim_tokenizer = pytest.importorskip("bench.sim.tokenizer")
 
 MODEL = "sim-model"
 

@@ -84,8 +84,8 @@ async def _sim_frames(block_size: int, prompt_tokens: int) -> list[list[bytes]]:
 
 
 def test_simulator_frames_have_the_real_servers_structure(request):
-    support = pytest.importorskip("tests.support.vllm_server", reason="the real-vLLM fixture is not merged yet")
-    wire = pytest.importorskip("indexer.events.wire", reason="kvgate's decoder is not merged yet")
+    from indexer.events import wire
+    from tests.support import vllm_server as support
     server = request.getfixturevalue("vllm_server")
     B = server.block_size
     real = support.capture_frames(server, 3)

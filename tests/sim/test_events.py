@@ -108,7 +108,7 @@ async def test_replay_endpoint_speaks_vllms_protocol(fleet):
 
 
 async def test_kvgates_wire_decoder_reads_simulator_frames(fleet):
-    wire = pytest.importorskip("indexer.events.wire", reason="the index helper's decoder is not merged yet")
+    from indexer.events import wire
     w = fleet.workers[0]
     ctx = zmq.asyncio.Context()
     sub = await _sub(ctx, w.events_endpoint)

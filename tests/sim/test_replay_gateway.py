@@ -77,7 +77,6 @@ async def _run(policy: str, items, tok_dir: str, scale: float) -> dict:
 
 
 def test_kv_beats_round_robin_on_hit_rate(tmp_path):
-    pytest.importorskip("router.app", reason="the gateway is not merged yet")
     tok_dir = str(save_model_dir(tmp_path / "sim-model"))
     items = sessions()
     kv = asyncio.run(_run("kv", items, tok_dir, 20.0))
