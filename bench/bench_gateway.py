@@ -230,6 +230,8 @@ async def run(args) -> dict:
             "host": "127.0.0.1", "port": gport, "log_level": "warning",
             "workers": [{"url": f"http://127.0.0.1:{p}", "name": f"w{i}"} for i, p in enumerate(wports)],
             "models": {MODEL: {"tokenizer": str(tok_dir)}}, "index": index_cfg,
+            # the mock workers publish no KV events: a parity probe would only mark them cache-blind
+            "routing": {"parity_check": False},
             "health_interval_s": 2.0}))
         gw_proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)],
                                    cwd=ROOT, start_new_session=True)
