@@ -2,20 +2,20 @@
 
     predicted TTFT = queue wait + prefill time of the uncached prompt tokens + G4 load time
 
-- queue wait: prompt tokens the gateway has sent the worker and not yet seen a first byte for, plus the
-  requests vLLM reports waiting that the gateway did not send (each counted as the worker's mean prompt
-  size), divided by the worker's prefill speed; plus a small penalty per running request (decode steps
-  share the batch with a new prefill);
+- queue wait: the prefill work the gateway has sent the worker and not yet seen a first byte for, plus the
+  requests vLLM reports waiting that the gateway did not send (each counted as the worker's mean work),
+  divided by the prefill speed; plus a small penalty per running request (decode steps share the batch
+  with a new prefill);
 - prefill: the work of the prompt tokens beyond the worker's longest cached prefix (GPU or CPU tier), at
-  the worker's prefill speed. Work is counted in tokens at context 0: a token at context L costs
+  the prefill speed. Work is counted in tokens at context 0: a token at context L costs
   ``1 + L / attention_knee_tokens`` of them (attention reads every earlier token), so the same 1,000 new
-  tokens cost more after a 100K cached prefix than after none. The speed is calibrated online (EWMA, starting from the configured default) from observed TTFTs of
-  streamed responses and from vLLM's own prefill histograms on ``/metrics`` (every request);
+  tokens cost more after a 100K cached prefix than after none. The speed is calibrated online (EWMA,
+  starting from the configured default) from observed TTFTs of streamed responses and from vLLM's own
+  prefill histograms on ``/metrics`` (every request);
 - G4: blocks the worker would load from the shared tier beyond its local prefix, at the configured
   bytes per block and G4 read bandwidth.
 
-Minimum wins; ties go to the least loaded. A cache hit on a busy worker therefore loses as soon as its
-queue costs more than recomputing the prefix on an idle one.
+The model predicts; the policy (router.policies.kv) orders, adding what a choice costs afterwards.
 """
 from __future__ import annotations
 
