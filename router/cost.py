@@ -146,4 +146,3 @@ class CostModel:
         ratio = worker.prefill_ratio
         worker.prefill_ratio = (1 - b) * ratio + b * min(ratio * 10, max(ratio / 10, observed_tps / fleet))
         worker.prefill_samples += 1
-        worker.prefill_tps = self.prefill_speed(worker)  # what the admin API shows

@@ -63,7 +63,6 @@ class Worker:
     inflight: int = 0
     pending_tokens: int = 0  # prefill work sent, not yet prefilled (no first byte seen), tokens at context 0
     pending_requests: int = 0
-    prefill_tps: float = 0.0  # calibrated prefill speed, tokens/s, as of its last sample (router/cost.py)
     prefill_ratio: float = 1.0  # this worker's speed relative to the fleet-wide estimate (router/cost.py)
     g4_bytes_per_s: float = 0.0  # G4 load bandwidth measured by the worker's connector (0: use the default)
     g4_bytes_per_block: int = 0  # bytes of one block file on G4 (0: use the default)
@@ -105,7 +104,7 @@ class Worker:
             "load": {"running": self.load.running, "waiting": self.load.waiting,
                      "kv_usage": self.load.kv_usage, "updated_at": self.load.updated_at},
             "inflight": self.inflight, "pending_tokens": self.pending_tokens,
-            "prefill_tokens_per_s": self.prefill_tps, "ttft_samples": self.ttft_samples,
+            "prefill_ratio": self.prefill_ratio, "ttft_samples": self.ttft_samples,
             "prefill_samples": self.prefill_samples,
             "failures": self.failures, "restarts": self.restarts, "last_error": self.last_error,
             "last_check": self.last_check, "cache_blind": self.cache_blind, "parity": self.parity,
@@ -265,7 +264,6 @@ class WorkerRegistry:
         if name in self._workers:
             raise ValueError(f"worker {name!r} already exists")
         w = Worker(name=name, url=cfg.url.rstrip("/"), config=cfg,
-                   prefill_tps=self.settings.routing.prefill_tokens_per_s,
                    mean_prompt_tokens=float(self.settings.routing.queued_request_tokens))
         self._workers[name] = w
         if probe:

@@ -12,7 +12,7 @@ from router.registry import Worker
 
 def worker(name, **kw):
     w = Worker(name=name, url=f"http://{name}", config=WorkerConfig(url=f"http://{name}"), healthy=True,
-               prefill_tps=1000.0, mean_prompt_tokens=500.0)
+               mean_prompt_tokens=500.0)
     for k, v in kw.items():
         setattr(w, k, v)
     return w
