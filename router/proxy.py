@@ -291,7 +291,7 @@ class Forwarder:
                     continue
                 self._tell_policy(w)
                 if self.hashes and not w.cache_blind:
-                    st.pending.record(d.namespace, self.hashes, w.name)
+                    st.pending.record(d.namespace, self.hashes, w.name, cand.local_blocks)
                 if resp.headers.get("content-type", "").startswith("text/event-stream"):
                     it = resp.chunks()
                     try:
