@@ -252,14 +252,14 @@ def start_sglang(tmp: Path, wports: list[int]):
 
 def tree_cpu_s(pid: int) -> float:
     """CPU seconds of a process and its children (``--workers`` processes)."""
+    from bench.sim.procs import children
+
     total = cpu_s(pid)
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for child in children(pid):
         try:
-            f = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(f[1]) == pid:
-            total += cpu_s(int(stat.parent.name))
+            total += cpu_s(child)
+        except OSError:  # gone meanwhile
+            pass
     return total
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -14,18 +13,6 @@ from bench.sim import procs
 from bench.sim.tokenizer import ids_to_text, save_model_dir
 
 pytestmark = pytest.mark.slow
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
 
 
 def test_two_processes_each_index_the_fleets_events(tmp_path):
@@ -42,9 +29,9 @@ def test_two_processes_each_index_the_fleets_events(tmp_path):
         base = f"http://127.0.0.1:{port}"
         procs.wait_http(base + "/ready", gw, 90)
         deadline = time.monotonic() + 30
-        while len(_children(gw.p.pid)) < 2 and time.monotonic() < deadline:
+        while len(procs.children(gw.p.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert len(_children(gw.p.pid)) >= 2, gw.tail()
+        assert len(procs.children(gw.p.pid)) >= 2, gw.tail()
 
         prompt = ids_to_text(list(range(1, 400)))
         body = {"model": desc["model"], "prompt": prompt, "max_tokens": 2}
