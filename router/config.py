@@ -96,6 +96,9 @@ class TokenizerConfig(BaseModel):
     # Chat bodies larger than this are also rendered (chat template) off the event loop.
     offload_render_chars: int = 1_000_000
     threads: int = 2
+    # Threads the tokenizers library uses for one batch (None: one less than the cores, so the event loop
+    # keeps one); it reads RAYON_NUM_THREADS once, so an explicit RAYON_NUM_THREADS in the environment wins.
+    batch_threads: int | None = Field(None, ge=1)
     # The prefix cache: bytes held (0 turns it off), anchor spacing and cut spacing (bytes of text).
     prefix_cache_bytes: int = Field(256 * 1024 * 1024, ge=0)
     prefix_chunk_bytes: int = Field(2048, ge=64)

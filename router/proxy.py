@@ -373,8 +373,9 @@ class Forwarder:
         except asyncio.CancelledError:
             self.finish("client_disconnected", 499)
             raise
-        await send({"type": "http.response.body", "body": b""})
+        # recorded before the last byte: a client that has the whole stream finds the outcome in place
         self.finish(outcome, resp.status, usage_from_sse_tail(bytes(tail)) if outcome == "ok" else None)
+        await send({"type": "http.response.body", "body": b""})
 
 
 async def handle(st, scope, receive, send, path: str, need_model: bool) -> None:
