@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from bench.bench_gateway import (
-    ROOT, Conn, chat_of, conversation, free_port, latency, pct, small_chat, stop, wait_http,
+    ROOT, Conn, chat_of, conversation, free_port, latency, pct, save_and_print, small_chat, stop, wait_http,
 )
 from bench.tokenizer import build as build_tokenizer
 from indexer.events.vllm_format import EventPublisher, stored
@@ -153,11 +152,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
-    r = asyncio.run(run(args))
-    res = ROOT / "bench" / "results"
-    res.mkdir(parents=True, exist_ok=True)
-    (res / "loop_stall.json").write_text(json.dumps(r, indent=1))
-    print(report(r))
+    save_and_print("loop_stall.json", asyncio.run(run(args)), report)
     return 0
 
 
