@@ -39,9 +39,6 @@ def run(args) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     tok_dir = str(save_model_dir(out / "sim-model"))
-    if not wl.trace_path().exists():
-        print(f"kvgate demo: trace not found at {wl.trace_path()} (set KVGATE_SHARED)", file=sys.stderr)
-        return 1
     rows = wl.load_trace()
     # requests that cannot fit in one worker's KV cache are left out (a real server would refuse them too)
     fit = min(args.num_blocks * args.block_size - args.max_tokens_cap, args.max_prompt_tokens)
