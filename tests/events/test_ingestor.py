@@ -8,7 +8,7 @@ import time
 import pytest
 
 from indexer.events import EventIngestor, EventSource, resolve_endpoint
-from indexer.events import vllm_format as vf
+from bench.sim import vllm_format as vf
 from indexer.hashing import sequence_hashes
 from tests.support.procs import free_port
 

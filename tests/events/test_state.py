@@ -148,7 +148,7 @@ def test_bad_token_ids_are_malformed_not_fatal():
 
 def test_lora_and_salt_identity_through_the_wire():
     """vLLM-shaped BlockStored (extra_keys per block) -> msgpack -> decode -> state == router's hashes."""
-    from indexer.events import vllm_format as vf
+    from bench.sim import vllm_format as vf
     from indexer.events.wire import decode_batch
 
     tok = list(range(7, 7 + 3 * B))

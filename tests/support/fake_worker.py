@@ -35,7 +35,7 @@ class FakeState:
     fast: bool = False  # benchmark mode: no tokenizer, no cache bookkeeping
     pause_after: int | None = None  # streaming: stop after this many content chunks until released
     release: threading.Event = field(default_factory=threading.Event)
-    publisher: object = None  # an indexer.events.vllm_format.EventPublisher: BlockStored for new blocks
+    publisher: object = None  # a bench.sim.vllm_format.EventPublisher: BlockStored for new blocks
     requests: list = field(default_factory=list)
     cancelled: int = 0
     active: int = 0
@@ -92,7 +92,7 @@ def create_fake_worker(state: FakeState, tokenizer_dir: str | None = None) -> Fa
         new = [i for i, h in enumerate(hashes) if h not in st.cache]
         st.cache.update(hashes)
         if st.publisher is not None and new:
-            from indexer.events.vllm_format import stored
+            from bench.sim.vllm_format import stored
 
             bs = st.block_size
             # Engine block hashes are opaque to kvgate: reuse our own as the engine's.
