@@ -157,3 +157,16 @@ def test_lora_and_salt_identity_through_the_wire():
     batch = decode_batch(vf.encode_batch(vf.KVEventBatch(ts=0.0, events=[ev], data_parallel_rank=0)))
     ops = WorkerState(block_size=B).apply(batch.events)
     assert items(ops) == [("store", "GPU", sequence_hashes(tok, B, lora_name="adapterA", cache_salt="t1"))]
+
+
+def test_medium_spellings_map_to_one_tier_each():
+    """vLLM's media in any case: missing/GPU -> GPU, CPU/CPU_TIER -> CPU, STORAGE -> G4, others not indexed."""
+    for i, (medium, want) in enumerate([(None, "GPU"), ("gpu", "GPU"), ("cpu", "CPU"), ("cpu_tier", "CPU"),
+                                        ("CPU_TIER", "CPU")]):
+        s = WorkerState(block_size=B)
+        assert items(s.apply([stored([11 + i], TOK[:B], medium=medium)])) == [("store", want, SEQ[:1])], medium
+        ops = s.apply([BlockRemoved(block_hashes=[11 + i], medium=medium)])
+        assert items(ops) == [("remove", want, SEQ[:1])], medium
+    s = WorkerState(block_size=B)
+    assert items(s.apply([stored([11], TOK[:B], medium="storage")])) == [("g4", None, SEQ[:1])]
+    assert s.apply([stored([12], TOK[:B], medium="nvme")]).items == [] and s.counters["skipped"] == 1
