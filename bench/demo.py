@@ -4,7 +4,6 @@ index, no Redis, no GPU), a slice of the Mooncake conversation trace replayed th
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -28,11 +27,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    try:
-        import router.app  # noqa: F401
-    except ImportError as e:
-        print(f"kvgate demo: the gateway (router.app) is not available: {e}", file=sys.stderr)
-        return 1
     from bench.sim.harness import Target, run_target
     from bench.sim.tokenizer import save_model_dir
 

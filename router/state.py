@@ -8,6 +8,8 @@ import logging
 
 import httpx
 
+from indexer.events import EventIngestor
+from indexer.index import create_index
 from router.config import Settings
 from router.metrics import GatewayMetrics
 from router.parity import ParityChecker
@@ -22,39 +24,11 @@ from router.upstream import Upstream
 log = logging.getLogger("kvgate.state")
 
 
-def make_index(settings: Settings):
-    """The configured index backend (the index part's factory when present)."""
-    try:
-        from indexer.index import create_index  # type: ignore[attr-defined]
-    except ImportError:
-        create_index = None
-    if create_index is not None:
-        return create_index(settings.index)
-    if settings.index.backend == "redis":
-        from indexer.index.redis import RedisIndex
-
-        return RedisIndex(settings.index.redis_url, key_prefix=settings.index.key_prefix,
-                          timeout_s=settings.index.timeout_s)
-    from indexer.index.memory import MemoryIndex
-
-    return MemoryIndex()
-
-
-def make_ingestor(index, on_reset, observer=None):
-    """The KV event ingestor, or None when the events part is not installed."""
-    try:
-        from indexer.events import EventIngestor
-    except ImportError:
-        log.warning("indexer.events is not available: KV events are not ingested")
-        return None
-    return EventIngestor(index, queue_size=10000, on_reset=on_reset, observer=observer)
-
-
 class GatewayState:
     def __init__(self, settings: Settings, *, index=None, prefetcher: Prefetcher | None = None,
                  ingestor=None, with_events: bool = True) -> None:
         self.settings = settings
-        self.index = index if index is not None else make_index(settings)
+        self.index = index if index is not None else create_index(settings.index)
         self.metrics = GatewayMetrics()
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.request_timeout_s, connect=settings.connect_timeout_s),
@@ -68,8 +42,8 @@ class GatewayState:
         self.parity = ParityChecker(self.client, self._tokenize_probe, self._block_size,
                                     events_seen=self._events_seen, indexed=self._indexed_blocks,
                                     metrics=self.metrics)
-        self.ingestor = ingestor if ingestor is not None or not with_events else make_ingestor(
-            self.index, self._on_events_reset, self.parity.observe)
+        self.ingestor = ingestor if ingestor is not None or not with_events else EventIngestor(
+            self.index, queue_size=10000, on_reset=self._on_events_reset, observer=self.parity.observe)
         if self.ingestor is not None and getattr(self.ingestor, "observer", False) is None:
             self.ingestor.observer = self.parity.observe  # an ingestor passed in by the caller
         self.registry = WorkerRegistry(settings, self.client, self.index, self.ingestor, self.metrics)
