@@ -84,6 +84,12 @@ class Worker:
         return bool(self.parity and self.parity.get("status") == "cache-blind")
 
     @property
+    def chat_cache_blind(self) -> bool:
+        """Cache-blind, or kvgate's chat token ids differ from the worker's (the chat parity probe)."""
+        chat = (self.parity or {}).get("chat") or {}
+        return self.cache_blind or chat.get("status") == "cache-blind"
+
+    @property
     def host(self) -> str:
         return urlsplit(self.url).hostname or "127.0.0.1"
 

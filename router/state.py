@@ -41,7 +41,8 @@ class GatewayState:
         # registry's on_ready hook each time a worker becomes routable.
         self.parity = ParityChecker(self.client, self._tokenize_probe, self._block_size,
                                     events_seen=self._events_seen, indexed=self._indexed_blocks,
-                                    metrics=self.metrics)
+                                    metrics=self.metrics, tokenize_chat=self._tokenize_chat_probe,
+                                    decode=self._decode)
         self.ingestor = ingestor if ingestor is not None or not with_events else EventIngestor(
             self.index, queue_size=10000, on_reset=self._on_events_reset, observer=self.parity.observe)
         if self.ingestor is not None and getattr(self.ingestor, "observer", False) is None:
@@ -96,6 +97,18 @@ class GatewayState:
         res = await self.tokenizers.tokenize(model, "completion", {"prompt": text}, size=len(text),
                                              namespace=ns, worker_url=w.url if w else None)
         return res.tokens
+
+    async def _tokenize_chat_probe(self, model: str, body: dict) -> tuple[list[int] | None, str]:
+        """kvgate's own token ids of a chat request (its local template), never a worker's /tokenize."""
+        ns, _ = self.registry.namespace(model)
+        if self.tokenizers.for_model(model, ns) is None:
+            return None, "kvgate has no chat template of its own for this model (it uses the workers' /tokenize)"
+        res = await self.tokenizers.tokenize(model, "chat", body, size=0, namespace=ns, worker_url=None)
+        return res.tokens, res.error or "kvgate cannot tokenize the probe conversation"
+
+    def _decode(self, model: str, ids: list[int]) -> str | None:
+        tok = self.tokenizers.for_model(model, self.registry.namespace(model)[0])
+        return tok.hf.decode(ids) if tok is not None else None
 
     def _block_size(self, model: str) -> int:
         return self.registry.block_size(model)

@@ -32,6 +32,7 @@ class FakeState:
     running: int = 0
     events_endpoint: str | None = None
     words: int = 8
+    chat_template: str | None = None  # the worker's own template (vLLM's --chat-template), else the model's
     fast: bool = False  # benchmark mode: no tokenizer, no cache bookkeeping
     pause_after: int | None = None  # streaming: stop after this many content chunks until released
     release: threading.Event = field(default_factory=threading.Event)
@@ -66,7 +67,7 @@ def create_fake_worker(state: FakeState, tokenizer_dir: str | None = None) -> Fa
             msgs = [{**m, "content": "\n".join(p["text"] for p in m["content"])}
                     if isinstance(m.get("content"), list) else m for m in body["messages"]]
             text = tok.apply_chat_template(
-                msgs, tools=body.get("tools"), chat_template=body.get("chat_template"),
+                msgs, tools=body.get("tools"), chat_template=body.get("chat_template") or st.chat_template,
                 add_generation_prompt=body.get("add_generation_prompt", True),
                 continue_final_message=body.get("continue_final_message", False), tokenize=False,
                 **(body.get("chat_template_kwargs") or {}))
