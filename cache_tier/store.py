@@ -501,7 +501,11 @@ def store_for_dir(ns_dir: str, **kw) -> G4Store:
 class PresenceCache:
     """Which blocks were recently seen on G4, so the scheduler does not ``stat`` every block of every
     prompt on a slow shared filesystem. Bounded (LRU) with a time-to-live: a block evicted by another node
-    in the meantime is caught by the load (reported and recomputed), never served wrong."""
+    in the meantime is caught by the load (reported and recomputed), never served wrong.
+
+    Hand-written rather than cachetools' ``TTLCache``: it is asked once per block of every waiting prompt
+    in vLLM's scheduler loop, where ``TTLCache`` measured 3.3x slower (``python -m bench.bench_caches``,
+    docs/BENCHMARKS.md "Caches")."""
 
     def __init__(self, store: G4Store, ttl_s: float = 30.0, max_entries: int = 200_000) -> None:
         self.store = store

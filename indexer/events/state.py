@@ -17,8 +17,9 @@ salts block 0 only, and the chain carries it on. Multimodal identifiers are not 
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
+
+from cachetools import LRUCache
 
 from indexer import hashing
 from indexer.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
@@ -97,8 +98,7 @@ class WorkerState:
         self._held: tuple[dict[int, int], dict[int, int]] = ({}, {})
         # STORAGE blocks are never removed by vLLM; remember a bounded number of their handles so that
         # later events can chain from them.
-        self._storage: OrderedDict = OrderedDict()
-        self._storage_max = storage_handles
+        self._storage: LRUCache = LRUCache(maxsize=storage_handles)
         self.counters = {"unknown_parent": 0, "size_mismatch": 0, "unmapped": 0, "skipped": 0,
                          "malformed": 0}
 
@@ -120,9 +120,6 @@ class WorkerState:
 
     def _remember_storage(self, key, rh: int) -> None:
         self._storage[key] = rh
-        self._storage.move_to_end(key)
-        if len(self._storage) > self._storage_max:
-            self._storage.popitem(last=False)
 
     def _incr(self, key, rh: int, code: int, pending: dict[int, tuple[bool, bool]]) -> None:
         h = self._handles.get(key)

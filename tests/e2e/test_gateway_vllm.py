@@ -271,6 +271,12 @@ def test_parity_check_passes_on_matching_workers(kvgate, vllm_servers):
         assert w.parity["status"] == "ok" and not w.cache_blind, w.parity
         assert w.parity["matched_blocks"] == w.parity["expected_blocks"] > 0
         assert _metric(gw, "kvgate_worker_cache_blind", s.name) == 0.0
+        # the chat probe (system prompt, content list, tool call, tool message): kvgate's token ids are
+        # vLLM's own /tokenize ids
+        chat = w.parity["chat"]
+        assert chat["status"] == "ok" and not w.chat_cache_blind, chat
+        assert chat["kvgate_tokens"] == chat["worker_tokens"] > 30
+        assert _metric(gw, "kvgate_worker_chat_cache_blind", s.name) == 0.0
 
 
 @pytest.fixture(scope="module")

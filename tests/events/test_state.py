@@ -170,3 +170,14 @@ def test_medium_spellings_map_to_one_tier_each():
     s = WorkerState(block_size=B)
     assert items(s.apply([stored([11], TOK[:B], medium="storage")])) == [("g4", None, SEQ[:1])]
     assert s.apply([stored([12], TOK[:B], medium="nvme")]).items == [] and s.counters["skipped"] == 1
+
+
+def test_storage_handles_are_bounded_least_recently_used_first():
+    """G4 handles outlive resets so later chains can start from them; only ``storage_handles`` are kept."""
+    s = WorkerState(block_size=B, storage_handles=2)
+    s.apply([stored([11], TOK[:B], medium="STORAGE"), stored([12], TOK[B:2 * B], parent=11, medium="STORAGE")])
+    s.apply([stored([13], TOK[2 * B:3 * B], parent=11, medium="STORAGE")])  # 11 used again: 12 is the oldest
+    s.reset()
+    assert items(s.apply([stored([21], TOK[B:2 * B], parent=11)])) == [("store", "GPU", SEQ[1:2])]
+    assert s.apply([stored([22], TOK[2 * B:3 * B], parent=12)]).items == []  # 12 was forgotten
+    assert s.counters["unknown_parent"] == 1
