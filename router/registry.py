@@ -89,6 +89,10 @@ class Worker:
         chat = (self.parity or {}).get("chat") or {}
         return self.cache_blind or chat.get("status") == "cache-blind"
 
+    def blind_for(self, kind: str) -> bool:
+        """Whether kvgate's block keys of a ``kind`` request ("chat", "completion", ...) miss this worker."""
+        return self.chat_cache_blind if kind == "chat" else self.cache_blind
+
     @property
     def host(self) -> str:
         return urlsplit(self.url).hostname or "127.0.0.1"

@@ -218,7 +218,7 @@ async def test_chat_template_difference_marks_chat_only_with_the_first_differing
     assert first["kvgate_token"] == ord("\n") and first["worker_token"] == ord(" ")
     assert first["kvgate_text"].startswith("\nSay") and first["worker_text"].startswith(" Say")
     assert first["index"] == mine.index("\nSay")  # the nonce has a fixed length
-    assert "from token" in r.chat["reason"] and "completions stay cache-aware" in r.chat["reason"]
+    assert "from token" in r.chat["reason"] and "chat prompts miss this worker's cache" in r.chat["reason"]
     assert m.chat_cache_blind.labels("w")._value.get() == 1.0 and m.cache_blind.labels("w")._value.get() == 0.0
     assert any("chat parity" in rec.getMessage() and "CACHE-BLIND" in rec.getMessage() for rec in caplog.records)
     assert r.to_dict()["chat"]["first_mismatch"] == first
@@ -245,3 +245,17 @@ async def test_a_cache_blind_worker_is_chat_blind_too(worker):
     worker.block_size = 32
     r = await run(worker, block_size=16)
     assert r.cache_blind and r.chat["status"] == OK and r.chat_cache_blind
+
+
+def test_a_worker_is_blind_per_request_kind_by_its_last_parity_result():
+    from router.config import WorkerConfig
+    from router.registry import Worker
+
+    w = Worker(name="w", url="http://w:8000", config=WorkerConfig(url="http://w:8000"))
+    assert not w.blind_for("chat") and not w.blind_for("completion")
+    w.parity = {"status": "ok", "chat": {"status": "cache-blind"}}
+    assert w.blind_for("chat") and w.chat_cache_blind and not w.blind_for("completion") and not w.cache_blind
+    w.parity = {"status": "cache-blind", "chat": {"status": "ok"}}
+    assert w.blind_for("chat") and w.blind_for("completion")
+    w.parity = {"status": "ok", "chat": {"status": "unverified"}}
+    assert not w.blind_for("chat")
