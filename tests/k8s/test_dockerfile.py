@@ -11,6 +11,7 @@ build tests skip, saying so; under ``CI=true`` they fail instead.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import json
 import os
 import re
@@ -276,16 +277,31 @@ def test_builder_stage_wheel_builds_from_the_copied_files_only(tmp_path):
 # ---- the image, built and run on a real engine ----
 
 
+def no_engine(reason: str):
+    """Without an engine: fail under CI=true (CI here always has one), else skip, loudly."""
+    msg = f"NO DOCKER ENGINE: the kvgate image was NOT built or run here: {reason}"
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(msg)
+    print("\n" + "!" * 30 + "\n" + msg + "\n" + "!" * 30, file=sys.stderr)
+    pytest.skip(msg)
+
+
+def test_no_engine_fails_in_ci_and_skips_loudly_elsewhere(monkeypatch, capsys):
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="NOT built"):
+        no_engine("dockerd did not answer")
+    monkeypatch.setenv("CI", "")
+    with pytest.raises(pytest.skip.Exception, match="dockerd did not answer"):
+        no_engine("dockerd did not answer")
+    assert "NO DOCKER ENGINE" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def engine():
     try:
         eng = docker_engine.ensure_engine()
     except docker_engine.EngineUnavailable as e:
-        msg = f"NO DOCKER ENGINE: the kvgate image was NOT built or run here: {e}"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(msg)
-        print("\n" + "!" * 30 + "\n" + msg + "\n" + "!" * 30, file=sys.stderr)
-        pytest.skip(msg)
+        no_engine(str(e))
     try:
         yield eng
     finally:
@@ -293,9 +309,28 @@ def engine():
 
 
 @pytest.fixture(scope="module")
-def image(engine):
+def base(engine):
+    return docker_engine.base_image(engine)
+
+
+@pytest.mark.slow
+def test_the_base_image_has_this_hosts_pip_configuration(engine, base):
+    """pip in the build sees what pip here sees: the same configuration values, the same CA bundle."""
+    def config(out: str) -> set[str]:
+        return {line for line in out.splitlines() if "=" in line}
+
+    here = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
+                          timeout=60).stdout
+    there = engine.run("run", "--rm", "--network", "host", base, "python", "-m", "pip", "config", "list").stdout
+    assert config(here) and config(there) == config(here), (here, there)
+    bundle = "/etc/ssl/certs/ca-certificates.crt"
+    digest = engine.run("run", "--rm", base, "sha256sum", bundle).stdout.split()[0]
+    assert digest == hashlib.sha256(Path(bundle).read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def image(engine, base):
     """kvgate's image, built from this tree on the debootstrapped base, on the host's network."""
-    base = docker_engine.base_image(engine)
     tag = "kvgate-test:latest"
     # The classic builder: BuildKit would fetch the `# syntax=` frontend from a registry.
     engine.run("build", "--network", "host", "--build-arg", f"PYTHON_IMAGE={base}", "-t", tag, str(ROOT),

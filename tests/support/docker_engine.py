@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -120,7 +121,7 @@ def host_pip_files() -> list[Path]:
              "/etc/ssl/certs/ca-certificates.crt"]
     paths += [os.environ.get(v, "") for v in ("PIP_CERT", "REQUESTS_CA_BUNDLE", "SSL_CERT_FILE")]
     try:
-        out = _run(["pip", "config", "list"], 60).stdout if shutil.which("pip") else ""
+        out = _run([sys.executable, "-m", "pip", "config", "list"], 60).stdout
     except subprocess.TimeoutExpired:
         out = ""
     for line in out.splitlines():  # files the configuration names: cert=..., constraint=...
