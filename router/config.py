@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
+from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict,
+                               YamlConfigSettingsSource)
 
 
 class WorkerConfig(BaseModel):

@@ -27,10 +27,10 @@ Chat has a check of its own, because the chat path renders the model's template 
 vLLM changes the tokens without changing the tokenizer: kvgate's token ids of a probe conversation (a
 system prompt, a user message given as a content list, an assistant tool call and the tool's answer) are
 compared with the worker's own ``/tokenize`` of the same messages (chat form). Identical: chat ``ok``.
-Different: chat ``cache-blind`` (``ParityResult.chat_cache_blind``, ``Worker.chat_cache_blind``), with the
-first differing position and token of each side; the completions result is left as it is. No local chat template
-(chat is tokenized by the workers' ``/tokenize`` anyway), or a probe the worker or kvgate cannot render:
-chat ``unverified``.
+Different: chat ``cache-blind`` (``ParityResult.chat_cache_blind``, ``Worker.chat_cache_blind``), with
+the first differing position and token of each side; the completions result is left as it is. No local
+chat template (chat is tokenized by the workers' ``/tokenize`` anyway), or a probe the worker or kvgate
+cannot render: chat ``unverified``.
 """
 
 from __future__ import annotations
@@ -282,7 +282,7 @@ class ParityChecker:
         reason = (f"kvgate's chat token ids differ from the worker's /tokenize from token {i} on (kvgate "
                   f"{first['kvgate_token']}, worker {first['worker_token']}; {len(mine)} vs {len(theirs)} "
                   "tokens): another chat template or message handling, so kvgate's block keys of chat "
-                  "prompts miss this worker's cache; completions are checked by the probe above")
+                  "prompts miss this worker's cache (completions are checked separately)")
         return {"status": CACHE_BLIND, "reason": reason, "first_mismatch": first, **out}
 
     def _record(self, result: ParityResult) -> None:

@@ -22,7 +22,7 @@ SHORT = "--duration 20 --time-scale 10 --workers 2 --no-progress"
 
 
 def _clean_env() -> dict[str, str]:
-    """This environment minus the test run's virtualenv and anything that points Python or kvgate elsewhere."""
+    """This environment minus the test run's virtualenv and what points Python or kvgate elsewhere."""
     own_bin = str(Path(sys.prefix) / "bin")
     path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p != own_bin)
     env = {k: v for k, v in os.environ.items()
@@ -51,7 +51,8 @@ def test_make_demo_works_from_a_bare_clone(tmp_path):
     assert proc.returncode == 0, out[-6000:]
     # the clone's own venv and package ran, not this checkout's
     assert (clone / ".venv" / "bin" / "kvgate").exists()
-    site = subprocess.run([str(clone / ".venv" / "bin" / "python"), "-c", "import bench; print(bench.__file__)"],
+    site = subprocess.run([str(clone / ".venv" / "bin" / "python"), "-c",
+                           "import bench; print(bench.__file__)"],
                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert site.stdout.strip() == str(clone / "bench" / "__init__.py"), site.stdout + site.stderr
     # the demo's report: both policies replayed the slice with no failures, and the plot was written

@@ -219,8 +219,10 @@ async def test_chat_template_difference_marks_chat_only_with_the_first_differing
     assert first["kvgate_text"].startswith("\nSay") and first["worker_text"].startswith(" Say")
     assert first["index"] == mine.index("\nSay")  # the nonce has a fixed length
     assert "from token" in r.chat["reason"] and "chat prompts miss this worker's cache" in r.chat["reason"]
-    assert m.chat_cache_blind.labels("w")._value.get() == 1.0 and m.cache_blind.labels("w")._value.get() == 0.0
-    assert any("chat parity" in rec.getMessage() and "CACHE-BLIND" in rec.getMessage() for rec in caplog.records)
+    assert m.chat_cache_blind.labels("w")._value.get() == 1.0
+    assert m.cache_blind.labels("w")._value.get() == 0.0
+    assert any("chat parity" in rec.getMessage() and "CACHE-BLIND" in rec.getMessage()
+               for rec in caplog.records)
     assert r.to_dict()["chat"]["first_mismatch"] == first
 
 
@@ -228,13 +230,15 @@ async def test_chat_probe_with_one_side_a_prefix_of_the_other(worker):
     worker.render = lambda body: render(body) + "<extra>"
     r = await run(worker)
     first = r.chat["first_mismatch"]
-    assert r.chat["status"] == CACHE_BLIND and first["kvgate_token"] is None and first["worker_token"] == ord("<")
+    assert r.chat["status"] == CACHE_BLIND
+    assert first["kvgate_token"] is None and first["worker_token"] == ord("<")
     assert first["index"] == r.chat["kvgate_tokens"] == r.chat["worker_tokens"] - len("<extra>")
 
 
 async def test_chat_unverified_without_a_local_template_or_when_the_worker_refuses(worker):
     r = await run(worker, kvgate_render=None)
-    assert r.chat == {"status": UNVERIFIED, "reason": "no local chat template"} and not worker.tokenize_requests
+    assert r.chat == {"status": UNVERIFIED, "reason": "no local chat template"}
+    assert not worker.tokenize_requests
     assert not r.chat_cache_blind
     worker.status = 400
     r = await run(worker)

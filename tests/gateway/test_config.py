@@ -1,4 +1,4 @@
-"""Settings from a YAML file overlaid by KVGATE_* variables (router/config.py), and the errors a bad file gets."""
+"""Settings from a YAML file overlaid by KVGATE_* variables (router/config.py), and a bad file's errors."""
 from __future__ import annotations
 
 import pytest
@@ -21,7 +21,8 @@ def test_yaml_file_then_environment_then_arguments(tmp_path, monkeypatch):
     cfg.write_text("port: 9001\nrouting:\n  policy: session\n  cache_affinity: 0.2\n"
                    "workers:\n  - url: http://w0:8000\nindex:\n  backend: redis\n")
     s = load_settings(str(cfg))
-    assert (s.port, s.routing.policy, s.routing.cache_affinity, s.index.backend) == (9001, "session", 0.2, "redis")
+    got = (s.port, s.routing.policy, s.routing.cache_affinity, s.index.backend)
+    assert got == (9001, "session", 0.2, "redis")
     assert [w.url for w in s.workers] == ["http://w0:8000"] and s.host == "0.0.0.0"  # default kept
     monkeypatch.setenv("KVGATE_ROUTING__POLICY", "round_robin")
     monkeypatch.setenv("KVGATE_PORT", "9002")

@@ -224,7 +224,8 @@ def test_dockerignore_keeps_the_build_inputs_and_drops_the_rest():
         if p.strip() and not p.startswith("#")
     ]
     sources = copied_sources()
-    assert set(sources) == {"pyproject.toml", "README.md", "router", "indexer", "cache_tier", "sizing", "bench"}
+    assert set(sources) == {"pyproject.toml", "README.md", "router", "indexer", "cache_tier", "sizing",
+                            "bench"}
     for src in sources:
         assert not _ignored(src, patterns), src
     for junk in (".git", ".venv", "tests", "router/__pycache__", "bench/results", "kvgate.egg-info"):
@@ -268,7 +269,7 @@ def test_builder_stage_wheel_builds_from_the_copied_files_only(tmp_path):
     version = dict(re.findall(r"^ARG (\w+)=(\S+)$", DOCKERFILE.read_text(), flags=re.M))["KVGATE_VERSION"]
     wheel = dist / f"kvgate-{version}-py3-none-any.whl"  # the exact name the Dockerfile installs
     names = zipfile.ZipFile(wheel).namelist()
-    assert "router/cli.py" in names and "router/discovery/kubernetes.py" in names and "sizing/calc.py" in names
+    assert {"router/cli.py", "router/discovery/kubernetes.py", "sizing/calc.py"} <= set(names)
     meta = next(n for n in names if n.endswith("METADATA"))
     text = zipfile.ZipFile(wheel).read(meta).decode()
     assert "Requires-Dist: kubernetes" in text and 'extra == "k8s"' in text
@@ -321,7 +322,8 @@ def test_the_base_image_has_this_hosts_pip_configuration(engine, base):
 
     here = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
                           timeout=60).stdout
-    there = engine.run("run", "--rm", "--network", "host", base, "python", "-m", "pip", "config", "list").stdout
+    there = engine.run("run", "--rm", "--network", "host", base, "python", "-m", "pip", "config",
+                       "list").stdout
     assert config(here) and config(there) == config(here), (here, there)
     bundle = "/etc/ssl/certs/ca-certificates.crt"
     digest = engine.run("run", "--rm", base, "sha256sum", bundle).stdout.split()[0]
@@ -353,7 +355,8 @@ def _wait_status(url: str, want: int, container: str, engine, timeout: float = 9
         except httpx.HTTPError as e:
             last = e
         time.sleep(0.5)
-    raise AssertionError(f"{url} never answered {want} (last: {last}):\n{engine.run('logs', container).stderr[-3000:]}")
+    logs = engine.run("logs", container).stderr[-3000:]
+    raise AssertionError(f"{url} never answered {want} (last: {last}):\n{logs}")
 
 
 @pytest.mark.slow
