@@ -382,6 +382,8 @@ class G4Store:
         return n
 
     # ---- LRU + GC ----------------------------------------------------------------------------------------
+    # Hand-written, not cachetools: eviction runs in batches down to a low watermark and unlinks the files
+    # outside the lock, and rescan() rebuilds the order from file times; cachetools evicts one per insert.
     def _touch_lru(self, h: int, size: int) -> None:
         e = self._lru.get(h)
         if e is None:
