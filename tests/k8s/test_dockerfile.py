@@ -337,7 +337,12 @@ def image(engine, base):
     # The classic builder: BuildKit would fetch the `# syntax=` frontend from a registry.
     engine.run("build", "--network", "host", "--build-arg", f"PYTHON_IMAGE={base}", "-t", tag, str(ROOT),
                timeout=1800, env={**os.environ, "DOCKER_BUILDKIT": "0"})
-    return tag
+    yield tag
+    # The base stays cached; the built image and its builder stage go (every run builds anew). Dangling
+    # images are pruned only on an engine this module started itself.
+    engine.run("rmi", "--force", tag, check=False)
+    if engine.daemon is not None:
+        engine.run("image", "prune", "--force", check=False)
 
 
 def _wait_status(url: str, want: int, container: str, engine, timeout: float = 90.0) -> httpx.Response:
