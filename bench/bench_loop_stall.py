@@ -29,7 +29,7 @@ from bench.bench_gateway import (
     ROOT, Conn, chat_of, conversation, free_port, latency, pct, save_and_print, small_chat, stop, wait_http,
 )
 from bench.tokenizer import build as build_tokenizer
-from indexer.events.vllm_format import EventPublisher, stored
+from bench.sim.vllm_format import EventPublisher, stored
 
 BLOCK = 16
 

@@ -28,7 +28,7 @@ from starlette.responses import Response
 from router.errors import APIError, error_body, error_response, sse_error_event
 from router.metrics import CONTENT_TYPE
 from router.policies import RouteRequest
-from router.routing import Decision
+from router.routing import Decision, kind_of
 from router.upstream import UpstreamError, UpstreamResponse
 
 log = logging.getLogger("kvgate.proxy")
@@ -302,7 +302,7 @@ class Forwarder:
                     last_error, last_status = f"upstream_{resp.status}: worker {w.name}", 502
                     continue
                 self._tell_policy(w)
-                if self.hashes and not w.cache_blind:
+                if self.hashes and not w.blind_for(kind_of(self.path)):
                     st.pending.record(d.namespace, self.hashes, w.name, cand.local_blocks)
                 if resp.headers.get("content-type", "").startswith("text/event-stream"):
                     await self._stream(send, resp, lease, w, cand, t_send)

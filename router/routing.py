@@ -198,7 +198,7 @@ class Router:
         pending = st.pending
 
         def match(w) -> WorkerMatch:
-            if w.cache_blind:
+            if w.blind_for(kind):  # chat: also when only the chat probe failed (router/parity.py)
                 return WorkerMatch()
             m = result.match(w.name)
             if d.hashes:
