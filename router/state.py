@@ -104,7 +104,8 @@ class GatewayState:
         if self.tokenizers.for_model(model, ns) is None:
             return None, "kvgate has no chat template of its own for this model (it uses the workers' /tokenize)"
         res = await self.tokenizers.tokenize(model, "chat", body, size=0, namespace=ns, worker_url=None)
-        return res.tokens, res.error or "kvgate cannot tokenize the probe conversation"
+        return (list(res.tokens) if res.tokens is not None else None,
+                res.error or "kvgate cannot tokenize the probe conversation")
 
     def _decode(self, model: str, ids: list[int]) -> str | None:
         tok = self.tokenizers.for_model(model, self.registry.namespace(model)[0])

@@ -248,7 +248,7 @@ def test_a_chat_cache_blind_worker_gets_no_predicted_hit_for_chat_but_keeps_it_f
     assert env.http.post("/admin/workers/w2/parity").json()["chat"]["status"] == "cache-blind"
     t.join(30)
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "tell me about caches " * 40}]}
-    toks = env.call(env.state.tokenizers.tokenize(MODEL, "chat", chat, size=0)).tokens
+    toks = list(env.call(env.state.tokenizers.tokenize(MODEL, "chat", chat, size=0)).tokens)
     env.publish("w2", toks)
 
     def local(body, path):
