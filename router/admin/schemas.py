@@ -236,6 +236,8 @@ class DecisionOut(_Open):
     num_blocks: int = 0
     tokenizer: str | None = None
     tokenize_error: str | None = None
+    reused_bytes: int = Field(0, description="prompt text whose token ids came from the prefix token cache")
+    new_bytes: int = Field(0, description="prompt text tokenized for this request")
     index_error: str | None = None
     g4_blocks: int = Field(0, description="leading prompt blocks on G4 (model-wide)")
     candidates: list[CandidateOut] = Field(default_factory=list)
