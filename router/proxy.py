@@ -21,6 +21,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response, StreamingResponse
 
+from router.apis.routes import add_routes as add_api_routes
 from router.errors import APIError, error_response, sse_error_event
 from router.metrics import CONTENT_TYPE
 from router.policies import RouteRequest
@@ -209,9 +210,11 @@ class _Lease:
 class Forwarder:
     """Sends one planned request down the decision's candidate list."""
 
-    def __init__(self, state, request: Request, d: Decision, body: bytes, path: str, hashes: list[int]):
+    def __init__(self, state, request: Request, d: Decision, body: bytes, path: str, hashes: list[int],
+                 hooks=None):
         self.st, self.request, self.d, self.body, self.path = state, request, d, body, path
         self.hashes = hashes
+        self.hooks = hooks  # router/apis/hooks.py: another API's usage, error events and response ids
         self._finished = False
 
     def _closed(self, resp: UpstreamResponse, lease: _Lease) -> None:
@@ -308,8 +311,10 @@ class Forwarder:
                 resp.close()
                 lease.release()
                 ok = resp.status < 400
+                if self.hooks is not None:
+                    raw = await self.hooks.on_body(resp.status, raw)
                 self.finish("ok" if ok else f"http_{resp.status}", resp.status,
-                            usage_from_body(raw) if ok else None)
+                            (self.hooks.usage if self.hooks is not None else usage_from_body(raw)) if ok else None)
                 return Response(raw, status_code=resp.status, headers=response_headers(resp, d))
             except ClientGone:
                 lease.release()
@@ -349,11 +354,16 @@ class Forwarder:
     async def _stream(self, resp: UpstreamResponse, it, first: bytes, lease: _Lease):
         tail = bytearray(first[-_TAIL_KEEP:])
         outcome = "ok"
+        hooks = self.hooks
         try:
             if first:
+                if hooks is not None:
+                    await hooks.on_chunk(first)
                 yield first
             try:
                 async for chunk in it:
+                    if hooks is not None:
+                        await hooks.on_chunk(chunk)
                     tail += chunk
                     if len(tail) > 2 * _TAIL_KEEP:
                         del tail[:-_TAIL_KEEP]
@@ -362,15 +372,16 @@ class Forwarder:
                 outcome = "upstream_error_mid_stream"
                 log.warning("worker %s failed mid-stream: %s", self.d.chosen, e)
                 sep = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
-                yield sep + sse_error_event(f"The worker failed during the response ({type(e).__name__}).")
+                msg = f"The worker failed during the response ({type(e).__name__})."
+                yield sep + (hooks.stream_error(msg) if hooks is not None else sse_error_event(msg))
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "client_disconnected"
             raise
         finally:
             lease.release()
             resp.close()
-            self.finish(outcome, resp.status if outcome != "client_disconnected" else 499,
-                        usage_from_sse_tail(bytes(tail)) if outcome == "ok" else None)
+            usage = (hooks.usage if hooks is not None else usage_from_sse_tail(bytes(tail))) if outcome == "ok" else None
+            self.finish(outcome, resp.status if outcome != "client_disconnected" else 499, usage)
 
 
 def build_router() -> APIRouter:
@@ -403,6 +414,8 @@ def build_router() -> APIRouter:
     @api.post("/v1/completions", summary="OpenAI completions (routed)")
     async def completions(request: Request) -> Response:
         return await routed(request, "/v1/completions", need_model=True)
+
+    add_api_routes(api)  # /v1/responses, /v1/messages (router/apis/routes.py)
 
     @api.get("/v1/models", summary="The union of the fleet's models")
     async def models(request: Request) -> Response:

@@ -18,6 +18,7 @@ import numpy as np
 
 from indexer.hashing import routable_blocks, sequence_hashes
 from indexer.index.base import LookupResult, WorkerMatch
+from router.apis import api_blind
 from router.cost import Candidate, CostModel
 from router.errors import APIError
 from router.policies import Policy, RouteRequest
@@ -169,8 +170,11 @@ class Router:
 
     async def plan(self, model: str | None, body: dict, headers: dict[str, str] | None = None,
                    path: str = "/v1/chat/completions", *, size: int | None = None,
-                   request_id: str | None = None, policy: Policy | None = None) -> Decision:
-        """Score every healthy candidate for this request and order them; sends nothing."""
+                   request_id: str | None = None, policy: Policy | None = None, view: dict | None = None,
+                   api: str | None = None) -> Decision:
+        """Score every healthy candidate for this request and order them; sends nothing. ``view``: the chat
+        form of another API's body (router/apis), tokenized instead; ``api``: that API, whose failed
+        parity probe makes a worker cache-blind for it."""
         st = self.state
         t0 = time.perf_counter()
         workers = self.check_model(model)
@@ -180,10 +184,13 @@ class Router:
         d = Decision(request_id=request_id or headers.get("x-request-id") or uuid.uuid4().hex,
                      model=model or "", path=path, policy=policy.name, namespace=ns, lora_name=lora)
         kind = kind_of(path) if model else "other"
+        tok_body = body
+        if view is not None and model:
+            kind, tok_body = "chat", view
         tokens = None
         if kind != "other":
             tok_worker = min(workers, key=lambda w: w.inflight)
-            res = await st.tokenizers.tokenize(model, kind, body, size=size or 0, namespace=ns,
+            res = await st.tokenizers.tokenize(model, kind, tok_body, size=size or 0, namespace=ns,
                                                worker_url=tok_worker.url)
             tokens, d.tokenizer, d.tokenize_error = res.tokens, res.source, res.error
         t1 = time.perf_counter()
@@ -210,7 +217,7 @@ class Router:
         pending_worker, pending_n = st.pending.leading(ns, d.hashes) if d.hashes else (None, 0)
 
         def match(w) -> WorkerMatch:
-            if w.cache_blind:
+            if w.cache_blind or api_blind(w, api):
                 return WorkerMatch()
             m = result.match(w.name)
             if w.name == pending_worker and pending_n > m.local:  # sent there, events not indexed yet

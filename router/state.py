@@ -8,6 +8,7 @@ import logging
 
 import httpx
 
+from indexer.index.owners import create_owners
 from router.config import Settings
 from router.metrics import GatewayMetrics
 from router.parity import ParityChecker
@@ -55,6 +56,10 @@ class GatewayState:
                  ingestor=None, with_events: bool = True) -> None:
         self.settings = settings
         self.index = index if index is not None else make_index(settings)
+        # Responses API: which worker created each response id (indexer/index/owners.py), on the index's
+        # backend so every gateway replica shares it.
+        self.owners = create_owners(settings.index, settings.responses.owner_ttl_s,
+                                    settings.responses.owner_max_entries)
         self.metrics = GatewayMetrics()
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.request_timeout_s, connect=settings.connect_timeout_s),
@@ -161,8 +166,9 @@ class GatewayState:
             await closer()
         await self.upstream.close()
         self.tokenizers.close()
-        try:
-            await self.index.close()
-        except Exception:
-            pass
+        for store in (self.index, self.owners):
+            try:
+                await store.close()
+            except Exception:
+                pass
         self.started = False

@@ -1,0 +1,173 @@
+"""Routes of the Responses and Messages APIs (mounted by ``router.proxy.build_router``).
+
+- ``POST /v1/responses``: tokenized like chat (``responses.chat_view``) and routed by the cache; with
+  ``previous_response_id`` it goes to the worker that created that response, and nowhere else;
+- ``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``, ``DELETE /v1/responses/{id}``: to the
+  response's owner;
+- ``POST /v1/messages``: validated, tokenized like chat (``messages.chat_view``) and routed by the cache;
+- ``POST /v1/messages/count_tokens``: to any healthy worker of the model, like other utility paths.
+
+An id the gateway has not seen (or whose record expired) is answered 404; an owner that left the fleet
+410; an owner that is down or draining 503: each in the OpenAI error shape, naming the id and the worker.
+Messages errors, the gateway's own and non-Anthropic ones from a worker, use Anthropic's shape.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from router.apis import MESSAGES, RESPONSES, template_traits
+from router.apis import messages as msg_api
+from router.apis import responses as resp_api
+from router.apis.conversation import Unsupported
+from router.apis.hooks import MessagesHooks, ResponsesHooks
+from router.errors import APIError
+
+log = logging.getLogger("kvgate.apis")
+
+
+async def _owner(st, response_id: str, param: str) -> dict:
+    """The owner record of ``response_id`` and its worker, or the OpenAI-shaped error that says why not."""
+    try:
+        rec = await asyncio.wait_for(st.owners.get(response_id), st.settings.index.timeout_s)
+    except Exception as e:
+        raise APIError(503, f"The response store is unreachable ({type(e).__name__}); response "
+                            f"'{response_id}' cannot be located.", param=param,
+                       code="response_store_unavailable") from None
+    if rec is None or not isinstance(rec.get("worker"), str):
+        raise APIError(404, f"Response with id '{response_id}' not found.", param=param,
+                       code="response_not_found", type_="invalid_request_error")
+    w = st.registry.get(rec["worker"])
+    if w is None:
+        raise APIError(410, f"Response '{response_id}' was stored by worker `{rec['worker']}`, which is no "
+                            "longer in the fleet: the response is gone.", param=param,
+                       code="response_owner_gone", type_="invalid_request_error")
+    if not w.routable:
+        raise APIError(503, f"Response '{response_id}' is held by worker `{w.name}`, which is "
+                            f"{'draining' if w.draining else 'unavailable'}; try again later.", param=param,
+                       code="response_owner_unavailable")
+    return rec
+
+
+def _pin(d, worker: str) -> None:
+    d.candidates = [c for c in d.candidates if c.worker == worker]
+    if not d.candidates:
+        raise APIError(503, f"Worker `{worker}` holds this response but is not serving model `{d.model}`.",
+                       code="response_owner_unavailable")
+    d.chosen = worker
+
+
+async def _send(request: Request, path: str, raw: bytes, model: str | None, body: dict, *, view=None,
+                api=None, owner: str | None = None, hooks_factory=None) -> Response:
+    from router.proxy import Forwarder
+
+    st = request.app.state.kv
+    rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+    d = await st.router.plan(model, body, dict(request.headers), path, size=len(raw), request_id=rid,
+                             view=view, api=api)
+    if owner is not None:
+        _pin(d, owner)
+    st.metrics.observe_stages(d.timings_ms)
+    st.decisions.add(d)
+    hooks = hooks_factory(d) if hooks_factory else None
+    return await Forwarder(st, request, d, raw, path, d.hashes, hooks=hooks).run()
+
+
+def _local(st, model: str):
+    ns, _ = st.registry.namespace(model) if st.registry.knows_model(model) else (model, None)
+    return st.tokenizers.for_model(model, ns)
+
+
+def add_routes(api: APIRouter) -> None:
+    @api.post("/v1/responses", summary="OpenAI Responses (routed by cache; chains go to their owner)")
+    async def create_response(request: Request) -> Response:
+        from router.proxy import parse_json_object, read_body, require_model
+
+        st = request.app.state.kv
+        raw = await read_body(request, st.settings.max_body_bytes)
+        body = parse_json_object(raw)
+        prev = body.get("previous_response_id")
+        owner = history = None
+        if prev is not None:
+            if not isinstance(prev, str) or not prev:
+                raise APIError(400, "`previous_response_id` must be a non-empty string.",
+                               param="previous_response_id", code="invalid_value")
+            rec = await _owner(st, prev, "previous_response_id")
+            owner, history = rec["worker"], rec.get("history")
+            model = body.get("model") if isinstance(body.get("model"), str) and body["model"] else rec.get("model")
+        else:
+            model = require_model(body)
+        view = None
+        if prev is None or history is not None:
+            try:
+                view = resp_api.chat_view(body, history)
+            except Unsupported as e:
+                log.debug("responses body routed on load: %s", e)
+        return await _send(request, "/v1/responses", raw, model, body, view=view, api=RESPONSES, owner=owner,
+                           hooks_factory=lambda d: ResponsesHooks(st, d, body, history))
+
+    async def by_id(request: Request, response_id: str, path: str) -> Response:
+        from router.proxy import read_body
+
+        st = request.app.state.kv
+        raw = await read_body(request, st.settings.max_body_bytes)
+        rec = await _owner(st, response_id, "response_id")
+        resp = await _send(request, path, raw, rec.get("model"), {}, owner=rec["worker"])
+        if request.method == "DELETE" and resp.status_code == 200:
+            try:
+                await asyncio.wait_for(st.owners.delete(response_id), st.settings.index.timeout_s)
+            except Exception as e:
+                log.warning("could not forget response %s: %s", response_id, e)
+        return resp
+
+    @api.get("/v1/responses/{response_id}", summary="A stored response (from the worker that created it)")
+    async def get_response(request: Request, response_id: str) -> Response:
+        return await by_id(request, response_id, f"/v1/responses/{response_id}")
+
+    @api.delete("/v1/responses/{response_id}", summary="Delete a stored response (on its worker)")
+    async def delete_response(request: Request, response_id: str) -> Response:
+        return await by_id(request, response_id, f"/v1/responses/{response_id}")
+
+    @api.post("/v1/responses/{response_id}/cancel", summary="Cancel a background response (on its worker)")
+    async def cancel_response(request: Request, response_id: str) -> Response:
+        return await by_id(request, response_id, f"/v1/responses/{response_id}/cancel")
+
+    async def anthropic(request: Request, path: str, routed: bool) -> Response:
+        from router.proxy import parse_json_object, read_body
+
+        st = request.app.state.kv
+        try:
+            raw = await read_body(request, st.settings.max_body_bytes)
+            body = parse_json_object(raw)
+            msg_api.validate(body) if routed else _require_model(body)
+            view = None
+            if routed:
+                merge, effort = template_traits(_local(st, body["model"]))
+                try:
+                    view = msg_api.chat_view(body, merge, effort)
+                except Unsupported as e:
+                    log.debug("messages body routed on load: %s", e)
+            return await _send(request, path, raw, body["model"], body, view=view,
+                               api=MESSAGES if routed else None,
+                               hooks_factory=lambda d: MessagesHooks(st))
+        except APIError as e:
+            return Response(json.dumps(msg_api.error_body(e.status, e.message)), status_code=e.status,
+                            media_type="application/json")
+
+    @api.post("/v1/messages", summary="Anthropic Messages (routed by cache)")
+    async def messages(request: Request) -> Response:
+        return await anthropic(request, "/v1/messages", routed=True)
+
+    @api.post("/v1/messages/count_tokens", summary="Anthropic token count (any healthy worker of the model)")
+    async def count_tokens(request: Request) -> Response:
+        return await anthropic(request, "/v1/messages/count_tokens", routed=False)
+
+
+def _require_model(body: dict) -> None:
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise APIError(400, "`model` is required (a non-empty string).", param="model")
