@@ -9,6 +9,7 @@ import logging
 import httpx
 
 from indexer.index.owners import create_owners
+from router.apis.probes import make_probes
 from router.config import Settings
 from router.metrics import GatewayMetrics
 from router.parity import ParityChecker
@@ -72,7 +73,7 @@ class GatewayState:
         # registry's on_ready hook each time a worker becomes routable.
         self.parity = ParityChecker(self.client, self._tokenize_probe, self._block_size,
                                     events_seen=self._events_seen, indexed=self._indexed_blocks,
-                                    metrics=self.metrics)
+                                    metrics=self.metrics, api_probes=make_probes(self))
         self.ingestor = ingestor if ingestor is not None or not with_events else make_ingestor(
             self.index, self._on_events_reset, self.parity.observe)
         if self.ingestor is not None and getattr(self.ingestor, "observer", False) is None:

@@ -8,6 +8,7 @@ real vLLM, ZMQ, the ingestor -- is covered by tests/e2e/test_gateway_vllm.py.
 
 from __future__ import annotations
 
+import json
 import logging
 
 import httpx
@@ -54,6 +55,14 @@ def worker():
             w.checker.observe("w", "GPU", sequence_hashes(tokens, w.block_size))
         return {"usage": {"prompt_tokens": len(tokens), "completion_tokens": 1}}
 
+    @app.post("/v1/{api}")
+    async def other_api(api: str, request: Request):
+        """Another API's probe: the worker "renders" the body as the characters of its JSON."""
+        body = await request.json()
+        tokens = chars(json.dumps(body, sort_keys=True))
+        w.checker.observe("w", "GPU", sequence_hashes(tokens, w.block_size))
+        return {"usage": {"input_tokens": len(tokens)}}
+
     srv = ThreadServer(app).start()
     w.url = srv.url
     yield w
@@ -71,7 +80,7 @@ def _error(status: int):
 
 async def run(
     worker: Worker, *, kvgate_tokenize=chars, block_size: int = 16, events_seen: bool = True, metrics=None,
-    indexed=None,
+    indexed=None, api_probes=None,
 ):
     async def tokenize(model: str, text: str):
         return kvgate_tokenize(text) if kvgate_tokenize else None
@@ -86,6 +95,7 @@ async def run(
             metrics=metrics,
             attempts=3,
             settle_s=0.5,
+            api_probes=api_probes,
         )
         worker.checker = checker
         return await checker.check("w", worker.url, "tiny")
@@ -158,3 +168,30 @@ async def test_probe_already_cached_and_indexed_is_ok(worker):
     assert r.status == OK and "already cached" in r.reason and r.matched_blocks == r.expected_blocks
     r = await run(worker, indexed=half_indexed)
     assert r.status == CACHE_BLIND
+
+
+def api_probe(api: str, render):
+    """An API probe whose kvgate side renders the body with ``render`` (the worker renders its JSON)."""
+
+    async def probe(model: str, nonce: str):
+        body = {"model": model, "input": f"probe {nonce} " + "words " * 40}
+        return f"/v1/{api}", body, chars(render(body)), lambda answer: answer["usage"]["input_tokens"]
+
+    return probe
+
+
+async def test_api_probe_mismatch_marks_only_that_api(worker):
+    same = lambda body: json.dumps(body, sort_keys=True)  # noqa: E731
+    other = lambda body: json.dumps(body)  # noqa: E731  (key order differs: other tokens, same count)
+    r = await run(worker, api_probes={"responses": api_probe("responses", same),
+                                      "messages": api_probe("messages", other)})
+    assert r.status == OK and not r.cache_blind
+    assert r.apis["responses"]["status"] == OK
+    assert r.apis["messages"]["status"] == CACHE_BLIND and "same token count" in r.apis["messages"]["reason"]
+    assert r.to_dict()["apis"]["messages"]["status"] == CACHE_BLIND
+
+
+async def test_api_probes_wait_for_the_completion_probe(worker):
+    worker.tokenize = lambda text: [ord(c) for c in text.replace(" ", "")]
+    r = await run(worker, api_probes={"responses": api_probe("responses", str)})
+    assert r.status == CACHE_BLIND and r.apis["responses"]["status"] == UNVERIFIED
