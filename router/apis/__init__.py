@@ -41,3 +41,26 @@ def template_traits(local) -> tuple[bool, bool]:
         effort = any(t and ("reasoning_effort" in t or "enable_thinking" in t) for t in templates)
         cached = _templates[local] = (merge, effort)
     return cached
+
+
+def fit_template(local, view: dict) -> dict:
+    """vLLM's last step before the template (``safe_apply_chat_template``): a template that never names
+    the ``developer`` role gets developer messages as system ones (without their ``tools``), and then
+    all system messages merged into one leading message (joined by blank lines)."""
+    msgs = view["messages"]
+    if local is None or not any(m.get("role") == "developer" for m in msgs):
+        return view
+    try:
+        template = local.hf.get_chat_template(view.get("chat_template"), view.get("tools"))
+    except Exception:
+        return view
+    if '"developer"' in template or "'developer'" in template:
+        return view
+    converted = [{k: v for k, v in m.items() if k != "tools"} | {"role": "system"} if m.get("role") == "developer"
+                 else m for m in msgs]
+    systems = [i for i, m in enumerate(converted) if m["role"] == "system"]
+    if systems and (systems[0] > 0 or len(systems) > 1):
+        merged = {"role": "system", "content": "\n\n".join(converted[i]["content"] for i in systems
+                                                           if converted[i].get("content"))}
+        converted = [merged] + [m for m in converted if m["role"] != "system"]
+    return {**view, "messages": converted}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from router.apis import MESSAGES, RESPONSES, template_traits
+from router.apis import MESSAGES, RESPONSES, fit_template, template_traits
 from router.apis import messages as msg_api
 from router.apis import responses as resp_api
 from router.parity import probe_prompt
@@ -30,6 +30,8 @@ def messages_probe(model: str, nonce: str) -> dict:
     use = f"toolu_{nonce[:8]}"
     return {"model": model, "max_tokens": 1, "temperature": 0.0, "system": "kvgate parity probe",
             "tools": [{"name": _TOOL["name"], "description": _TOOL["description"], "input_schema": _TOOL["schema"]}],
+            # "auto" needs a tool parser on the worker (--enable-auto-tool-choice): not the probe's business
+            "tool_choice": {"type": "none"},
             "messages": [{"role": "user", "content": probe_prompt(nonce, 60)},
                          {"role": "assistant", "content": [{"type": "text", "text": "Looking it up."},
                                                            {"type": "tool_use", "id": use, "name": _TOOL["name"],
@@ -61,12 +63,16 @@ def make_probes(state) -> dict:
 
     async def responses(model: str, nonce: str):
         body = responses_probe(model, nonce)
-        return "/v1/responses", body, await tokens(model, resp_api.chat_view(body)), _responses_count
+        ns, _ = state.registry.namespace(model)
+        view = fit_template(state.tokenizers.for_model(model, ns), resp_api.chat_view(body))
+        return "/v1/responses", body, await tokens(model, view), _responses_count
 
     async def messages(model: str, nonce: str):
         body = messages_probe(model, nonce)
         ns, _ = state.registry.namespace(model)
-        merge, effort = template_traits(state.tokenizers.for_model(model, ns))
-        return "/v1/messages", body, await tokens(model, msg_api.chat_view(body, merge, effort)), _messages_count
+        local = state.tokenizers.for_model(model, ns)
+        merge, effort = template_traits(local)
+        view = fit_template(local, msg_api.chat_view(body, merge, effort))
+        return "/v1/messages", body, await tokens(model, view), _messages_count
 
     return {RESPONSES: responses, MESSAGES: messages}

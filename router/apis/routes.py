@@ -21,7 +21,7 @@ import uuid
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from router.apis import MESSAGES, RESPONSES, template_traits
+from router.apis import MESSAGES, RESPONSES, fit_template, template_traits
 from router.apis import messages as msg_api
 from router.apis import responses as resp_api
 from router.apis.conversation import Unsupported
@@ -105,7 +105,7 @@ def add_routes(api: APIRouter) -> None:
         view = None
         if prev is None or history is not None:
             try:
-                view = resp_api.chat_view(body, history)
+                view = fit_template(_local(st, model), resp_api.chat_view(body, history))
             except Unsupported as e:
                 log.debug("responses body routed on load: %s", e)
         return await _send(request, "/v1/responses", raw, model, body, view=view, api=RESPONSES, owner=owner,
@@ -147,9 +147,10 @@ def add_routes(api: APIRouter) -> None:
             msg_api.validate(body) if routed else _require_model(body)
             view = None
             if routed:
-                merge, effort = template_traits(_local(st, body["model"]))
+                local = _local(st, body["model"])
+                merge, effort = template_traits(local)
                 try:
-                    view = msg_api.chat_view(body, merge, effort)
+                    view = fit_template(local, msg_api.chat_view(body, merge, effort))
                 except Unsupported as e:
                     log.debug("messages body routed on load: %s", e)
             return await _send(request, path, raw, body["model"], body, view=view,
