@@ -213,29 +213,41 @@ def _settle(gw, api: str, body: dict) -> None:
 
 def _answer(api: str, r: httpx.Response, stream: bool) -> tuple[int, str, str | None]:
     """(delivered cached tokens, answer text, response id) from a streamed or unstreamed answer."""
+    def text_of(resp: dict) -> str:
+        return "".join(p["text"] for item in resp["output"] if item["type"] == "message" for p in item["content"])
+
     if not stream:
         obj = r.json()
         if api == RESPONSES:
-            return obj["usage"]["input_tokens_details"]["cached_tokens"], "", obj["id"]
+            return obj["usage"]["input_tokens_details"]["cached_tokens"], text_of(obj), obj["id"]
         return obj["usage"]["cache_read_input_tokens"], obj["content"][0]["text"], None
     events = [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:")]
     if api == RESPONSES:
         final = next(e["response"] for e in events if e["type"] in ("response.completed", "response.incomplete"))
-        return final["usage"]["input_tokens_details"]["cached_tokens"], "", final["id"]
+        return final["usage"]["input_tokens_details"]["cached_tokens"], text_of(final), final["id"]
     delta = next(e for e in events if e["type"] == "message_delta")
     text = "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
     return delta["usage"]["cache_read_input_tokens"], text, None
 
 
-def conversation(gw, api: str, questions: list[str]) -> list[tuple[int, int, str]]:
+STATELESS = "responses-stateless"
+
+
+def conversation(gw, mode: str, questions: list[str]) -> list[tuple[int, int, str]]:
     """One conversation through ``gw``, every second turn streamed: (predicted, delivered, worker) per
-    turn. Responses turns chain with ``previous_response_id``; Messages turns resend the history."""
+    turn. Responses turns chain with ``previous_response_id`` (``STATELESS``: resend the history as input
+    items, ``store`` off); Messages turns resend the history."""
     out, history, prev_id = [], [], None
+    api = RESPONSES if mode == STATELESS else mode
     for k, q in enumerate(questions):
         stream = k % 2 == 1
-        if api == RESPONSES:
+        if mode == RESPONSES:
             body = {"model": MODEL, "input": q, "store": True, "max_output_tokens": 6, "temperature": 0.0,
                     "stream": stream, **({"previous_response_id": prev_id} if prev_id else {})}
+        elif mode == STATELESS:
+            history.append({"role": "user", "content": q})
+            body = {"model": MODEL, "input": list(history), "store": False, "max_output_tokens": 6,
+                    "temperature": 0.0, "stream": stream}
         else:
             history.append({"role": "user", "content": q})
             body = {"model": MODEL, "max_tokens": 6, "temperature": 0.0, "messages": list(history), "stream": stream}
@@ -247,24 +259,28 @@ def conversation(gw, api: str, questions: list[str]) -> list[tuple[int, int, str
         delivered, text, prev_id = _answer(api, r, stream)
         d = gw.state.decisions.get(rid)
         assert d is not None and d.tokenize_error is None and d.delivered_cached_tokens == delivered, d
-        if api == MESSAGES:
+        if mode == MESSAGES:
             history.append({"role": "assistant", "content": text})
+        elif mode == STATELESS:
+            history.append({"type": "message", "role": "assistant", "id": f"msg_{k}", "status": "completed",
+                            "content": [{"type": "output_text", "text": text, "annotations": []}]})
         out.append((int(r.headers["x-kvgate-cached-tokens"]), delivered, r.headers["x-kvgate-worker"]))
     return out
 
 
-@pytest.mark.parametrize("api", [RESPONSES, MESSAGES])
+@pytest.mark.parametrize("api", [RESPONSES, STATELESS, MESSAGES])
 def test_multi_turn_conversations_hit_the_cache_and_predictions_are_exact(kvgate, texts, api):
     """4 turns of ~300 new tokens each: under kv every later turn gets vLLM cached tokens, and the
     gateway's predicted cached tokens equal vLLM's delivered ones on every turn. Under round_robin (the
-    cache-blind path) the second turn lands on the other worker and gets none."""
+    cache-blind path) the second turn of a stateless conversation lands on the other worker and gets
+    none (a chain is pinned to its owner under any policy, see below)."""
     questions = [texts.text(300, tag=_tag()) for _ in range(4)]
     kv = conversation(kvgate("kv"), api, questions)
     assert all(delivered > 0 for _, delivered, _ in kv[1:]), kv
     assert [p for p, _, _ in kv] == [d for _, d, _ in kv], kv
     assert len({w for _, _, w in kv}) == 1, kv
     rr_questions = [texts.text(300, tag=_tag()) for _ in range(4)]
-    rr = conversation(kvgate("round_robin"), api, rr_questions) if api == MESSAGES else None
+    rr = conversation(kvgate("round_robin"), api, rr_questions) if api != RESPONSES else None
     if rr is not None:
         assert rr[1][1] == 0 and rr[1][2] != rr[0][2], rr
         assert sum(d for _, d, _ in rr) < sum(d for _, d, _ in kv)
