@@ -83,8 +83,31 @@ def _local(st, model: str):
     return st.tokenizers.for_model(model, ns)
 
 
+def _body(schema: dict) -> dict:
+    """An OpenAPI request body (the handlers read the raw body: it is forwarded byte for byte)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+_STR = {"type": "string", "minLength": 1}
+RESPONSES_BODY = {"type": "object", "required": ["model"], "properties": {
+    "model": _STR, "instructions": {"type": "string"}, "previous_response_id": _STR,
+    "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+    "stream": {"type": "boolean"}, "store": {"type": "boolean"}, "background": {"type": "boolean"},
+    "max_output_tokens": {"type": "integer", "minimum": 1}}}
+_CONTENT = {"oneOf": [{"type": "string"}, {"type": "array", "items": {
+    "type": "object", "required": ["type"], "properties": {"type": {"type": "string", "enum": sorted(msg_api.BLOCK_TYPES)},
+                                                            "text": {"type": "string"}}}}]}
+MESSAGES_BODY = {"type": "object", "required": ["model", "messages", "max_tokens"], "properties": {
+    "model": _STR, "max_tokens": {"type": "integer", "minimum": 1}, "system": _CONTENT,
+    "stream": {"type": "boolean"},
+    "messages": {"type": "array", "items": {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"type": "string", "enum": ["user", "assistant"]}, "content": _CONTENT}}}}}
+COUNT_BODY = {**MESSAGES_BODY, "required": ["model", "messages"]}
+
+
 def add_routes(api: APIRouter) -> None:
-    @api.post("/v1/responses", summary="OpenAI Responses (routed by cache; chains go to their owner)")
+    @api.post("/v1/responses", summary="OpenAI Responses (routed by cache; chains go to their owner)",
+              openapi_extra=_body(RESPONSES_BODY))
     async def create_response(request: Request) -> Response:
         from router.proxy import parse_json_object, read_body, require_model
 
@@ -160,11 +183,12 @@ def add_routes(api: APIRouter) -> None:
             return Response(json.dumps(msg_api.error_body(e.status, e.message)), status_code=e.status,
                             media_type="application/json")
 
-    @api.post("/v1/messages", summary="Anthropic Messages (routed by cache)")
+    @api.post("/v1/messages", summary="Anthropic Messages (routed by cache)", openapi_extra=_body(MESSAGES_BODY))
     async def messages(request: Request) -> Response:
         return await anthropic(request, "/v1/messages", routed=True)
 
-    @api.post("/v1/messages/count_tokens", summary="Anthropic token count (any healthy worker of the model)")
+    @api.post("/v1/messages/count_tokens", summary="Anthropic token count (any healthy worker of the model)",
+              openapi_extra=_body(COUNT_BODY))
     async def count_tokens(request: Request) -> Response:
         return await anthropic(request, "/v1/messages/count_tokens", routed=False)
 
