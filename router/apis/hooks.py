@@ -34,11 +34,12 @@ class SSEReader:
                     self._buf.clear()
                     self._skip = True  # the rest of this event is dropped
                 return
-            raw = bytes(self._buf[:end])
-            del self._buf[:end + 2]
-            if self._skip:
+            if self._skip or end > self.max_event:
+                del self._buf[:end + 2]
                 self._skip = False
                 continue
+            raw = bytes(self._buf[:end])
+            del self._buf[:end + 2]
             name, data = b"", []
             for line in raw.split(b"\n"):
                 if line.startswith(b"event:"):
