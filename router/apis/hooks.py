@@ -57,6 +57,19 @@ def _json(data: bytes):
         return None
 
 
+def _guarded(fn):
+    """A hook never breaks the answer it reads: whatever it fails on is logged, the bytes flow on."""
+    async def wrapper(self, *args):
+        try:
+            return await fn(self, *args)
+        except Exception as e:
+            log.warning("%s.%s failed: %s: %s", type(self).__name__, fn.__name__, type(e).__name__, e)
+            return args[-1] if fn.__name__ == "on_body" else None
+
+    wrapper.__name__ = fn.__name__
+    return wrapper
+
+
 class Hooks:
     """Defaults: the chat shapes (used by the proxy when a request has no hooks)."""
 
@@ -99,6 +112,7 @@ class ResponsesHooks(Hooks):
                 history = None
         await put_owner(self.st, rid, {"worker": self.d.chosen, "model": self.d.model, "history": history})
 
+    @_guarded
     async def on_body(self, status: int, raw: bytes) -> bytes:
         if status >= 400:
             return raw
@@ -108,6 +122,7 @@ class ResponsesHooks(Hooks):
             await self._remember(obj, final=obj.get("status") not in ("queued", "in_progress"))
         return raw
 
+    @_guarded
     async def on_chunk(self, chunk: bytes) -> None:
         for name, data in self.reader.feed(chunk):
             obj = _json(data)
@@ -132,6 +147,7 @@ class MessagesHooks(Hooks):
         self.reader = SSEReader((b"message_start", b"message_delta"),
                                 state.settings.responses.stream_event_max_bytes)
 
+    @_guarded
     async def on_body(self, status: int, raw: bytes) -> bytes:
         obj = _json(raw)
         if status >= 400:
@@ -147,6 +163,7 @@ class MessagesHooks(Hooks):
             self.usage = msg_api.usage_as_chat(obj.get("usage"))
         return raw
 
+    @_guarded
     async def on_chunk(self, chunk: bytes) -> None:
         for name, data in self.reader.feed(chunk):
             obj = _json(data)

@@ -131,6 +131,8 @@ def add_routes(api: APIRouter) -> None:
                 view = fit_template(_local(st, model), resp_api.chat_view(body, history))
             except Unsupported as e:
                 log.debug("responses body routed on load: %s", e)
+            except Exception as e:  # a body shape the conversion did not foresee: vLLM will judge it
+                log.warning("responses body routed on load (conversion failed: %s: %s)", type(e).__name__, e)
         return await _send(request, "/v1/responses", raw, model, body, view=view, api=RESPONSES, owner=owner,
                            hooks_factory=lambda d: ResponsesHooks(st, d, body, history))
 
@@ -176,6 +178,8 @@ def add_routes(api: APIRouter) -> None:
                     view = fit_template(local, msg_api.chat_view(body, merge, effort))
                 except Unsupported as e:
                     log.debug("messages body routed on load: %s", e)
+                except Exception as e:  # a body shape the conversion did not foresee: vLLM will judge it
+                    log.warning("messages body routed on load (conversion failed: %s: %s)", type(e).__name__, e)
             return await _send(request, path, raw, body["model"], body, view=view,
                                api=MESSAGES if routed else None,
                                hooks_factory=lambda d: MessagesHooks(st))
