@@ -1,14 +1,16 @@
-"""Gateway overhead against fast mock workers, with a direct-to-worker baseline in the same run.
+"""Gateway overhead against fast mock workers, beside sglang-router and a direct baseline in the same run.
 
-    python -m bench.bench_gateway [--quick] [--index memory|redis]
+    python -m bench.bench_gateway [--quick] [--index memory|redis] [--no-peer] [--procs 1,2]
 
-Starts 4 mock workers (bench/mock_worker.py, one process) and one gateway process (`kvgate serve`, kv
-policy, a 32K-vocab BPE tokenizer loaded locally), then measures with a raw keep-alive HTTP/1.1 client:
-- added latency p50/p99 at concurrency 1 (gateway minus direct) for a ~300 B chat, a ~100 KB chat never
-  seen before, and a new turn of a seen ~100 KB conversation;
-- throughput at concurrency 32, direct (client-side round robin over the 4 workers) vs through the gateway;
-- routing stages measured separately in-process (tokenize, hash, lookup, decide) via Router.plan.
-Prints a Markdown table and writes bench/results/gateway.json.
+Starts 4 mock workers (bench/mock_worker.py, one process), kvgate (`kvgate serve`, kv policy, a 32K-vocab
+BPE tokenizer loaded locally; once per --procs value) and sglang-router `cache_aware` (installed from PyPI
+into ~/.cache/kvgate/peers by bench.sim.harness), then measures each with a raw keep-alive HTTP/1.1 client:
+- added latency p50/p99 at concurrency 1 (router minus direct) and the router's CPU per request, for a
+  ~300 B chat; a ~100 KB chat (16 long documents shared by 64 bodies, each document seen once before);
+  a seen ~100 KB conversation extended by ~1 KB; a ~100 KB chat never seen;
+- throughput at concurrency 32 for the small and the shared-document chats;
+- routing stages in-process (tokenize, hash, lookup, decide) through Router.plan.
+Prints Markdown tables with ratios against sglang-router and writes bench/results/gateway.json.
 """
 from __future__ import annotations
 
@@ -143,6 +145,20 @@ def chat_of(msgs: list[dict]) -> bytes:
     return json.dumps({"model": MODEL, "max_tokens": 8, "messages": msgs}).encode()
 
 
+def shared_documents(n_docs: int = 16, per_doc: int = 4, doc_bytes: int = 100_000) -> tuple[list[bytes], list[bytes]]:
+    """RAG bodies: ``n_docs`` long documents, each asked ``per_doc`` questions (one user message with the
+    document then the question), and one warm-up body per document (a question not asked later)."""
+    docs = [corpus_text(doc_bytes, offset=7919 * (i + 1)) for i in range(n_docs)]
+
+    def body(i: int, q: str) -> bytes:
+        return chat_of([{"role": "system", "content": "Answer from the document."},
+                        {"role": "user", "content": f"{docs[i]}\n\nQuestion: {q}"}])
+    warm = [body(i, "what is this document about?") for i in range(n_docs)]
+    asks = [body(i, f"what does part {k} of it say about item {i * per_doc + k}?")
+            for k in range(per_doc) for i in range(n_docs)]
+    return warm, asks
+
+
 # ---- processes ------------------------------------------------------------------------------------
 def free_port() -> int:
     import socket
@@ -203,6 +219,79 @@ async def stages(worker_ports: list[int], tok_dir: Path, payloads: dict[str, lis
     return out
 
 
+def start_kvgate(tmp: Path, tok_dir: Path, wports: list[int], index_cfg: dict, nprocs: int):
+    """A kvgate gateway (``kvgate serve --workers nprocs``); returns (process, port)."""
+    import yaml
+
+    gport = free_port()
+    cfg = tmp / f"kvgate-{nprocs}.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "host": "127.0.0.1", "port": gport, "log_level": "warning",
+        "workers": [{"url": f"http://127.0.0.1:{p}", "name": f"w{i}"} for i, p in enumerate(wports)],
+        "models": {MODEL: {"tokenizer": str(tok_dir)}}, "index": index_cfg,
+        # the mock workers publish no KV events: a parity probe would only mark them cache-blind
+        "routing": {"parity_check": False},
+        "health_interval_s": 2.0}))
+    proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--config", str(cfg),
+                             "--workers", str(nprocs)], cwd=ROOT, start_new_session=True)
+    wait_http(gport, "/ready")
+    if nprocs > 1:
+        time.sleep(3.0)  # every process up and healthy (they bind one by one)
+    return proc, gport
+
+
+def start_sglang(tmp: Path, wports: list[int]):
+    """sglang-router ``cache_aware`` on the same mock workers; returns (process, port)."""
+    from bench.sim.harness import Target, start_peer
+
+    port = free_port()
+    proc = start_peer(Target("sglang-router cache_aware", "sglang-router", "cache_aware", text=True), tmp,
+                      [f"http://127.0.0.1:{p}" for p in wports], port, {})
+    return proc, port
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of a process and its children (``--workers`` processes)."""
+    from bench.sim.procs import children
+
+    total = cpu_s(pid)
+    for child in children(pid):
+        try:
+            total += cpu_s(child)
+        except OSError:  # gone meanwhile
+            pass
+    return total
+
+
+async def measure(port: int, pid: int, wports: list[int], bodies: dict, q: bool) -> dict:
+    """One router: c=1 latency and CPU per case (with the direct baseline taken right after), c=32 req/s."""
+    out: dict = {}
+
+    async def pair(name, bodies_, warm=()):
+        if warm:
+            await latency(port, list(warm))
+        await latency(port, bodies_[:5])
+        c0 = tree_cpu_s(pid)
+        g = await latency(port, bodies_[5:])
+        cpu = (tree_cpu_s(pid) - c0) / len(g) * 1e3
+        await latency(wports[0], bodies_[:5])
+        d = await latency(wports[0], bodies_[5:])
+        out[f"c1_{name}"] = {"direct_p50_ms": pct(d, .5), "gateway_p50_ms": pct(g, .5), "gateway_p99_ms": pct(g, .99),
+                             "added_p50_ms": pct(g, .5) - pct(d, .5), "added_p99_ms": pct(g, .99) - pct(d, .99),
+                             "cpu_ms_per_req": cpu, "n": len(g)}
+
+    await pair("small", bodies["small"])
+    await pair("rag_seen", bodies["rag"], warm=bodies["rag_warm"])
+    await pair("extend_1k", bodies["extend"], warm=bodies["extend_warm"])
+    await pair("unseen", bodies["unseen"])
+    secs = 2.0 if q else 6.0
+    for name in ("small", "rag"):
+        c0 = tree_cpu_s(pid)
+        rps, n = await throughput([port], bodies[name], 32, secs)
+        out[f"c32_{name}"] = {"rps": rps, "cpu_ms_per_req": (tree_cpu_s(pid) - c0) / max(1, n) * 1e3}
+    return out
+
+
 async def run(args) -> dict:
     tok_dir = build_tokenizer()
     tmp = Path(tempfile.mkdtemp(prefix="kvgate-bench-"))
@@ -222,64 +311,36 @@ async def run(args) -> dict:
                                        ",".join(map(str, wports))], cwd=ROOT, start_new_session=True))
         for p in wports:
             wait_http(p, "/health")
-        gport = free_port()
-        cfg = tmp / "kvgate.yaml"
-        import yaml
-
-        cfg.write_text(yaml.safe_dump({
-            "host": "127.0.0.1", "port": gport, "log_level": "warning",
-            "workers": [{"url": f"http://127.0.0.1:{p}", "name": f"w{i}"} for i, p in enumerate(wports)],
-            "models": {MODEL: {"tokenizer": str(tok_dir)}}, "index": index_cfg,
-            # the mock workers publish no KV events: a parity probe would only mark them cache-blind
-            "routing": {"parity_check": False},
-            "health_interval_s": 2.0}))
-        gw_proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)],
-                                   cwd=ROOT, start_new_session=True)
-        procs.append(gw_proc)
-        wait_http(gport, "/ready")
         q = args.quick
         n_small = 300 if q else 2000
-        n_big = 40 if q else 200
-        secs = 2.0 if q else 6.0
-        results: dict = {"machine": f"{os.cpu_count()} cores", "index": args.index,
-                         "loadavg": " ".join(Path("/proc/loadavg").read_text().split()[:3])}
-
-        small = [small_chat(i) for i in range(n_small)]
-        big_cold = [chat_of(conversation(f"cold{i}")) for i in range(n_big + 20)]
         base_conv = conversation("seen")
-        turns = [chat_of(base_conv + [{"role": "assistant", "content": f"answer {i} " * 20},
-                                      {"role": "user", "content": f"follow-up question {i} " * 10}])
-                 for i in range(n_big + 20)]
-        results["sizes"] = {"small_bytes": len(small[0]), "big_bytes": len(big_cold[0]),
-                            "turn_bytes": len(turns[0])}
-
-        async def pair(bodies, warm=20):
-            await latency(gport, bodies[:warm])
-            await latency(wports[0], bodies[:warm])
-            c0 = cpu_s(gw_proc.pid)
-            g = await latency(gport, bodies[warm:])
-            cpu = (cpu_s(gw_proc.pid) - c0) / len(g) * 1e3
-            d = await latency(wports[0], bodies[warm:])
-            return {"direct_p50_ms": pct(d, .5), "direct_p99_ms": pct(d, .99), "gateway_p50_ms": pct(g, .5),
-                    "gateway_p99_ms": pct(g, .99), "added_p50_ms": pct(g, .5) - pct(d, .5),
-                    "added_p99_ms": pct(g, .99) - pct(d, .99), "gateway_cpu_ms_per_req": cpu, "n": len(g)}
-
-        results["c1_small"] = await pair(small)
-        results["c1_big_unseen"] = await pair(big_cold)
-        await latency(gport, [chat_of(base_conv)])  # the gateway has seen the conversation
-        results["c1_big_new_turn"] = await pair(turns)
-
-        big_seen = [chat_of(base_conv)] * 50
-        for name, bodies in (("small", small), ("big_seen", big_seen), ("big_unseen", big_cold)):
-            direct, _ = await throughput(wports, bodies, 32, secs)
-            c0 = cpu_s(gw_proc.pid)
-            via, n = await throughput([gport], bodies, 32, secs)
-            cpu = (cpu_s(gw_proc.pid) - c0) / max(1, n) * 1e3
-            results[f"c32_{name}"] = {"direct_rps": direct, "gateway_rps": via, "ratio": via / direct,
-                                      "gateway_cpu_ms_per_req": cpu}
+        rag_warm, rag = shared_documents(per_doc=2 if q else 4)
+        bodies = {
+            "small": [small_chat(i) for i in range(n_small)],
+            "rag_warm": rag_warm, "rag": rag,
+            "extend_warm": [chat_of(base_conv)],
+            "extend": [chat_of(base_conv + [{"role": "user", "content": f"follow-up {i}: " + corpus_text(1000, 31 * i)}])
+                       for i in range(25 if q else 105)],
+            "unseen": [chat_of(conversation(f"cold{i}")) for i in range(10 if q else 40)],
+        }
+        results: dict = {"machine": f"{os.cpu_count()} cores", "index": args.index,
+                         "loadavg": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
+                         "sizes": {k: len(v[0]) for k, v in bodies.items()}, "targets": {}}
+        targets = [(f"kvgate x{n}", n) for n in args.procs] + ([] if args.no_peer else [("sglang-router", 0)])
+        for name, n in targets:
+            print(f"measuring {name} ...", file=sys.stderr, flush=True)
+            proc, port = start_kvgate(tmp, tok_dir, wports, index_cfg, n) if n else start_sglang(tmp, wports)
+            try:
+                pid = proc.pid if n else proc.p.pid
+                results["targets"][name] = await measure(port, pid, wports, bodies, q)
+            finally:
+                if n:
+                    stop(proc)
+                else:
+                    proc.stop()
         results["stages_ms"] = await stages(wports, tok_dir, {
-            "small": small[:200], "big_unseen": big_cold[: min(60, len(big_cold))],
-            "big_new_turn": [chat_of(base_conv)] + turns[:60]}, index_cfg)
+            "small": bodies["small"][:200], "rag_seen": bodies["rag_warm"] + bodies["rag"],
+            "extend_1k": bodies["extend_warm"] + bodies["extend"][:60]}, index_cfg)
         return results
     finally:
         for p in procs:
@@ -289,24 +350,39 @@ async def run(args) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+CASES = (("small", "~300 B chat"), ("rag_seen", "~100 KB chat, document seen (16 docs x 64 bodies)"),
+         ("extend_1k", "seen 100 KB chat + 1 KB"), ("unseen", "~100 KB chat, unseen"))
+
+
 def report(r: dict) -> str:
-    lines = [f"Load average at start: {r.get('loadavg', '?')}. Index: {r['index']}; bodies: small {r['sizes']['small_bytes']} B, 100 KB chat "
-             f"{r['sizes']['big_bytes']} B, new turn {r['sizes']['turn_bytes']} B.", "",
-             "| c=1 | direct p50 | gateway p50 | added p50 | added p99 | gateway CPU/request |",
-             "|---|---|---|---|---|---|"]
-    for k, label in (("c1_small", "~300 B chat"), ("c1_big_unseen", "~100 KB chat, unseen"),
-                     ("c1_big_new_turn", "new turn of a seen 100 KB chat")):
-        x = r[k]
-        lines.append(f"| {label} | {x['direct_p50_ms']:.2f} ms | {x['gateway_p50_ms']:.2f} ms | "
-                     f"{x['added_p50_ms']:.2f} ms | {x['added_p99_ms']:.2f} ms | "
-                     f"{x['gateway_cpu_ms_per_req']:.2f} ms |")
-    lines += ["", "| c=32 | direct req/s | gateway req/s | gateway/direct | gateway CPU/request |",
-              "|---|---|---|---|---|"]
-    for k, label in (("c32_small", "~300 B chat"), ("c32_big_seen", "~100 KB chat, seen (segment cache)"),
-                     ("c32_big_unseen", "~100 KB chat, unseen")):
-        x = r[k]
-        lines.append(f"| {label} | {x['direct_rps']:.0f} | {x['gateway_rps']:.0f} | {x['ratio']:.2f} | "
-                     f"{x['gateway_cpu_ms_per_req']:.2f} ms |")
+    t = r["targets"]
+    peer = t.get("sglang-router")
+    names = list(t)
+    lines = [f"Load average at start: {r.get('loadavg', '?')}. Index: {r['index']}; body bytes: "
+             + ", ".join(f"{k} {v}" for k, v in r["sizes"].items() if not k.endswith("warm")) + ".", "",
+             "| c=1, added p50 (p99) | " + " | ".join(names) + (" | kvgate x1 / sglang |" if peer else " |"),
+             "|---" * (len(names) + 1 + bool(peer)) + "|"]
+    for k, label in CASES:
+        row = [f"{t[n][f'c1_{k}']['added_p50_ms']:.2f} ({t[n][f'c1_{k}']['added_p99_ms']:.2f}) ms" for n in names]
+        ratio = ""
+        if peer and "kvgate x1" in t:
+            ratio = f" {t['kvgate x1'][f'c1_{k}']['added_p50_ms'] / max(1e-3, peer[f'c1_{k}']['added_p50_ms']):.2f}x |"
+        lines.append(f"| {label} | " + " | ".join(row) + " |" + ratio)
+    lines += ["", "| c=1, router CPU per request | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for k, label in CASES:
+        lines.append(f"| {label} | " + " | ".join(f"{t[n][f'c1_{k}']['cpu_ms_per_req']:.2f} ms" for n in names) + " |")
+    lines += ["", "| c=32 req/s (CPU/request) | " + " | ".join(names) + (" | kvgate x1 / sglang |" if peer else " |"),
+              "|---" * (len(names) + 1 + bool(peer)) + "|"]
+    for k, label in (("small", "~300 B chat"), ("rag", "~100 KB chat, document seen")):
+        row = [f"{t[n][f'c32_{k}']['rps']:.0f} ({t[n][f'c32_{k}']['cpu_ms_per_req']:.2f} ms)" for n in names]
+        ratio = ""
+        if peer and "kvgate x1" in t:
+            ratio = f" {t['kvgate x1'][f'c32_{k}']['rps'] / max(1e-3, peer[f'c32_{k}']['rps']):.2f}x |"
+        lines.append(f"| {label} | " + " | ".join(row) + " |" + ratio)
+    if "kvgate x1" in t:
+        k1 = t["kvgate x1"]
+        lines += ["", f"kvgate x1 CPU per request, seen 100 KB + 1 KB vs small chat: "
+                  f"{k1['c1_extend_1k']['cpu_ms_per_req'] / max(1e-3, k1['c1_small']['cpu_ms_per_req']):.2f}x"]
     lines += ["", "| stage (median, in-process) | tokens | tokenize | hash | lookup | decide | total |",
               "|---|---|---|---|---|---|---|"]
     for k, x in r["stages_ms"].items():
@@ -319,7 +395,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
     p.add_argument("--index", choices=("memory", "redis"), default="memory")
+    p.add_argument("--procs", default="1,2", help="kvgate gateway process counts to measure (serve --workers)")
+    p.add_argument("--no-peer", action="store_true", help="leave sglang-router out")
     args = p.parse_args(argv)
+    args.procs = [int(x) for x in args.procs.split(",") if x.strip()]
     r = asyncio.run(run(args))
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)

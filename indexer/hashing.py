@@ -15,6 +15,9 @@ paths); they are opaque handles mapped onto these hashes by the event ingestion.
 """
 from __future__ import annotations
 
+import array
+import struct
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -40,9 +43,25 @@ def first_block_seed(lora_name: str | None = None, cache_salt: str | None = None
     return seed
 
 
-def _as_le_u32(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+_pair = struct.Struct("<QQ").pack
+_NATIVE_U32 = array.array("I").itemsize == 4 and sys.byteorder == "little"
+
+
+def as_u32(tokens: Sequence[int] | np.ndarray) -> np.ndarray | array.array:
+    """Token ids as contiguous little-endian uint32 (zero-copy for an ``array('I')`` or a u4 array).
+    A list goes through ``array('I')``, about 4x faster than numpy's conversion; ids outside uint32 raise
+    OverflowError."""
+    if isinstance(tokens, array.array) and tokens.typecode == "I" and _NATIVE_U32:
+        return tokens
+    if isinstance(tokens, list) and _NATIVE_U32:
+        try:
+            return array.array("I", tokens)
+        except TypeError:
+            pass
     arr = np.asarray(tokens)
     if arr.dtype != np.dtype("<u4"):
+        if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+            raise OverflowError("token id outside uint32")
         arr = arr.astype("<u4", copy=False)
     return np.ascontiguousarray(arr)
 
@@ -55,35 +74,35 @@ def local_hashes(
     max_blocks: int | None = None,
 ) -> list[int]:
     """Content hash of each full block of ``tokens`` (a partial tail is ignored)."""
+    return _local(as_u32(tokens), block_size, 0, lora_name, cache_salt, max_blocks)
+
+
+def _local(arr, block_size: int, start: int, lora_name, cache_salt, max_blocks) -> list[int]:
     if block_size <= 0:
         raise ValueError("block_size must be positive")
-    arr = _as_le_u32(tokens)
     n = len(arr) // block_size
     if max_blocks is not None:
         n = min(n, max_blocks)
-    if n == 0:
+    if n <= start:
         return []
-    view = memoryview(arr[: n * block_size]).cast("B")
+    view = memoryview(arr).cast("B")
     step = block_size * 4
     seed = salt_seed(lora_name)
-    out = [_xxh3(view[0:step], first_block_seed(lora_name, cache_salt))]
-    out.extend(_xxh3(view[i : i + step], seed) for i in range(step, n * step, step))
+    out = []
+    i = start * step
+    if start == 0:
+        out.append(_xxh3(view[0:step], first_block_seed(lora_name, cache_salt)))
+        i = step
+    out.extend(_xxh3(view[j : j + step], seed) for j in range(i, n * step, step))
     return out
 
 
 def chain(local: Sequence[int], parent: int | None = None) -> list[int]:
     """Sequence hashes for ``local`` hashes, continuing from ``parent`` (None: the chain starts here)."""
     out: list[int] = []
-    buf = np.empty(2, dtype="<u8")
-    raw = memoryview(buf).cast("B")
     prev = parent
     for h in local:
-        if prev is None:
-            prev = h
-        else:
-            buf[0] = prev
-            buf[1] = h
-            prev = _xxh3(raw, SEED)
+        prev = h if prev is None else _xxh3(_pair(prev, h), SEED)
         out.append(prev)
     return out
 
@@ -97,6 +116,22 @@ def sequence_hashes(
 ) -> list[int]:
     """kvgate's block keys for a prompt: the chained sequence hash of every full block."""
     return chain(local_hashes(tokens, block_size, lora_name, cache_salt, max_blocks))
+
+
+def sequence_hashes_from(
+    tokens: Sequence[int] | np.ndarray,
+    block_size: int,
+    start_block: int,
+    parent: int | None,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+    max_blocks: int | None = None,
+) -> list[int]:
+    """Sequence hashes of blocks ``start_block`` onwards, given block ``start_block - 1``'s (``parent``):
+    a prompt that extends a known prefix hashes only its new blocks."""
+    if (start_block == 0) != (parent is None):
+        raise ValueError("parent is the hash of block start_block - 1 (None only from block 0)")
+    return chain(_local(as_u32(tokens), block_size, start_block, lora_name, cache_salt, max_blocks), parent)
 
 
 def routable_blocks(num_prompt_tokens: int, block_size: int) -> int:

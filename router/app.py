@@ -8,7 +8,7 @@ from fastapi import FastAPI
 
 from router.config import Settings
 from router.errors import install_handlers
-from router.proxy import build_router
+from router.proxy import DataPlane, build_router
 from router.state import GatewayState
 
 
@@ -34,6 +34,7 @@ def create_app(settings: Settings | None = None, *, index=None, prefetcher=None,
     install_handlers(app)
     app.include_router(build_router())
     _include_admin(app)
+    app.add_middleware(DataPlane, state=state)
     return app
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 
@@ -88,15 +88,26 @@ class RoutingConfig(BaseModel):
 
 
 class TokenizerConfig(BaseModel):
-    """Local tokenization: text to encode longer than ``offload_chars`` is encoded in a thread pool off the
-    event loop; token ids of rendered chat segments are cached (bounded) so a new turn encodes only new text."""
+    """Local tokenization: new text longer than ``offload_chars`` is encoded in a thread pool off the
+    event loop; tokenized texts are kept (bounded by bytes) so a prompt that extends one encodes only its
+    new part (router/prefix_cache.py)."""
 
     offload_chars: int = 4096
     # Chat bodies larger than this are also rendered (chat template) off the event loop.
     offload_render_chars: int = 1_000_000
     threads: int = 2
-    segment_cache_entries: int = 8192
-    segment_cache_chars: int = 64 * 1024 * 1024
+    # The prefix cache: bytes held (0 turns it off), anchor spacing and cut spacing (bytes of text).
+    prefix_cache_bytes: int = Field(256 * 1024 * 1024, ge=0)
+    prefix_chunk_bytes: int = Field(2048, ge=64)
+    prefix_cut_bytes: int = Field(256, ge=16)
+    # Every Nth request that reused cached ids is re-encoded whole off the loop to check (0: never).
+    prefix_verify_every: int = Field(100, ge=0)
+
+    @model_validator(mode="after")
+    def _chunk_multiple(self):
+        if self.prefix_chunk_bytes % self.prefix_cut_bytes:
+            raise ValueError("tokenizer.prefix_chunk_bytes must be a multiple of tokenizer.prefix_cut_bytes")
+        return self
 
 
 class ResponsesConfig(BaseModel):

@@ -22,6 +22,7 @@ class _Snapshot:
         self.index_blocks: dict[tuple[str, str], float] = {}
         self.events: dict[str, dict] = {}
         self.health: dict[str, bool] = {}
+        self.tokenize: dict[str, dict] = {}
 
     def collect(self):
         blocks = GaugeMetricFamily("kvgate_index_blocks", "Index entries per model and tier (G4: blocks)",
@@ -40,6 +41,30 @@ class _Snapshot:
         for worker, ok in self.health.items():
             health.add_metric([worker], 1.0 if ok else 0.0)
         yield health
+        yield from self._tokenize_families()
+
+    def _tokenize_families(self):
+        """The prefix token cache (router/prefix_cache.py), per model with a local tokenizer."""
+        counters = {"hits": "Prompts that reused ids of a known prefix",
+                    "misses": "Prompts with no known prefix",
+                    "reused_bytes": "Prompt bytes whose ids came from the cache",
+                    "encoded_bytes": "Prompt bytes tokenized",
+                    "saved_seconds": "Tokenizer time saved (reused bytes x measured encoding time per byte)",
+                    "mismatches": "Cached encodings that differed from the whole text's (the cache turns off)"}
+        fams = {k: CounterMetricFamily(f"kvgate_tokenize_cache_{k}", h, labels=["model"]) for k, h in counters.items()}
+        held = GaugeMetricFamily("kvgate_tokenize_cache_bytes", "Bytes held by the prefix token cache",
+                                 labels=["model"])
+        ratio = GaugeMetricFamily("kvgate_tokenize_cache_hit_ratio", "hits / (hits + misses) since start",
+                                  labels=["model"])
+        for model, st in self.tokenize.items():
+            for k, fam in fams.items():
+                fam.add_metric([model], float(st.get(k, 0) or 0))
+            held.add_metric([model], float(st.get("bytes", 0)))
+            n = st.get("hits", 0) + st.get("misses", 0)
+            ratio.add_metric([model], st.get("hits", 0) / n if n else 0.0)
+        yield from fams.values()
+        yield held
+        yield ratio
 
 
 class GatewayMetrics:
@@ -100,6 +125,7 @@ class GatewayMetrics:
         """Copy the index, ingestion and health counts into the snapshot collector."""
         snap = self.snapshot
         snap.health = {w.name: w.healthy for w in state.registry.workers()}
+        snap.tokenize = state.tokenizers.cache_stats()
         if state.ingestor is not None:
             try:
                 snap.events = dict(state.ingestor.statuses())

@@ -3,9 +3,14 @@
 vLLM announces a prompt's blocks (BlockStored) when it schedules the prefill, and the events need a few
 milliseconds to a second to reach the index. A follow-up turn sent right after an answer can be routed
 before that, and would go wherever load points. The gateway therefore remembers, for a short TTL, the
-block hashes of each prompt it forwarded and the worker it went to, and the planner counts them as that
-worker's GPU prefix when they extend what the index says. Bounded (oldest entries dropped first); the
-index stays the source of truth once the events arrive.
+block hashes it forwarded to each worker beyond what the index already showed there, and the planner
+counts them as that worker's GPU prefix where they extend the index's run.
+
+Cost per request is in new blocks, not prompt blocks: a forward records only the blocks past the chosen
+worker's known prefix, and a lookup costs one probe per worker plus a bisection when something is pending.
+That works because block hashes are chained: a worker sent block ``i`` of a prompt was sent blocks
+``0..i`` with it, so any live entry proves the whole run before it. Bounded (oldest entries dropped first);
+the index stays the source of truth once the events arrive.
 """
 from __future__ import annotations
 
@@ -18,42 +23,64 @@ class PendingBlocks:
     def __init__(self, ttl_s: float = 30.0, max_entries: int = 100_000) -> None:
         self.ttl_s = ttl_s
         self.max_entries = max_entries
-        self._d: OrderedDict[tuple[str, int], tuple[str, float]] = OrderedDict()
+        self._w: dict[tuple[str, str], OrderedDict[int, float]] = {}  # (model, worker) -> hash -> expiry
+        self._n = 0
 
-    def record(self, namespace: str, hashes: Sequence[int], worker: str, now: float | None = None) -> None:
-        """``worker`` was sent a prompt whose routable blocks are ``hashes``."""
-        if self.ttl_s <= 0 or not hashes:
+    def record(self, namespace: str, hashes: Sequence[int], worker: str, start: int = 0,
+               now: float | None = None) -> None:
+        """``worker`` was sent a prompt whose routable blocks are ``hashes``, of which it was known to hold
+        the first ``start`` (index or earlier record): only the rest is recorded."""
+        if self.ttl_s <= 0 or len(hashes) <= start:
             return
-        d = self._d
-        entry = (worker, (time.monotonic() if now is None else now) + self.ttl_s)
-        for h in hashes:
-            key = (namespace, h)
-            d[key] = entry
-            d.move_to_end(key)
-        while len(d) > self.max_entries:
-            d.popitem(last=False)
-
-    def leading(self, namespace: str, hashes: Sequence[int], now: float | None = None) -> tuple[str | None, int]:
-        """The worker last sent this prompt's first block, and how many leading blocks it was sent."""
-        if not hashes or not self._d:
-            return None, 0
         now = time.monotonic() if now is None else now
-        d = self._d
-        first = d.get((namespace, hashes[0]))
-        if first is None or first[1] < now:
-            return None, 0
-        worker, n = first[0], 0
-        for h in hashes:
-            e = d.get((namespace, h))
-            if e is None or e[0] != worker or e[1] < now:
-                break
-            n += 1
-        return worker, n
+        d = self._w.get((namespace, worker))
+        if d is None:
+            d = self._w[(namespace, worker)] = OrderedDict()
+        exp = now + self.ttl_s
+        before = len(d)
+        for i in range(max(0, start), len(hashes)):
+            h = hashes[i]
+            if h in d:
+                d.move_to_end(h)
+            d[h] = exp
+        self._n += len(d) - before
+        while d and next(iter(d.values())) < now:  # expired entries leave from the front
+            d.popitem(last=False)
+            self._n -= 1
+        while self._n > self.max_entries:  # over the bound: the oldest entry of any worker goes
+            oldest = min((x for x in self._w.values() if x), key=lambda x: next(iter(x.values())))
+            oldest.popitem(last=False)
+            self._n -= 1
+
+    def leading(self, namespace: str, hashes: Sequence[int], worker: str, start: int = 0,
+                now: float | None = None) -> int:
+        """Leading blocks of ``hashes`` that ``worker`` holds, given that it holds the first ``start``
+        (the index's run): ``start``, or more when the block after it was sent there recently."""
+        d = self._w.get((namespace, worker))
+        n = len(hashes)
+        if not d or start >= n:
+            return start
+        now = time.monotonic() if now is None else now
+        e = d.get(hashes[start])
+        if e is None or e < now:
+            return start
+        e = d.get(hashes[n - 1])
+        if e is not None and e >= now:
+            return n
+        lo, hi = start, n - 1  # lo is live, hi is not: bisect (a live entry proves its whole run)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            e = d.get(hashes[mid])
+            if e is not None and e >= now:
+                lo = mid
+            else:
+                hi = mid
+        return lo + 1
 
     def forget_worker(self, worker: str) -> None:
         """Drop a worker's entries (it restarted or left)."""
-        for key in [k for k, (w, _) in self._d.items() if w == worker]:
-            del self._d[key]
+        for key in [k for k in self._w if k[1] == worker]:
+            self._n -= len(self._w.pop(key))
 
     def __len__(self) -> int:
-        return len(self._d)
+        return self._n

@@ -1,10 +1,14 @@
 """The OpenAI-compatible surface: plan with the router, forward to the chosen worker, stream back.
 
+The data routes run as plain ASGI (:class:`DataPlane`, in front of FastAPI's routing), since a request's
+framework layers (routing, dependency solving, Request/Response objects) cost as much CPU as planning a
+small chat; FastAPI still declares them, for the OpenAPI document and for the catch-all ``/v1/*``.
 - Request bodies are forwarded byte for byte; responses are passed through unbuffered (SSE chunk by chunk).
 - Before the first byte reaches the client, a refused connection, a timeout or a 5xx moves the request to
   the next-best worker (``routing.max_attempts`` in all). After it, an upstream failure ends the stream
   with an OpenAI-style ``data: {"error": ...}`` event and ``data: [DONE]``.
-- A client that disconnects cancels the upstream request (its connection is closed).
+- A client that disconnects cancels the upstream request (its connection is closed): one watcher per
+  request cancels the handler.
 - Delivered ``usage.prompt_tokens_details.cached_tokens`` goes into the decision record, and the
   observed time to first byte of a stream calibrates the worker's prefill speed.
 """
@@ -15,14 +19,14 @@ import json
 import logging
 import time
 import uuid
-from functools import partial
+from urllib.parse import parse_qs
 
 import msgspec
 from fastapi import APIRouter, Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from router.apis.routes import add_routes as add_api_routes
-from router.errors import APIError, error_response, sse_error_event
+from router.errors import APIError, error_body, error_response, sse_error_event
 from router.metrics import CONTENT_TYPE
 from router.policies import RouteRequest
 from router.routing import Decision
@@ -32,16 +36,18 @@ log = logging.getLogger("kvgate.proxy")
 
 HOP_BY_HOP = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te",
                         "trailer", "upgrade", "proxy-authorization", "proxy-authenticate"})
+_NOT_COPIED = HOP_BY_HOP | {"date", "server"}  # uvicorn sets its own
 _TAIL_KEEP = 8192
+_JSON = [(b"content-type", b"application/json")]
 
 
 class ClientGone(Exception):
     """The client disconnected before the response started."""
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing more than ``limit`` bytes (declared or actually streamed)."""
-    cl = request.headers.get("content-length")
+async def read_body(headers: dict[str, str], receive, limit: int) -> bytes:
+    """The request body from ASGI ``receive``, refusing more than ``limit`` bytes (declared or streamed)."""
+    cl = headers.get("content-length")
     if cl is not None:
         try:
             declared = int(cl)
@@ -52,12 +58,17 @@ async def read_body(request: Request, limit: int) -> bytes:
                            code="request_too_large")
     chunks: list[bytes] = []
     total = 0
-    async for chunk in request.stream():
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = msg.get("body", b"")
         total += len(chunk)
         if total > limit:
             raise APIError(413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large")
         chunks.append(chunk)
-    return b"".join(chunks)
+        if not msg.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 _decode_json = msgspec.json.Decoder().decode
@@ -84,18 +95,14 @@ def require_model(body: dict) -> str:
     return model
 
 
-def forward_headers(headers, request_id: str) -> dict[str, str]:
-    out = {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
+def client_headers(scope) -> dict[str, str]:
+    """The request's headers, names lower-case (ASGI servers deliver them so)."""
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+
+
+def forward_headers(headers: dict[str, str], request_id: str) -> dict[str, str]:
+    out = {k: v for k, v in headers.items() if k not in HOP_BY_HOP}
     out["x-request-id"] = request_id
-    return out
-
-
-_NOT_COPIED = HOP_BY_HOP | {"date", "server"}  # uvicorn sets its own
-
-
-def response_headers(resp: UpstreamResponse, d: Decision) -> dict[str, str]:
-    out = {k: v for k, v in resp.headers.items() if k.lower() not in _NOT_COPIED}
-    out.update(kvgate_headers(d))
     return out
 
 
@@ -106,73 +113,83 @@ def kvgate_headers(d: Decision) -> dict[str, str]:
             "x-kvgate-policy": d.policy, "x-request-id": d.request_id}
 
 
+def response_headers(resp: UpstreamResponse, d: Decision) -> list[tuple[bytes, bytes]]:
+    """The worker's headers (less hop-by-hop ones) and kvgate's, as ASGI header pairs."""
+    out = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers.items()
+           if k.lower() not in _NOT_COPIED]
+    out += [(k.encode(), v.encode("latin-1")) for k, v in kvgate_headers(d).items()]
+    return out
+
+
+class _Usage(msgspec.Struct):
+    usage: dict | None = None
+
+
+_decode_usage = msgspec.json.Decoder(_Usage).decode
+
+
+def _usage(raw: bytes) -> dict | None:
+    """The ``usage`` object of one JSON document (decoding nothing else), if any."""
+    try:
+        u = _decode_usage(raw).usage
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        try:
+            obj = json.loads(raw)
+        except ValueError:
+            return None
+        u = obj.get("usage") if isinstance(obj, dict) else None
+    return u if isinstance(u, dict) else None
+
+
 def usage_from_sse_tail(tail: bytes) -> dict | None:
     """The last ``usage`` object in the end of an SSE stream (the final usage chunk), if any."""
     for event in reversed(tail.split(b"\n\n")):
         event = event.strip()
-        if not event.startswith(b"data:") or b'"usage"' not in event:
-            continue
-        try:
-            obj = json.loads(event[5:])
-        except ValueError:
-            continue
-        if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
-            return obj["usage"]
+        if event.startswith(b"data:") and b'"usage"' in event:
+            u = _usage(event[5:])
+            if u is not None:
+                return u
     return None
 
 
 def usage_from_body(body: bytes) -> dict | None:
-    if b'"usage"' not in body:
-        return None
+    return _usage(body) if b'"usage"' in body else None
+
+
+async def send_error(send, err: APIError) -> None:
+    body = json.dumps(error_body(err.status, err.message, param=err.param, code=err.code, type_=err.type))
+    await send({"type": "http.response.start", "status": err.status,
+                "headers": _JSON + [(b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body.encode()})
+
+
+async def guarded(receive, coro) -> bool:
+    """Run ``coro`` (the forwarding) in this task; if the client disconnects first, cancel it. Returns
+    False when the client went away. One watcher per request, not one per await."""
+    task = asyncio.current_task()
+    state = {"gone": False, "done": False}
+
+    async def watch() -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                if not state["done"]:
+                    state["gone"] = True
+                    task.cancel()
+                return
+
+    watcher = asyncio.get_running_loop().create_task(watch())
     try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    u = obj.get("usage") if isinstance(obj, dict) else None
-    return u if isinstance(u, dict) else None
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        msg = await request.receive()
-        if msg["type"] == "http.disconnect":
-            return
-
-
-async def race_disconnect(request: Request, aw):
-    """Await ``aw`` unless the client disconnects first (then cancel it and raise ClientGone)."""
-    task = asyncio.ensure_future(aw)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await coro
+        return True
     except asyncio.CancelledError:
-        task.cancel()
+        if not state["gone"]:
+            raise
+        task.uncancel()
+        return False
+    finally:
+        state["done"] = True
         watcher.cancel()
-        raise
-    if task in done:
-        watcher.cancel()
-        return task.result()
-    task.cancel()
-    try:
-        await task
-    except BaseException:
-        pass
-    raise ClientGone()
-
-
-class _PassThrough(StreamingResponse):
-    """A streamed upstream response whose clean-up runs even if the body was never iterated (a client gone
-    before the response started never reaches the generator's ``finally``)."""
-
-    def __init__(self, content, on_close, **kw) -> None:
-        super().__init__(content, **kw)
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
 
 
 class _Lease:
@@ -208,19 +225,15 @@ class _Lease:
 
 
 class Forwarder:
-    """Sends one planned request down the decision's candidate list."""
+    """Sends one planned request down the decision's candidate list and writes the response to ASGI ``send``."""
 
-    def __init__(self, state, request: Request, d: Decision, body: bytes, path: str, hashes: list[int],
-                 hooks=None):
-        self.st, self.request, self.d, self.body, self.path = state, request, d, body, path
-        self.hashes = hashes
+    def __init__(self, state, d: Decision, body: bytes, path: str, *, method: str, query: str,
+                 headers: dict[str, str], hooks=None):
+        self.st, self.d, self.body, self.path = state, d, body, path
+        self.method, self.query, self.headers = method, query, headers
+        self.hashes = d.hashes
         self.hooks = hooks  # router/apis/hooks.py: another API's usage, error events and response ids
         self._finished = False
-
-    def _closed(self, resp: UpstreamResponse, lease: _Lease) -> None:
-        lease.release()
-        resp.close()
-        self.finish("client_disconnected", 499)
 
     def finish(self, outcome: str, status: int | None, usage: dict | None = None) -> None:
         if self._finished:
@@ -261,11 +274,12 @@ class Forwarder:
 
         st.spawn(go())
 
-    async def run(self) -> Response:
+    async def run(self, send) -> None:
+        """Try the candidates in order until one answers; raises APIError (nothing sent) when none does.
+        A cancellation (the client left) closes the upstream request and is recorded as a 499."""
         st, d = self.st, self.d
         reg = st.registry
-        headers = forward_headers(self.request.headers, d.request_id)
-        query = self.request.scope.get("query_string", b"").decode("latin-1")
+        headers = forward_headers(self.headers, d.request_id)
         last_error = "no candidate worker"
         last_status = 503
         attempts = 0
@@ -285,57 +299,41 @@ class Forwarder:
             t_send = time.perf_counter()
             resp = None
             try:
-                resp = await race_disconnect(self.request, st.upstream.open(
-                    self.request.method, w.url + self.path, self.body, headers, query))
+                resp = await st.upstream.open(self.method, w.url + self.path, self.body, headers, self.query)
                 if resp.status >= 500:
                     last_error, last_status = f"upstream_{resp.status}: worker {w.name}", 502
-                    resp.close()
-                    lease.release()
                     continue
                 self._tell_policy(w)
                 if self.hashes and not w.cache_blind:
-                    st.pending.record(d.namespace, self.hashes, w.name)
+                    st.pending.record(d.namespace, self.hashes, w.name, cand.local_blocks)
                 if resp.headers.get("content-type", "").startswith("text/event-stream"):
-                    it = resp.chunks()
-                    try:
-                        first = await race_disconnect(self.request, it.__anext__())
-                    except StopAsyncIteration:
-                        first = b""
-                    ttft = time.perf_counter() - t_send
-                    lease.first_byte()
-                    self._observe_ttft(w, cand, ttft)
-                    return _PassThrough(self._stream(resp, it, first, lease),
-                                        partial(self._closed, resp, lease), status_code=resp.status,
-                                        headers=response_headers(resp, d))
-                raw = await race_disconnect(self.request, resp.read())
-                resp.close()
+                    await self._stream(send, resp, lease, w, cand, t_send)
+                    return
+                raw = await resp.read()
                 lease.release()
                 ok = resp.status < 400
                 if self.hooks is not None:
                     raw = await self.hooks.on_body(resp.status, raw)
-                self.finish("ok" if ok else f"http_{resp.status}", resp.status,
-                            (self.hooks.usage if self.hooks is not None else usage_from_body(raw)) if ok else None)
-                return Response(raw, status_code=resp.status, headers=response_headers(resp, d))
-            except ClientGone:
-                lease.release()
-                if resp is not None:
-                    resp.close()
-                self.finish("client_disconnected", 499)
-                return Response(status_code=499)
+                usage = (self.hooks.usage if self.hooks is not None else usage_from_body(raw)) if ok else None
+                self.finish("ok" if ok else f"http_{resp.status}", resp.status, usage)
+                hdrs = response_headers(resp, d)
+                hdrs.append((b"content-length", str(len(raw)).encode()))
+                await send({"type": "http.response.start", "status": resp.status, "headers": hdrs})
+                await send({"type": "http.response.body", "body": raw})
+                return
             except UpstreamError as e:
-                lease.release()
-                if resp is not None:
-                    resp.close()
                 if e.kind == "connect":
                     reg.mark_failed(w, str(e))
                 last_error = f"{e.kind}: worker {w.name}: {e}"
                 last_status = 504 if e.kind == "timeout" else 502
                 continue
-            except BaseException:
+            except asyncio.CancelledError:
+                self.finish("client_disconnected", 499)
+                raise
+            finally:
                 lease.release()
                 if resp is not None:
                     resp.close()
-                raise
         self.finish("failed", last_status)
         if attempts == 0:
             raise APIError(503, f"No healthy worker serves the model `{d.model}`.", code="no_healthy_worker")
@@ -343,77 +341,150 @@ class Forwarder:
                        code="upstream_error")
 
     def _tell_policy(self, w) -> None:
-        hdrs = {k.lower(): v for k, v in self.request.headers.items()}
-        self.st.policy.chosen(RouteRequest(self.d.model, self.path, hdrs), w.name)
+        self.st.policy.chosen(RouteRequest(self.d.model, self.path, self.headers), w.name)
 
     def _observe_ttft(self, w, cand, ttft: float) -> None:
         self.d.observed_ttft_ms = ttft * 1000.0
         self.st.metrics.child(self.st.metrics.ttft, self.d.model, w.name).observe(ttft)
         self.st.router.cost.observe_ttft(w, ttft, cand)
 
-    async def _stream(self, resp: UpstreamResponse, it, first: bytes, lease: _Lease):
+    async def _stream(self, send, resp: UpstreamResponse, lease, w, cand, t_send: float) -> None:
+        """Pass an SSE response through chunk by chunk. A failure before the first chunk is the worker's
+        (retried by :meth:`run`); after it, the stream ends with an error event."""
+        it = resp.chunks()
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            first = b""
+        lease.first_byte()
+        self._observe_ttft(w, cand, time.perf_counter() - t_send)
+        await send({"type": "http.response.start", "status": resp.status, "headers": response_headers(resp, self.d)})
         tail = bytearray(first[-_TAIL_KEEP:])
         outcome = "ok"
         hooks = self.hooks
+        if first:
+            if hooks is not None:
+                await hooks.on_chunk(first)
+            await send({"type": "http.response.body", "body": first, "more_body": True})
         try:
-            if first:
+            async for chunk in it:
                 if hooks is not None:
-                    await hooks.on_chunk(first)
-                yield first
-            try:
-                async for chunk in it:
-                    if hooks is not None:
-                        await hooks.on_chunk(chunk)
-                    tail += chunk
-                    if len(tail) > 2 * _TAIL_KEEP:
-                        del tail[:-_TAIL_KEEP]
-                    yield chunk
-            except UpstreamError as e:
-                outcome = "upstream_error_mid_stream"
-                log.warning("worker %s failed mid-stream: %s", self.d.chosen, e)
-                sep = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
-                msg = f"The worker failed during the response ({type(e).__name__})."
-                yield sep + (hooks.stream_error(msg) if hooks is not None else sse_error_event(msg))
-        except (asyncio.CancelledError, GeneratorExit):
-            outcome = "client_disconnected"
+                    await hooks.on_chunk(chunk)
+                tail += chunk
+                if len(tail) > 2 * _TAIL_KEEP:
+                    del tail[:-_TAIL_KEEP]
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except UpstreamError as e:
+            outcome = "upstream_error_mid_stream"
+            log.warning("worker %s failed mid-stream: %s", self.d.chosen, e)
+            sep = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
+            msg = f"The worker failed during the response ({type(e).__name__})."
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": sep + (hooks.stream_error(msg) if hooks is not None else sse_error_event(msg))})
+        except asyncio.CancelledError:
+            self.finish("client_disconnected", 499)
             raise
-        finally:
-            lease.release()
-            resp.close()
-            usage = (hooks.usage if hooks is not None else usage_from_sse_tail(bytes(tail))) if outcome == "ok" else None
-            self.finish(outcome, resp.status if outcome != "client_disconnected" else 499, usage)
+        await send({"type": "http.response.body", "body": b""})
+        usage = (hooks.usage if hooks is not None else usage_from_sse_tail(bytes(tail))) if outcome == "ok" else None
+        self.finish(outcome, resp.status, usage)
+
+
+async def handle(st, scope, receive, send, path: str, need_model: bool) -> None:
+    """One routed request over plain ASGI: read, plan, forward (the whole data path)."""
+    try:
+        headers = client_headers(scope)
+        raw = await read_body(headers, receive, st.settings.max_body_bytes)
+        body: dict = {}
+        model = None
+        if need_model or raw:
+            if need_model or "json" in headers.get("content-type", ""):
+                body = parse_json_object(raw)
+                model = require_model(body) if need_model else (body.get("model") if isinstance(
+                    body.get("model"), str) and body.get("model") else None)
+        query = scope.get("query_string", b"").decode("latin-1")
+        if model is None and scope["method"] == "GET" and query:
+            model = (parse_qs(query).get("model") or [None])[0] or None
+        rid = headers.get("x-request-id") or uuid.uuid4().hex
+        d = await st.router.plan(model, body, headers, path, size=len(raw), request_id=rid)
+        st.metrics.observe_stages(d.timings_ms)
+        fwd = Forwarder(st, d, raw, path, method=scope["method"], query=query, headers=headers)
+        st.decisions.add(d)  # drops the decision's hashes (the forwarder keeps its own reference)
+    except ClientGone:
+        return
+    except APIError as e:
+        await send_error(send, e)
+        return
+    await forward(fwd, receive, send, path)
+
+
+async def forward(fwd: Forwarder, receive, send, path: str, send_err=send_error) -> int | None:
+    """Run a planned request; an error before the response started is answered with ``send_err`` (the
+    API's error shape). Returns the status sent (None: nothing was)."""
+    status = None
+
+    async def tracked(msg):
+        nonlocal status
+        if msg["type"] == "http.response.start":
+            status = msg["status"]
+        await send(msg)
+
+    try:
+        await guarded(receive, fwd.run(tracked))
+    except APIError as e:
+        if status is None:
+            await send_err(send, e)
+    except Exception as e:  # a bug must still answer in the API's shape, never a traceback
+        log.exception("unhandled error on %s: %s", path, e)
+        if status is None:
+            await send_err(send, APIError(500, "internal gateway error", type_="api_error"))
+    return status
+
+
+class _ASGI(Response):
+    """A FastAPI endpoint's answer that runs a plain ASGI handler (the routes the :class:`DataPlane`
+    does not intercept)."""
+
+    def __init__(self, fn) -> None:  # noqa: D107 - no body of its own
+        self._fn = fn
+        self.background = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self._fn(scope, receive, send)
+
+
+# POST routes the DataPlane serves without FastAPI's layers: path -> whether the body must name a model.
+FAST_ROUTES = {"/v1/chat/completions": True, "/v1/completions": True}
+
+
+class DataPlane:
+    """ASGI middleware: the generation routes go straight to :func:`handle`; everything else to FastAPI."""
+
+    def __init__(self, app, state) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            need = FAST_ROUTES.get(scope["path"])
+            if need is not None:
+                await handle(self.state, scope, receive, send, scope["path"], need)
+                return
+        await self.app(scope, receive, send)
 
 
 def build_router() -> APIRouter:
     api = APIRouter()
 
-    async def routed(request: Request, path: str, *, need_model: bool) -> Response:
+    def routed(request: Request, path: str, *, need_model: bool) -> Response:
         st = request.app.state.kv
-        raw = await read_body(request, st.settings.max_body_bytes)
-        body: dict = {}
-        model = None
-        if need_model or raw:
-            ctype = request.headers.get("content-type", "")
-            if need_model or "json" in ctype:
-                body = parse_json_object(raw)
-                model = require_model(body) if need_model else (body.get("model") if isinstance(
-                    body.get("model"), str) and body.get("model") else None)
-        if model is None and request.method == "GET":
-            model = request.query_params.get("model") or None
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        d = await st.router.plan(model, body, dict(request.headers), path, size=len(raw), request_id=rid)
-        st.metrics.observe_stages(d.timings_ms)
-        hashes = d.hashes
-        st.decisions.add(d)
-        return await Forwarder(st, request, d, raw, path, hashes).run()
+        return _ASGI(lambda scope, receive, send: handle(st, scope, receive, send, path, need_model))
 
     @api.post("/v1/chat/completions", include_in_schema=True, summary="OpenAI chat completions (routed)")
     async def chat(request: Request) -> Response:
-        return await routed(request, "/v1/chat/completions", need_model=True)
+        return routed(request, "/v1/chat/completions", need_model=True)
 
     @api.post("/v1/completions", summary="OpenAI completions (routed)")
     async def completions(request: Request) -> Response:
-        return await routed(request, "/v1/completions", need_model=True)
+        return routed(request, "/v1/completions", need_model=True)
 
     add_api_routes(api)  # /v1/responses, /v1/messages (router/apis/routes.py)
 
@@ -435,7 +506,7 @@ def build_router() -> APIRouter:
                    summary="Any other OpenAI path, forwarded to a healthy worker serving the model",
                    include_in_schema=False)
     async def other(request: Request, rest: str) -> Response:
-        return await routed(request, "/v1/" + rest, need_model=False)
+        return routed(request, "/v1/" + rest, need_model=False)
 
     @api.get("/health", summary="Liveness")
     async def health() -> Response:

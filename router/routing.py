@@ -5,18 +5,13 @@ record keeps each candidate's inputs and prediction, the stage timings, and late
 """
 from __future__ import annotations
 
-import array
 import asyncio
 import logging
-import sys
 import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from indexer.hashing import routable_blocks, sequence_hashes
 from indexer.index.base import LookupResult, WorkerMatch
 from router.apis import api_blind
 from router.cost import Candidate, CostModel
@@ -43,6 +38,8 @@ class Decision:
     hashes: list[int] = field(default_factory=list)
     tokenizer: str = "none"
     tokenize_error: str | None = None
+    reused_bytes: int = 0  # prompt text whose ids came from the prefix cache
+    new_bytes: int = 0  # prompt text tokenized for this request
     index_error: str | None = None
     g4_blocks: int = 0
     candidates: list[Candidate] = field(default_factory=list)  # best first
@@ -82,6 +79,7 @@ class Decision:
             "policy": self.policy, "namespace": self.namespace, "lora_name": self.lora_name,
             "num_tokens": self.num_tokens, "block_size": self.block_size, "num_blocks": self.num_blocks,
             "tokenizer": self.tokenizer, "tokenize_error": self.tokenize_error,
+            "reused_bytes": self.reused_bytes, "new_bytes": self.new_bytes,
             "index_error": self.index_error, "g4_blocks": self.g4_blocks,
             "candidates": [c.to_dict() for c in self.candidates], "chosen": self.chosen,
             "attempts": list(self.attempts), "timings_ms": dict(self.timings_ms),
@@ -118,19 +116,6 @@ class DecisionLog:
 
     def __len__(self) -> int:
         return len(self._d)
-
-
-_NATIVE_U32 = array.array("I").itemsize == 4 and sys.byteorder == "little"
-
-
-def _as_u32(tokens: list[int]):
-    """Token ids as a uint32 array: array.array converts a list ~4x faster than numpy does."""
-    if not _NATIVE_U32:
-        return tokens
-    try:
-        return np.frombuffer(array.array("I", tokens), dtype="<u4")
-    except (OverflowError, TypeError):  # ids outside uint32: let the hashing module decide
-        return tokens
 
 
 def kind_of(path: str) -> str:
@@ -187,21 +172,23 @@ class Router:
         tok_body = body
         if view is not None and model:
             kind, tok_body = "chat", view
-        tokens = None
+        res = None
         if kind != "other":
             tok_worker = min(workers, key=lambda w: w.inflight)
             res = await st.tokenizers.tokenize(model, kind, tok_body, size=size or 0, namespace=ns,
                                                worker_url=tok_worker.url)
-            tokens, d.tokenizer, d.tokenize_error = res.tokens, res.source, res.error
+            d.tokenizer, d.tokenize_error = res.source, res.error
+            d.reused_bytes, d.new_bytes = res.reused_bytes, res.new_bytes
         t1 = time.perf_counter()
         bs = st.registry.block_size(model) if model else 0
         d.block_size = bs
-        if tokens:
-            d.num_tokens = len(tokens)
+        if res is not None and res.tokens:
+            d.num_tokens = len(res.tokens)
             salt = body.get("cache_salt")
-            d.hashes = sequence_hashes(_as_u32(tokens), bs, lora_name=lora,
-                                       cache_salt=salt if isinstance(salt, str) else None,
-                                       max_blocks=routable_blocks(len(tokens), bs))
+            try:
+                d.hashes = res.block_hashes(bs, lora, salt if isinstance(salt, str) else None)
+            except (OverflowError, TypeError, ValueError):  # ids outside uint32: vLLM will refuse the prompt
+                d.tokenize_error, d.num_tokens = "token ids outside uint32", 0
             d.num_blocks = len(d.hashes)
         t2 = time.perf_counter()
         result = LookupResult(num_blocks=len(d.hashes))
@@ -214,14 +201,16 @@ class Router:
                 log.warning("index lookup failed: %s", d.index_error)
         t3 = time.perf_counter()
         d.g4_blocks = result.g4
-        pending_worker, pending_n = st.pending.leading(ns, d.hashes) if d.hashes else (None, 0)
+        pending = st.pending
 
         def match(w) -> WorkerMatch:
             if w.cache_blind or api_blind(w, api):
                 return WorkerMatch()
             m = result.match(w.name)
-            if w.name == pending_worker and pending_n > m.local:  # sent there, events not indexed yet
-                return WorkerMatch(gpu=max(m.gpu, pending_n), cpu=m.cpu, local=pending_n)
+            if d.hashes:
+                n = pending.leading(ns, d.hashes, w.name, m.local)
+                if n > m.local:  # sent there, events not indexed yet
+                    return WorkerMatch(gpu=max(m.gpu, n), cpu=m.cpu, local=n)
             return m
 
         scored = [self.cost.score(w, match(w), result.g4, d.num_tokens, bs) for w in workers]

@@ -8,29 +8,33 @@ Per model, one of:
   ``chat_template_kwargs``, ``tools``, ``documents``) and encodes the text;
 - otherwise a worker's ``/tokenize`` (the chat form for messages), which runs vLLM's own renderer.
 
-Repeated conversation prefixes are cheap: HF tokenizers split the text at added special tokens before
-anything else, so encoding a rendered chat equals concatenating the encodings of the segments between
-special tokens. Segment ids are kept in a bounded LRU, and a new turn encodes only its new segments. A
-start-up self-check compares segmented and whole encodings and turns the cache off for a tokenizer where
-they differ (e.g. a Metaspace pre-tokenizer that treats the first segment specially).
-Large prompts are rendered and encoded on a thread pool, off the event loop.
+Text seen before is not tokenized again: the rendered chat or completions prompt goes through the
+prefix cache (router/prefix_cache.py), which reuses the ids of the longest known prefix that ends at a
+provably safe cut and encodes only the rest, so a new turn, another question over a known document or the
+next agent step costs work in its new text. A start-up self-check and a run-time sample compare cached and
+whole encodings and turn the cache off for a tokenizer where they differ. New text longer than
+``tokenizer.offload_chars`` is encoded on a thread pool (the tokenizers library releases the GIL there),
+off the event loop.
 """
 from __future__ import annotations
 
+import array
 import asyncio
 import json
 import logging
-import re
-import threading
-from collections import OrderedDict
+import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import jinja2
 
+from indexer.hashing import routable_blocks, sequence_hashes
 from router.config import Settings, TokenizerConfig
 from router.errors import APIError
+from router.prefix_cache import Lookup, PrefixTokenCache, Record, block_hashes, cut_rule
 
 log = logging.getLogger("kvgate.tokenize")
 
@@ -41,49 +45,26 @@ CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "add_special_t
 
 @dataclass
 class Tokenized:
-    tokens: list[int] | None  # None: could not tokenize (route on load only)
+    """A prompt's token ids (``array('I')`` from the local tokenizer) and, when they came from the prefix
+    cache, the record whose memoised block hashes they share."""
+
+    tokens: Sequence[int] | None  # None: could not tokenize (route on load only)
     source: str  # "ids", "local", "remote", "none"
-    segments: int = 0
-    segments_cached: int = 0
+    reused_bytes: int = 0  # text whose ids came from the prefix cache
+    new_bytes: int = 0  # text encoded for this request
     error: str | None = None
+    record: Record | None = None
+    pre: tuple[int, ...] = ()
+    post: tuple[int, ...] = ()
+    cache: PrefixTokenCache | None = None
 
-
-class SegmentCache:
-    """Bounded LRU: rendered text segment -> token ids (thread-safe; tokenization runs on a pool)."""
-
-    def __init__(self, max_entries: int, max_chars: int) -> None:
-        self.max_entries = max_entries
-        self.max_chars = max_chars
-        self._d: OrderedDict[str, list[int]] = OrderedDict()
-        self._chars = 0
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
-
-    def get(self, key: str) -> list[int] | None:
-        with self._lock:
-            v = self._d.get(key)
-            if v is None:
-                self.misses += 1
-                return None
-            self._d.move_to_end(key)
-            self.hits += 1
-            return v
-
-    def put(self, key: str, ids: list[int]) -> None:
-        if len(key) > self.max_chars // 4:
-            return
-        with self._lock:
-            if key in self._d:
-                return
-            self._d[key] = ids
-            self._chars += len(key)
-            while self._d and (len(self._d) > self.max_entries or self._chars > self.max_chars):
-                k, _ = self._d.popitem(last=False)
-                self._chars -= len(k)
-
-    def __len__(self) -> int:
-        return len(self._d)
+    def block_hashes(self, block_size: int, lora_name: str | None, cache_salt: str | None) -> list[int]:
+        """kvgate's keys of the prompt's routable blocks (memoised on the prefix-cache record)."""
+        n = routable_blocks(len(self.tokens), block_size)
+        if self.record is not None:
+            return block_hashes(self.record, self.pre, self.post, block_size, lora_name, cache_salt, n,
+                                self.cache)
+        return sequence_hashes(self.tokens, block_size, lora_name=lora_name, cache_salt=cache_salt, max_blocks=n)
 
 
 def normalize_messages(messages: list) -> list[dict]:
@@ -145,19 +126,40 @@ class LocalTokenizer:
         self.fast = getattr(self.hf, "_tokenizer", None) or getattr(self.hf, "backend_tokenizer", None)
         if self.fast is None:
             raise ValueError(f"{path}: a fast (tokenizers) tokenizer is required")
-        self.cache = SegmentCache(cfg.segment_cache_entries, cfg.segment_cache_chars)
-        self._specials: dict[str, int] = {}
+        specials: list[str] = []
         splittable = True
-        for tid, tok in self.fast.get_added_tokens_decoder().items():
+        for tok in self.fast.get_added_tokens_decoder().values():
             if tok.lstrip or tok.rstrip or tok.single_word:
                 splittable = False
             if not tok.normalized:
-                self._specials[tok.content] = tid
-        self._split = (re.compile("(" + "|".join(re.escape(s) for s in
-                                                sorted(self._specials, key=len, reverse=True)) + ")")
-                       if self._specials else None)
-        self.segmenting = splittable and self._split is not None and self._self_check()
+                specials.append(tok.content)
+        self.cfg = cfg
+        cut, self.cuts = cut_rule(json.loads(self.fast.to_str()), specials, splittable)
+        self.prefix = (PrefixTokenCache(cut, max_bytes=cfg.prefix_cache_bytes, chunk_bytes=cfg.prefix_chunk_bytes,
+                                        cut_bytes=cfg.prefix_cut_bytes) if cut is not None and cfg.prefix_cache_bytes
+                       else None)
+        self.mismatches = 0
+        self.seconds_per_byte = 0.0  # encoding speed (EWMA), for the time the cache saves
+        self.saved_s = 0.0
+        self.wrap = self._special_wrap()
+        if self.prefix is not None and not self._self_check():
+            self.prefix = None
+            self.cuts = "off (self-check)"
         self.fast_render = self._render_check()
+
+    def _special_wrap(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """The ids ``add_special_tokens`` puts before and after a text (BOS, ...), when it only wraps it."""
+        found = None
+        for probe in ("hello world", "x", "Tokens 123.\n"):
+            plain, full = self.encode(probe, False), self.encode(probe, True)
+            i = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), None)
+            if not plain or i is None:
+                return None
+            wrap = (tuple(full[:i]), tuple(full[i + len(plain):]))
+            if found is not None and wrap != found:
+                return None
+            found = wrap
+        return found
 
     def _render_fast(self, messages: list[dict], body: dict, kwargs: dict) -> str:
         """The chat template rendered directly with transformers' compiled template (the same Jinja
@@ -204,54 +206,47 @@ class LocalTokenizer:
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.fast.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def split_cached(self, text: str) -> tuple[list, int]:
-        """Split rendered text at special tokens; each part is a list of ids (a special token or a cached
-        segment) or a str still to encode. Returns (parts, characters still to encode)."""
-        parts: list = []
-        missing = 0
-        specials = self._specials
-        cache = self.cache
-        for piece in self._split.split(text):
-            if not piece:
-                continue
-            sid = specials.get(piece)
-            if sid is not None:
-                parts.append((sid,))
-                continue
-            cached = cache.get(piece)
-            if cached is None:
-                parts.append(piece)
-                missing += len(piece)
-            else:
-                parts.append(cached)
-        return parts, missing
+    def encode_pieces(self, pieces: list[str]) -> list[list[int]]:
+        """Ids of each piece: a few one by one, many as one batch (the tokenizers library spreads a batch over
+        cores, without the GIL; for a few small pieces its thread hand-off costs more than it saves)."""
+        t = time.perf_counter()
+        if len(pieces) <= 8:
+            enc = self.fast.encode
+            out = [enc(p, add_special_tokens=False).ids for p in pieces]
+        else:
+            out = [e.ids for e in self.fast.encode_batch(pieces, add_special_tokens=False)]
+        n = sum(map(len, pieces))
+        if n >= 1024:
+            spb = (time.perf_counter() - t) / n
+            self.seconds_per_byte = spb if not self.seconds_per_byte else 0.9 * self.seconds_per_byte + 0.1 * spb
+        return out
 
-    def join_parts(self, parts: list) -> Tokenized:
-        """Encode the missing segments (one batch: the tokenizers library spreads it over cores) and join."""
-        todo = [p for p in parts if isinstance(p, str)]
-        encoded = iter(())
-        if todo:
-            encs = [e.ids for e in self.fast.encode_batch(todo, add_special_tokens=False)]
-            for piece, ids in zip(todo, encs):
-                self.cache.put(piece, ids)
-            encoded = iter(encs)
-        ids: list[int] = []
-        segs = 0
-        for p in parts:
-            if isinstance(p, str):
-                ids.extend(next(encoded))
-                segs += 1
-            elif isinstance(p, tuple):  # a special token
-                ids.append(p[0])
-            else:
-                ids.extend(p)
-                segs += 1
-        return Tokenized(ids, "local", segs, segs - len(todo))
+    def prepare(self, text: str, add_special_tokens: bool) -> Lookup | None:
+        """What the prefix cache knows of ``text`` (None: encode it whole). Cheap; runs on the loop."""
+        if self.prefix is None or (add_special_tokens and self.wrap is None):
+            return None
+        try:
+            return self.prefix.lookup(text)
+        except UnicodeEncodeError:
+            raise APIError(400, "The prompt is not valid UTF-8 (it holds a lone surrogate).",
+                           code="invalid_prompt") from None
 
-    def encode_segmented(self, text: str) -> tuple[list[int], int, int]:
-        """Encode without special tokens added, reusing cached segment ids. Returns (ids, segments, hits)."""
-        t = self.join_parts(self.split_cached(text)[0])
-        return t.tokens, t.segments, t.segments_cached
+    def finish(self, lk: Lookup, encoded: list[list[int]], add_special_tokens: bool) -> Tokenized:
+        """Store the encoded pieces and assemble the prompt's ids (on the loop)."""
+        rec = self.prefix.commit(lk, encoded)
+        self.saved_s += lk.known_bytes * self.seconds_per_byte
+        pre, post = self.wrap if add_special_tokens else ((), ())
+        tokens = rec.tokens
+        if pre or post:
+            tokens = array.array("I", pre) + tokens + array.array("I", post)
+        return Tokenized(tokens, "local", lk.known_bytes, lk.new_bytes, record=rec, pre=pre, post=post,
+                         cache=self.prefix)
+
+    def tokenize_text_sync(self, text: str, add_special_tokens: bool) -> Tokenized:
+        lk = self.prepare(text, add_special_tokens)
+        if lk is None:
+            return Tokenized(array.array("I", self.encode(text, add_special_tokens)), "local", 0, len(text))
+        return self.finish(lk, self.encode_pieces(lk.pieces) if lk.pieces else [], add_special_tokens)
 
     def render_chat(self, body: dict) -> str:
         messages = normalize_messages(body["messages"])
@@ -266,38 +261,50 @@ class LocalTokenizer:
             tokenize=False, **kwargs)
 
     def tokenize_chat(self, body: dict) -> Tokenized:
-        text = self.render_chat(body)
-        add_special = bool(body.get("add_special_tokens", False))
-        if self.segmenting and not add_special:
-            ids, segs, hits = self.encode_segmented(text)
-            return Tokenized(ids, "local", segs, hits)
-        return Tokenized(self.encode(text, add_special), "local")
+        """A chat request's ids, synchronously (the request path uses :class:`Tokenizers`)."""
+        return self.tokenize_text_sync(self.render_chat(body), bool(body.get("add_special_tokens", False)))
 
     def tokenize_text(self, text: str, add_special_tokens: bool) -> Tokenized:
-        return Tokenized(self.encode(text, add_special_tokens), "local")
+        return self.tokenize_text_sync(text, add_special_tokens)
+
+    def check(self, text: str, tokens: Sequence[int], add_special_tokens: bool) -> bool:
+        """Whether ``tokens`` equal the whole text's encoding; a mismatch turns the prefix cache off."""
+        if list(tokens) == self.encode(text, add_special_tokens):
+            return True
+        self.mismatches += 1
+        if self.prefix is not None:
+            log.error("%s: prefix-cached ids differ from the whole text's encoding; prefix cache off", self.path)
+            self.prefix.clear()
+            self.prefix = None
+            self.cuts = "off (mismatch)"
+        return False
 
     def _self_check(self) -> bool:
-        names = list(self._specials)[:3] or [""]
+        """Cached, extended and whole encodings agree on probes (a chat rendered by the model's template
+        and texts with the characters the cut rule looks at)."""
+        names = [s for s in (self.hf.special_tokens_map.get("bos_token"), self.hf.special_tokens_map.get("eos_token"))
+                 if isinstance(s, str)] or [""]
         a, b = names[0], names[-1]
-        probes = [f"{a}user\nhello world{b}\n{a}assistant\n", f" lead{a} x {b}  two  spaces{a}\n\n",
-                  f"{a}{b}tail"]
+        base = (f"{a}user\nhello world{b}\n{a}assistant\n Fine.\nThanks 12345 x\n\n  two  spaces{b}"
+                " It's 3.14, isn't it?\nnaïve café 東京 ok\n") * 20
+        probes = [base, base + "more words here\nand here", base[:1500] + " different tail\n"]
         try:
-            sample = self.hf.apply_chat_template(
-                [{"role": "user", "content": "Hi there, how are you?"},
-                 {"role": "assistant", "content": " Fine.\nThanks"},
-                 {"role": "user", "content": "again"}], add_generation_prompt=True, tokenize=False)
-            probes.append(sample)
+            probes.append(self.hf.apply_chat_template(
+                [{"role": "user", "content": "Hi there, how are you? " * 30},
+                 {"role": "assistant", "content": " Fine.\nThanks " * 30},
+                 {"role": "user", "content": "again"}], add_generation_prompt=True, tokenize=False))
         except Exception:
             pass
-        for text in probes:
-            whole = self.encode(text, False)
-            self.cache = SegmentCache(self.cache.max_entries, self.cache.max_chars)
-            seg, _, _ = self.encode_segmented(text)
-            if seg != whole:
-                log.warning("%s: segmented encoding differs from whole encoding; segment cache off", self.path)
-                return False
-        self.cache = SegmentCache(self.cache.max_entries, self.cache.max_chars)
-        return True
+        saved = self.prefix
+        try:
+            for text in probes:
+                if list(self.tokenize_text_sync(text, False).tokens) != self.encode(text, False):
+                    log.warning("%s: prefix-cached encoding differs from whole encoding; prefix cache off",
+                                self.path)
+                    return False
+            return True
+        finally:
+            saved.clear()
 
 
 class Tokenizers:
@@ -308,14 +315,15 @@ class Tokenizers:
         self.client = client
         self.local: dict[str, LocalTokenizer] = {}
         self._pool = ThreadPoolExecutor(max(1, settings.tokenizer.threads), thread_name_prefix="kvgate-tok")
+        self._reused = 0
 
     def load(self) -> None:
         """Load every configured tokenizer (blocking: call it at start-up, in a thread)."""
         for model, cfg in self.settings.models.items():
             if cfg.tokenizer:
                 self.local[model] = LocalTokenizer(cfg.tokenizer, self.settings.tokenizer)
-                log.info("tokenizer for %s loaded from %s (segment cache %s)", model, cfg.tokenizer,
-                         "on" if self.local[model].segmenting else "off")
+                log.info("tokenizer for %s loaded from %s (prefix cache cuts: %s)", model, cfg.tokenizer,
+                         self.local[model].cuts)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -326,8 +334,9 @@ class Tokenizers:
     async def tokenize(self, model: str, kind: str, body: dict, *, size: int, namespace: str | None = None,
                        worker_url: str | None = None) -> Tokenized:
         """Token ids of a request's prompt. ``kind`` is "chat" or "completion"; ``size`` the body's bytes
-        (large prompts are tokenized on the thread pool). Never raises for a prompt it cannot tokenize:
-        it returns ``tokens=None`` and the request is routed on load alone."""
+        (large chats are rendered on the thread pool). Returns ``tokens=None`` for a prompt it cannot
+        tokenize (the request is routed on load alone); raises a 400 for a template that refuses the
+        conversation or a prompt that is not valid UTF-8."""
         if kind == "completion":
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt:
@@ -343,35 +352,66 @@ class Tokenizers:
         elif not isinstance(body.get("messages"), list):
             return Tokenized(None, "none", error="no messages")
         local = self.for_model(model, namespace)
-        if local is not None:
-            try:
-                limit = self.settings.tokenizer.offload_chars
-                if kind == "chat" and local.segmenting and not body.get("add_special_tokens", False):
-                    # Render and look up cached segments here (cheap); encode what is new off the loop
-                    # when it is large.
-                    render = (local.render_chat, body)
-                    text = (await self._off_loop(*render) if size > self.settings.tokenizer.offload_render_chars
-                            else render[0](*render[1:]))
-                    parts, missing = local.split_cached(text)
-                    if missing > limit:
-                        return await self._off_loop(local.join_parts, parts)
-                    return local.join_parts(parts)
-                if kind == "chat":
-                    job = (local.tokenize_chat, body)
-                else:
-                    job = (local.tokenize_text, prompt, bool(body.get("add_special_tokens", True)))
-                if size > limit:
-                    return await self._off_loop(*job)
-                return job[0](*job[1:])
-            except _NotText:
-                return Tokenized(None, "none", error="non-text content")
-            except APIError:
-                raise
-            except Exception as e:  # a template error must not fail routing; vLLM will answer the client
-                return Tokenized(None, "none", error=f"local tokenizer: {e}")
-        if worker_url is None or self.client is None:
-            return Tokenized(None, "none", error="no tokenizer and no worker")
-        return await self._remote(model, kind, body, worker_url)
+        if local is None:
+            if worker_url is None or self.client is None:
+                return Tokenized(None, "none", error="no tokenizer and no worker")
+            return await self._remote(model, kind, body, worker_url)
+        try:
+            if kind == "chat":
+                text = (await self._off_loop(local.render_chat, body)
+                        if size > self.settings.tokenizer.offload_render_chars else local.render_chat(body))
+                add_special = bool(body.get("add_special_tokens", False))
+            else:
+                text, add_special = prompt, bool(body.get("add_special_tokens", True))
+            return await self._encode(local, text, add_special)
+        except _NotText:
+            return Tokenized(None, "none", error="non-text content")
+        except APIError:
+            raise
+        except jinja2.TemplateError as e:  # the template itself refused the conversation (vLLM answers 400 too)
+            raise APIError(400, f"The chat template could not be rendered: {e}", code="invalid_chat_template",
+                           param="messages") from None
+        except Exception as e:  # anything else must not fail routing; vLLM will answer the client
+            return Tokenized(None, "none", error=f"local tokenizer: {type(e).__name__}: {e}")
+
+    async def _encode(self, local: LocalTokenizer, text: str, add_special: bool) -> Tokenized:
+        limit = self.settings.tokenizer.offload_chars
+        lk = local.prepare(text, add_special)
+        if lk is None:
+            ids = (await self._off_loop(local.encode, text, add_special) if len(text) > limit
+                   else local.encode(text, add_special))
+            return Tokenized(array.array("I", ids), "local", 0, len(text))
+        encoded = []
+        if lk.pieces:
+            encoded = (await self._off_loop(local.encode_pieces, lk.pieces) if lk.new_bytes > limit
+                       else local.encode_pieces(lk.pieces))
+        res = local.finish(lk, encoded, add_special)
+        self._sample(local, res, text, add_special)
+        return res
+
+    def _sample(self, local: LocalTokenizer, res: Tokenized, text: str, add_special: bool) -> None:
+        """Re-encode every ``verify_every``-th reused text whole, off the loop (a mismatch turns the cache off)."""
+        every = self.settings.tokenizer.prefix_verify_every
+        if not every or not res.reused_bytes:
+            return
+        self._reused += 1
+        if self._reused % every:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        loop.run_in_executor(self._pool, local.check, text, res.tokens, add_special)
+
+    def cache_stats(self) -> dict[str, dict]:
+        """Per model: the prefix cache's hits, misses, bytes held, bytes reused/encoded, seconds saved."""
+        out = {}
+        for model, lt in self.local.items():
+            c = lt.prefix
+            out[model] = {"cuts": lt.cuts, "mismatches": lt.mismatches, "saved_seconds": lt.saved_s,
+                          **({"hits": c.hits, "misses": c.misses, "bytes": c.bytes, "records": len(c),
+                              "reused_bytes": c.reused_bytes, "encoded_bytes": c.encoded_bytes} if c else {})}
+        return out
 
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

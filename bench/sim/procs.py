@@ -57,6 +57,19 @@ class Proc:
         self._log.close()
 
 
+def children(pid: int) -> list[int]:
+    """Pids whose parent is ``pid`` (from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
 def wait_http(url: str, proc: Proc, timeout: float = 60.0, ok=(200,)) -> None:
     deadline = time.monotonic() + timeout
     last = None

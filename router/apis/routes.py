@@ -62,20 +62,40 @@ def _pin(d, worker: str) -> None:
     d.chosen = worker
 
 
-async def _send(request: Request, path: str, raw: bytes, model: str | None, body: dict, *, view=None,
-                api=None, owner: str | None = None, hooks_factory=None) -> Response:
-    from router.proxy import Forwarder
+async def _send_anthropic_error(send, err: APIError) -> None:
+    body = json.dumps(msg_api.error_body(err.status, err.message)).encode()
+    await send({"type": "http.response.start", "status": err.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
-    st = request.app.state.kv
-    rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-    d = await st.router.plan(model, body, dict(request.headers), path, size=len(raw), request_id=rid,
-                             view=view, api=api)
-    if owner is not None:
-        _pin(d, owner)
-    st.metrics.observe_stages(d.timings_ms)
-    st.decisions.add(d)
-    hooks = hooks_factory(d) if hooks_factory else None
-    return await Forwarder(st, request, d, raw, path, d.hashes, hooks=hooks).run()
+
+async def _serve(st, scope, receive, send, path: str, prepare, *, anthropic: bool = False, after=None) -> None:
+    """One request of these APIs over plain ASGI (as ``router.proxy.handle`` serves chat): read the body,
+    ``prepare(headers, raw)`` -> (model, body, plan keywords, owner, hooks factory), plan, pin to the
+    owner, forward. Errors go out in the API's shape; ``after(status)`` runs once the answer is sent."""
+    from router.proxy import ClientGone, Forwarder, client_headers, forward, read_body, send_error
+
+    send_err = _send_anthropic_error if anthropic else send_error
+    try:
+        headers = client_headers(scope)
+        raw = await read_body(headers, receive, st.settings.max_body_bytes)
+        model, body, plan_kw, owner, hooks = await prepare(headers, raw)
+        rid = headers.get("x-request-id") or uuid.uuid4().hex
+        d = await st.router.plan(model, body, headers, path, size=len(raw), request_id=rid, **plan_kw)
+        if owner is not None:
+            _pin(d, owner)
+        st.metrics.observe_stages(d.timings_ms)
+        fwd = Forwarder(st, d, raw, path, method=scope["method"], query=scope.get("query_string", b"").decode(
+            "latin-1"), headers=headers, hooks=hooks(d) if hooks else None)
+        st.decisions.add(d)
+    except ClientGone:
+        return
+    except APIError as e:
+        await send_err(send, e)
+        return
+    status = await forward(fwd, receive, send, path, send_err)
+    if after is not None and status is not None:
+        await after(status)
 
 
 def _local(st, model: str):
@@ -106,13 +126,62 @@ COUNT_BODY = {**MESSAGES_BODY, "required": ["model", "messages"]}
 
 
 def add_routes(api: APIRouter) -> None:
+    def asgi(request: Request, path: str, prepare, **kw) -> Response:
+        from router.proxy import _ASGI
+
+        st = request.app.state.kv
+        return _ASGI(lambda scope, receive, send: _serve(st, scope, receive, send, path, prepare(st), **kw))
+
     @api.post("/v1/responses", summary="OpenAI Responses (routed by cache; chains go to their owner)",
               openapi_extra=_body(RESPONSES_BODY))
     async def create_response(request: Request) -> Response:
-        from router.proxy import parse_json_object, read_body, require_model
+        return asgi(request, "/v1/responses", _prepare_response)
 
+    def by_id(request: Request, response_id: str, path: str) -> Response:
         st = request.app.state.kv
-        raw = await read_body(request, st.settings.max_body_bytes)
+
+        async def forget(status: int) -> None:
+            if request.method == "DELETE" and status == 200:
+                try:
+                    await asyncio.wait_for(st.owners.delete(response_id), st.settings.index.timeout_s)
+                except Exception as e:
+                    log.warning("could not forget response %s: %s", response_id, e)
+
+        def prepare(st):
+            async def go(headers, raw):
+                rec = await _owner(st, response_id, "response_id")
+                return rec.get("model"), {}, {}, rec["worker"], None
+            return go
+
+        return asgi(request, path, prepare, after=forget)
+
+    @api.get("/v1/responses/{response_id}", summary="A stored response (from the worker that created it)")
+    async def get_response(request: Request, response_id: str) -> Response:
+        return by_id(request, response_id, f"/v1/responses/{response_id}")
+
+    @api.delete("/v1/responses/{response_id}", summary="Delete a stored response (on its worker)")
+    async def delete_response(request: Request, response_id: str) -> Response:
+        return by_id(request, response_id, f"/v1/responses/{response_id}")
+
+    @api.post("/v1/responses/{response_id}/cancel", summary="Cancel a background response (on its worker)")
+    async def cancel_response(request: Request, response_id: str) -> Response:
+        return by_id(request, response_id, f"/v1/responses/{response_id}/cancel")
+
+    @api.post("/v1/messages", summary="Anthropic Messages (routed by cache)", openapi_extra=_body(MESSAGES_BODY))
+    async def messages(request: Request) -> Response:
+        return asgi(request, "/v1/messages", lambda st: _prepare_messages(st, routed=True), anthropic=True)
+
+    @api.post("/v1/messages/count_tokens", summary="Anthropic token count (any healthy worker of the model)",
+              openapi_extra=_body(COUNT_BODY))
+    async def count_tokens(request: Request) -> Response:
+        return asgi(request, "/v1/messages/count_tokens", lambda st: _prepare_messages(st, routed=False),
+                    anthropic=True)
+
+
+def _prepare_response(st):
+    async def go(headers, raw):
+        from router.proxy import parse_json_object, require_model
+
         body = parse_json_object(raw)
         prev = body.get("previous_response_id")
         owner = history = None
@@ -133,68 +202,29 @@ def add_routes(api: APIRouter) -> None:
                 log.debug("responses body routed on load: %s", e)
             except Exception as e:  # a body shape the conversion did not foresee: vLLM will judge it
                 log.warning("responses body routed on load (conversion failed: %s: %s)", type(e).__name__, e)
-        return await _send(request, "/v1/responses", raw, model, body, view=view, api=RESPONSES, owner=owner,
-                           hooks_factory=lambda d: ResponsesHooks(st, d, body, history))
+        return model, body, {"view": view, "api": RESPONSES}, owner, lambda d: ResponsesHooks(st, d, body, history)
+    return go
 
-    async def by_id(request: Request, response_id: str, path: str) -> Response:
-        from router.proxy import read_body
 
-        st = request.app.state.kv
-        raw = await read_body(request, st.settings.max_body_bytes)
-        rec = await _owner(st, response_id, "response_id")
-        resp = await _send(request, path, raw, rec.get("model"), {}, owner=rec["worker"])
-        if request.method == "DELETE" and resp.status_code == 200:
+def _prepare_messages(st, routed: bool):
+    async def go(headers, raw):
+        from router.proxy import parse_json_object
+
+        body = parse_json_object(raw)
+        msg_api.validate(body) if routed else _require_model(body)
+        view = None
+        if routed:
+            local = _local(st, body["model"])
+            merge, effort = template_traits(local)
             try:
-                await asyncio.wait_for(st.owners.delete(response_id), st.settings.index.timeout_s)
-            except Exception as e:
-                log.warning("could not forget response %s: %s", response_id, e)
-        return resp
-
-    @api.get("/v1/responses/{response_id}", summary="A stored response (from the worker that created it)")
-    async def get_response(request: Request, response_id: str) -> Response:
-        return await by_id(request, response_id, f"/v1/responses/{response_id}")
-
-    @api.delete("/v1/responses/{response_id}", summary="Delete a stored response (on its worker)")
-    async def delete_response(request: Request, response_id: str) -> Response:
-        return await by_id(request, response_id, f"/v1/responses/{response_id}")
-
-    @api.post("/v1/responses/{response_id}/cancel", summary="Cancel a background response (on its worker)")
-    async def cancel_response(request: Request, response_id: str) -> Response:
-        return await by_id(request, response_id, f"/v1/responses/{response_id}/cancel")
-
-    async def anthropic(request: Request, path: str, routed: bool) -> Response:
-        from router.proxy import parse_json_object, read_body
-
-        st = request.app.state.kv
-        try:
-            raw = await read_body(request, st.settings.max_body_bytes)
-            body = parse_json_object(raw)
-            msg_api.validate(body) if routed else _require_model(body)
-            view = None
-            if routed:
-                local = _local(st, body["model"])
-                merge, effort = template_traits(local)
-                try:
-                    view = fit_template(local, msg_api.chat_view(body, merge, effort))
-                except Unsupported as e:
-                    log.debug("messages body routed on load: %s", e)
-                except Exception as e:  # a body shape the conversion did not foresee: vLLM will judge it
-                    log.warning("messages body routed on load (conversion failed: %s: %s)", type(e).__name__, e)
-            return await _send(request, path, raw, body["model"], body, view=view,
-                               api=MESSAGES if routed else None,
-                               hooks_factory=lambda d: MessagesHooks(st))
-        except APIError as e:
-            return Response(json.dumps(msg_api.error_body(e.status, e.message)), status_code=e.status,
-                            media_type="application/json")
-
-    @api.post("/v1/messages", summary="Anthropic Messages (routed by cache)", openapi_extra=_body(MESSAGES_BODY))
-    async def messages(request: Request) -> Response:
-        return await anthropic(request, "/v1/messages", routed=True)
-
-    @api.post("/v1/messages/count_tokens", summary="Anthropic token count (any healthy worker of the model)",
-              openapi_extra=_body(COUNT_BODY))
-    async def count_tokens(request: Request) -> Response:
-        return await anthropic(request, "/v1/messages/count_tokens", routed=False)
+                view = fit_template(local, msg_api.chat_view(body, merge, effort))
+            except Unsupported as e:
+                log.debug("messages body routed on load: %s", e)
+            except Exception as e:  # a body shape the conversion did not foresee: vLLM will judge it
+                log.warning("messages body routed on load (conversion failed: %s: %s)", type(e).__name__, e)
+        plan_kw = {"view": view, "api": MESSAGES} if routed else {}
+        return body["model"], body, plan_kw, None, lambda d: MessagesHooks(st)
+    return go
 
 
 def _require_model(body: dict) -> None:

@@ -150,3 +150,29 @@ def test_openapi_documents_the_admin_api(admin_env):
         assert ok["content"]["application/json"]["schema"]["$ref"].endswith("/" + schema), (path, method)
     assert "ExplainRequest" in spec["components"]["schemas"]
     assert "CandidateOut" in spec["components"]["schemas"]
+
+
+def test_tokenize_cache_metrics(admin_env):
+    """Two text prompts over one long document: the second reuses the first's ids, and /metrics says so."""
+    env = admin_env(1)
+    doc = "The gateway keeps every tokenized text with its block hashes. " * 200
+    fams0 = scrape(env)
+    rids = []
+    for q in ("What does it keep?", "Why does it keep it?"):
+        r = env.anon.post("/v1/completions", json={"model": MODEL, "prompt": doc + q, "max_tokens": 2})
+        assert r.status_code == 200
+        rids.append(r.headers["x-request-id"])
+    first, second = (env.state.decisions.get(rid) for rid in rids)
+    assert first.reused_bytes == 0 and second.reused_bytes >= len(doc) - 256 and second.new_bytes < 300
+    fams = scrape(env)
+
+    def grew(name: str) -> float:
+        return (value(fams, f"kvgate_tokenize_cache_{name}", f"kvgate_tokenize_cache_{name}_total", model=MODEL)
+                - value(fams0, f"kvgate_tokenize_cache_{name}", f"kvgate_tokenize_cache_{name}_total", model=MODEL))
+
+    assert grew("hits") >= 1 and grew("misses") >= 1
+    assert grew("reused_bytes") >= len(doc) - 256
+    assert value(fams, "kvgate_tokenize_cache_bytes", model=MODEL) > 2 * len(doc)
+    assert 0 < value(fams, "kvgate_tokenize_cache_hit_ratio", model=MODEL) <= 1
+    assert value(fams, "kvgate_tokenize_cache_mismatches", "kvgate_tokenize_cache_mismatches_total",
+                 model=MODEL) == 0

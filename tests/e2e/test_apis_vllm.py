@@ -258,6 +258,9 @@ def conversation(gw, mode: str, questions: list[str]) -> list[tuple[int, int, st
         assert r.status_code == 200, r.text
         delivered, text, prev_id = _answer(api, r, stream)
         d = gw.state.decisions.get(rid)
+        deadline = time.monotonic() + 10  # a stream's record is closed just after its last byte is sent
+        while d is not None and d.outcome is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert d is not None and d.tokenize_error is None and d.delivered_cached_tokens == delivered, d
         if mode == MESSAGES:
             history.append({"role": "assistant", "content": text})

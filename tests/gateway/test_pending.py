@@ -12,18 +12,35 @@ from tests.gateway.test_proxy import LONG, chat_body
 def test_pending_blocks_leading_run_ttl_and_bounds():
     p = PendingBlocks(ttl_s=10.0, max_entries=5)
     p.record("m", [1, 2, 3], "a", now=0.0)
-    assert p.leading("m", [1, 2, 3, 4], now=1.0) == ("a", 3)
-    assert p.leading("other-model", [1, 2, 3], now=1.0) == (None, 0)
-    assert p.leading("m", [1, 2, 3], now=11.0) == (None, 0)  # expired
-    p.record("m", [1, 2], "b", now=2.0)  # the latest forward wins
-    assert p.leading("m", [1, 2, 3], now=3.0) == ("b", 2)
-    p.record("m", [7, 8, 9], "c", now=3.0)  # 6 entries > 5: the oldest goes
+    assert p.leading("m", [1, 2, 3, 4], "a", now=1.0) == 3
+    assert p.leading("m", [1, 2, 3, 4], "b", now=1.0) == 0  # sent to a, not b
+    assert p.leading("other-model", [1, 2, 3], "a", now=1.0) == 0
+    assert p.leading("m", [1, 2, 3], "a", now=11.0) == 0  # expired
+    p.record("m", [1, 2], "b", now=2.0)  # both were sent the prefix: both hold it
+    assert p.leading("m", [1, 2, 3], "b", now=3.0) == 2
+    assert p.leading("m", [1, 2, 3], "a", now=3.0) == 3
+    p.record("m", [7, 8, 9], "c", now=3.0)  # 8 entries > 5: the oldest go (a's, then b's first)
     assert len(p) == 5
+    assert p.leading("m", [7, 8, 9], "c", now=4.0) == 3
+    assert p.leading("m", [1, 2, 3], "a", now=4.0) == 0
     p.forget_worker("c")
-    assert p.leading("m", [7, 8], now=4.0) == (None, 0)
+    assert p.leading("m", [7, 8], "c", now=4.0) == 0
     off = PendingBlocks(ttl_s=0)
     off.record("m", [1], "a")
-    assert off.leading("m", [1]) == (None, 0)
+    assert off.leading("m", [1], "a") == 0
+
+
+def test_pending_records_only_new_blocks_and_extends_the_index_run():
+    """A forward records the blocks past what the worker was known to hold; a lookup continues the index's
+    run with them, and any live entry proves the run before it (hashes are chained)."""
+    p = PendingBlocks(ttl_s=10.0)
+    prompt = list(range(100, 140))
+    p.record("m", prompt, "a", start=30, now=0.0)
+    assert len(p) == 10
+    assert p.leading("m", prompt, "a", start=30, now=1.0) == 40
+    assert p.leading("m", prompt, "a", start=10, now=1.0) == 10  # the index run ends before what was sent
+    follow = prompt[:35] + [999, 998]  # diverges after block 35
+    assert p.leading("m", follow, "a", start=30, now=1.0) == 35
 
 
 async def _route_twice(gw) -> tuple[str, str, int]:

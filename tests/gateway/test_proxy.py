@@ -269,7 +269,8 @@ async def test_disconnect_cancels_upstream(fleet, start_gateway):
 
 
 @pytest.mark.parametrize("case", ["invalid_json", "not_object", "missing_model", "unknown_model",
-                                  "too_large_declared", "too_large_streamed", "no_healthy"])
+                                  "too_large_declared", "too_large_streamed", "no_healthy", "lone_surrogate",
+                                  "template_raises"])
 async def test_bad_input(fleet, start_gateway, case):
     st = fleet.add("a")
     gw = start_gateway(fleet, max_body_bytes=2000)
@@ -290,6 +291,11 @@ async def test_bad_input(fleet, start_gateway, case):
                 for _ in range(10):
                     yield b"x" * 500
             r, want = await c.post(url, content=gen()), 413  # chunked: no Content-Length
+        elif case == "lone_surrogate":  # valid JSON, but the prompt is not valid UTF-8
+            raw = b'{"model": "%s", "messages": [{"role": "user", "content": "bad \\ud800 text"}]}' % MODEL.encode()
+            r, want = await c.post(url, content=raw, headers={"content-type": "application/json"}), 400
+        elif case == "template_raises":
+            r, want = await c.post(url, json={**chat_body(), "chat_template": "{{ raise_exception('no') }}"}), 400
         else:
             st.mode = "unhealthy"
             await wait_until(lambda: not gw.state.registry.get("a").healthy)
@@ -299,6 +305,8 @@ async def test_bad_input(fleet, start_gateway, case):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert "Traceback" not in r.text
+    if case in ("too_large_declared", "too_large_streamed", "lone_surrogate", "template_raises"):
+        assert st.requests == []  # refused before anything reached a worker
 
 
 async def test_models_health_ready_and_other_paths(fleet, start_gateway):
