@@ -115,9 +115,11 @@ class ResponsesConfig(BaseModel):
 
     owner_ttl_s: float = Field(7 * 24 * 3600.0, gt=0)
     owner_max_entries: int = Field(1_000_000, ge=1)
-    # A record also keeps the conversation a follow-up will carry (to tokenize it); larger ones keep the
-    # owner only (the follow-up is still pinned, routed on load alone).
-    history_max_bytes: int = Field(1024 * 1024, ge=0)
+    # A record also keeps the messages its turn adds to the conversation (a follow-up is tokenized from
+    # its chain's turns); a larger turn keeps the owner only (the chain stays pinned, routed on load).
+    turn_max_bytes: int = Field(1024 * 1024, ge=0)
+    # Longest chain walked to rebuild a follow-up's conversation (a longer one is routed on load, pinned).
+    chain_max_depth: int = Field(1000, ge=1)
     # Largest streamed final event (response.completed) read for usage and the conversation.
     stream_event_max_bytes: int = Field(4 * 1024 * 1024, ge=1024)
 

@@ -6,11 +6,14 @@ only there. The gateway learns the owner from the responses passing through it a
 to the block index (the same backend and Redis settings), so a follow-up that reaches another gateway
 replica still goes to the right worker.
 
-A record is ``{"worker", "model", "history"}``: ``history`` is the conversation vLLM will prepend to a
-follow-up (its stored input messages without system ones, then the response's output messages), so the
-gateway can tokenize the follow-up exactly and predict its cached prefix; None when unknown (a response
-still in the background, or one too large to keep). Every record expires after ``ttl_s`` and at most
-``max_entries`` are kept (the oldest go first): an expired id is answered 404 like one never seen.
+A record is ``{"worker", "model", "parent", "delta"}``: ``parent`` is the response it followed up
+(``previous_response_id``, or None), ``delta`` the messages this turn adds to the conversation vLLM will
+prepend to a follow-up (its input messages without system ones, then its output messages); None when
+unknown (a response still in the background, or a turn too large to keep). :meth:`chain` walks the
+parents, so the whole conversation is the deltas in order: each turn is stored once, and a chain costs
+memory in proportion to its conversation, not to its square. Every record expires after ``ttl_s`` (a walk
+renews the records it visits) and at most ``max_entries`` are kept (the oldest go first): an expired id
+is answered 404 like one never seen.
 """
 from __future__ import annotations
 
@@ -35,6 +38,23 @@ end
 return 1
 """
 
+# Walk the parents of ARGV[1] (at most ARGV[2] records), renewing each one's TTL: newest first.
+_CHAIN = """
+local out = {}
+local id = ARGV[1]
+for _ = 1, tonumber(ARGV[2]) do
+  local key = ARGV[3] .. id
+  local raw = redis.call('GET', key)
+  if not raw then break end
+  redis.call('EXPIRE', key, ARGV[4])
+  out[#out + 1] = raw
+  local ok, rec = pcall(cjson.decode, raw)
+  if not ok or type(rec) ~= 'table' or type(rec['parent']) ~= 'string' then break end
+  id = rec['parent']
+end
+return out
+"""
+
 
 class ResponseOwners(abc.ABC):
     """The seam: response id -> record (see the module docstring)."""
@@ -47,6 +67,11 @@ class ResponseOwners(abc.ABC):
 
     @abc.abstractmethod
     async def delete(self, response_id: str) -> None: ...
+
+    @abc.abstractmethod
+    async def chain(self, response_id: str, max_depth: int) -> list[dict[str, Any]]:
+        """The record of ``response_id`` and its parents', newest first (up to ``max_depth``; it stops
+        early at a record without parent or a missing one)."""
 
     async def close(self) -> None:
         return None
@@ -78,6 +103,18 @@ class MemoryOwners(ResponseOwners):
     async def delete(self, response_id: str) -> None:
         self._d.pop(response_id, None)
 
+    async def chain(self, response_id: str, max_depth: int) -> list[dict[str, Any]]:
+        out: list[dict] = []
+        rid: Any = response_id
+        while isinstance(rid, str) and len(out) < max_depth:
+            rec = await self.get(rid)
+            if rec is None:
+                break
+            self._d[rid] = (time.monotonic() + self.ttl_s, rec)
+            out.append(rec)
+            rid = rec.get("parent")
+        return out
+
     def __len__(self) -> int:
         return len(self._d)
 
@@ -97,6 +134,7 @@ class RedisOwners(ResponseOwners):
         self.ttl_s = max(1, int(ttl_s))
         self.max_entries = max(1, max_entries)
         self._put = self._r.register_script(_PUT)
+        self._chain = self._r.register_script(_CHAIN)
 
     def key(self, response_id: str) -> str:
         return f"{self.prefix}:{response_id}"
@@ -115,6 +153,20 @@ class RedisOwners(ResponseOwners):
         except ValueError:
             return None
         return rec if isinstance(rec, dict) else None
+
+    async def chain(self, response_id: str, max_depth: int) -> list[dict[str, Any]]:
+        raws = await self._chain(keys=[self.key(response_id)],
+                                 args=[response_id, max(1, max_depth), self.prefix + ":", self.ttl_s])
+        out = []
+        for raw in raws:
+            try:
+                rec = json.loads(raw)
+            except ValueError:
+                break
+            if not isinstance(rec, dict):
+                break
+            out.append(rec)
+        return out
 
     async def delete(self, response_id: str) -> None:
         pipe = self._r.pipeline(transaction=True)

@@ -93,9 +93,9 @@ class ResponsesHooks(Hooks):
 
     _FINAL = (b"response.completed", b"response.incomplete", b"response.failed")
 
-    def __init__(self, state, decision, body: dict, history: list | None) -> None:
+    def __init__(self, state, decision, body: dict) -> None:
         super().__init__(state)
-        self.d, self.body, self.history = decision, body, history
+        self.d, self.body = decision, body
         self.store = body.get("store", True) is not False
         self.reader = SSEReader((b"response.created",) + self._FINAL,
                                 state.settings.responses.stream_event_max_bytes)
@@ -104,13 +104,14 @@ class ResponsesHooks(Hooks):
         rid = response.get("id")
         if not self.store or not isinstance(rid, str) or not self.d.chosen:
             return
-        history = None
+        delta = None
         if final and response.get("status") in ("completed", "incomplete"):
-            history = resp_api.history_after(self.body, self.history, response)
-            limit = self.st.settings.responses.history_max_bytes
-            if history is not None and len(json.dumps(history)) > limit:
-                history = None
-        await put_owner(self.st, rid, {"worker": self.d.chosen, "model": self.d.model, "history": history})
+            delta = resp_api.turn_messages(self.body, response)
+            if delta is not None and len(json.dumps(delta)) > self.st.settings.responses.turn_max_bytes:
+                delta = None
+        parent = self.body.get("previous_response_id")
+        await put_owner(self.st, rid, {"worker": self.d.chosen, "model": self.d.model,
+                                       "parent": parent if isinstance(parent, str) else None, "delta": delta})
 
     @_guarded
     async def on_body(self, status: int, raw: bytes) -> bytes:

@@ -19,7 +19,8 @@ Function tools are given to the template as vLLM does (namespaced ones flattened
 ``<namespace>__<name>``, custom tools as a one-string-argument function). Models that use the Harmony
 format (gpt-oss) are rendered by openai-harmony, which this module does not reproduce.
 
-:func:`history_after` is what a follow-up to this response will carry, stored with its owner.
+:func:`turn_messages` is what this turn adds to the conversation a follow-up carries, stored with the
+response's owner; :func:`history_of` rebuilds a follow-up's conversation from its chain.
 """
 from __future__ import annotations
 
@@ -50,10 +51,12 @@ def input_messages(body: dict, history: list | None = None) -> list[dict]:
     if isinstance(items, str):
         messages.append({"role": "user", "content": items})
     elif isinstance(items, list):
+        converted: list[dict] = []  # merged only with each other, never into the history (as vLLM does)
         for item in items:
-            msg = _item_message(item, messages[-1] if messages else None)
+            msg = _item_message(item, converted[-1] if converted else None)
             if msg is not None:
-                messages.append(msg)
+                converted.append(msg)
+        messages.extend(converted)
     else:
         raise Unsupported("input must be a string or a list")
     return messages
@@ -183,11 +186,12 @@ def chat_view(body: dict, history: list | None = None) -> dict:
     return view
 
 
-def history_after(body: dict, history: list | None, response: dict) -> list[dict] | None:
-    """The conversation a follow-up with ``previous_response_id`` = this response will carry: vLLM keeps
-    the request's messages, then adds the text of each output message part as an assistant message."""
+def turn_messages(body: dict, response: dict) -> list[dict] | None:
+    """What this turn adds to the conversation a follow-up carries: vLLM keeps the request's messages and
+    drops the system ones when it prepends them (instructions do not carry over), then adds the text of
+    each output message part as an assistant message. None when the turn cannot be reproduced."""
     try:
-        messages = input_messages(body, history)
+        messages = [m for m in input_messages({**body, "instructions": None}) if m.get("role") != "system"]
     except Unsupported:
         return None
     output = response.get("output")
@@ -201,6 +205,20 @@ def history_after(body: dict, history: list | None, response: dict) -> list[dict
                     return None
                 messages.append({"role": "assistant", "content": text})
     return messages
+
+
+def history_of(chain: list[dict]) -> list[dict] | None:
+    """A follow-up's conversation from its chain of owner records (newest first): the turns in order;
+    None when a turn is unknown or the chain does not reach its first response."""
+    if not chain or chain[-1].get("parent") is not None:
+        return None
+    history: list[dict] = []
+    for rec in reversed(chain):
+        delta = rec.get("delta")
+        if not isinstance(delta, list):
+            return None
+        history.extend(delta)
+    return history
 
 
 def usage_as_chat(usage: Any) -> dict | None:

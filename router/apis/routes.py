@@ -31,14 +31,21 @@ from router.errors import APIError
 log = logging.getLogger("kvgate.apis")
 
 
-async def _owner(st, response_id: str, param: str) -> dict:
-    """The owner record of ``response_id`` and its worker, or the OpenAI-shaped error that says why not."""
+async def _owner(st, response_id: str, param: str, chain: bool = False) -> list[dict]:
+    """The owner record of ``response_id`` (with ``chain``: and its parents', newest first), or the
+    OpenAI-shaped error that says why not."""
     try:
-        rec = await asyncio.wait_for(st.owners.get(response_id), st.settings.index.timeout_s)
+        if chain:
+            recs = await asyncio.wait_for(st.owners.chain(response_id, st.settings.responses.chain_max_depth),
+                                          st.settings.index.timeout_s)
+        else:
+            one = await asyncio.wait_for(st.owners.get(response_id), st.settings.index.timeout_s)
+            recs = [one] if one is not None else []
     except Exception as e:
         raise APIError(503, f"The response store is unreachable ({type(e).__name__}); response "
                             f"'{response_id}' cannot be located.", param=param,
                        code="response_store_unavailable") from None
+    rec = recs[0] if recs else None
     if rec is None or not isinstance(rec.get("worker"), str):
         raise APIError(404, f"Response with id '{response_id}' not found.", param=param,
                        code="response_not_found", type_="invalid_request_error")
@@ -51,7 +58,7 @@ async def _owner(st, response_id: str, param: str) -> dict:
         raise APIError(503, f"Response '{response_id}' is held by worker `{w.name}`, which is "
                             f"{'draining' if w.draining else 'unavailable'}; try again later.", param=param,
                        code="response_owner_unavailable")
-    return rec
+    return recs
 
 
 def _pin(d, worker: str) -> None:
@@ -149,7 +156,7 @@ def add_routes(api: APIRouter) -> None:
 
         def prepare(st):
             async def go(headers, raw):
-                rec = await _owner(st, response_id, "response_id")
+                rec = (await _owner(st, response_id, "response_id"))[0]
                 return rec.get("model"), {}, {}, rec["worker"], None
             return go
 
@@ -189,8 +196,9 @@ def _prepare_response(st):
             if not isinstance(prev, str) or not prev:
                 raise APIError(400, "`previous_response_id` must be a non-empty string.",
                                param="previous_response_id", code="invalid_value")
-            rec = await _owner(st, prev, "previous_response_id")
-            owner, history = rec["worker"], rec.get("history")
+            recs = await _owner(st, prev, "previous_response_id", chain=True)
+            rec = recs[0]
+            owner, history = rec["worker"], resp_api.history_of(recs)
             model = body.get("model") if isinstance(body.get("model"), str) and body["model"] else rec.get("model")
         else:
             model = require_model(body)
@@ -202,7 +210,7 @@ def _prepare_response(st):
                 log.debug("responses body routed on load: %s", e)
             except Exception as e:  # a body shape the conversion did not foresee: vLLM will judge it
                 log.warning("responses body routed on load (conversion failed: %s: %s)", type(e).__name__, e)
-        return model, body, {"view": view, "api": RESPONSES}, owner, lambda d: ResponsesHooks(st, d, body, history)
+        return model, body, {"view": view, "api": RESPONSES}, owner, lambda d: ResponsesHooks(st, d, body)
     return go
 
 

@@ -193,7 +193,8 @@ def _planned(gw, api: str, body: dict):
     """What the gateway would decide for ``body`` now, as its route does (a chain's history included)."""
     history = None
     if body.get("previous_response_id"):
-        history = gw.call(gw.state.owners.get(body["previous_response_id"]))["history"]
+        chain = gw.call(gw.state.owners.chain(body["previous_response_id"], 100))
+        history = resp_api.history_of(chain)
         assert history is not None
     return _plan(gw, body, api, history)
 

@@ -61,6 +61,17 @@ RESPONSES = [
     {"model": "m", "input": [{"type": "item_reference", "id": "x"}]},
 ]
 
+# Follow-ups with a stored conversation (system messages in it are dropped; new items never merge into it).
+HISTORY = [{"role": "system", "content": "old instructions"}, {"role": "user", "content": "q0"},
+           {"role": "assistant", "content": "a0"}]
+FOLLOW_UPS = [
+    ({"model": "m", "input": "next", "instructions": "new"}, HISTORY),
+    ({"model": "m", "input": [{"type": "function_call", "call_id": "c9", "name": "f", "arguments": "{}"},
+                              {"type": "function_call_output", "call_id": "c9", "output": "ok"}]}, HISTORY),
+    ({"model": "m", "input": [{"type": "reasoning", "id": "rs_9", "summary": [],
+                               "content": [{"type": "reasoning_text", "text": "r"}]}]}, HISTORY),
+]
+
 TOOL_USE = {"role": "assistant", "content": [{"type": "text", "text": "Let me look."},
                                              {"type": "tool_use", "id": "tu_1", "name": "lookup",
                                               "input": {"q": "x"}}]}
@@ -105,7 +116,7 @@ def reference(cases: list[dict]) -> list[dict]:
 def kvgate(case: dict) -> dict | None:
     try:
         if case["api"] == "responses":
-            view = resp_api.chat_view(case["body"])
+            view = resp_api.chat_view(case["body"], case.get("history"))
         else:
             view = msg_api.chat_view(case["body"], case.get("merge_system", False))
     except Unsupported:
@@ -118,6 +129,7 @@ def kvgate(case: dict) -> dict | None:
 
 def test_conversion_matches_vllm():
     cases = ([{"api": "responses", "body": b} for b in RESPONSES]
+             + [{"api": "responses", "body": b, "history": h} for b, h in FOLLOW_UPS]
              + [{"api": "messages", "body": b} for b in MESSAGES]
              + [{"api": "messages", "body": b, "merge_system": True} for b in MESSAGES])
     want = reference(cases)

@@ -58,8 +58,8 @@ def test_owner_gone_is_410_and_owner_down_is_503(fleet, start_gateway):
     fleet.add("a")
     fleet.add("b")
     gw = start_gateway(fleet)
-    gw.call(gw.state.owners.put("resp_ghost", {"worker": "ghost", "model": MODEL, "history": None}))
-    gw.call(gw.state.owners.put("resp_b", {"worker": "b", "model": MODEL, "history": None}))
+    gw.call(gw.state.owners.put("resp_ghost", {"worker": "ghost", "model": MODEL, "parent": None, "delta": None}))
+    gw.call(gw.state.owners.put("resp_b", {"worker": "b", "model": MODEL, "parent": None, "delta": None}))
     gw.state.registry.get("b").healthy = False
     with httpx.Client(base_url=gw.url, timeout=30) as c:
         for r in (c.post("/v1/responses", json={"model": MODEL, "input": "x", "previous_response_id": "resp_ghost"}),

@@ -32,12 +32,12 @@ async def test_responses_stream_records_the_owner_before_the_id_is_seen_and_the_
     st = state()
     d = SimpleNamespace(chosen="w1", model="m")
     body = {"model": "m", "input": "hi", "instructions": "sys"}
-    h = ResponsesHooks(st, d, body, None)
+    h = ResponsesHooks(st, d, body)
     created = sse("response.created", {"type": "response.created", "response": {"id": "resp_1", "status": "in_progress"}})
     await h.on_chunk(created[:20])
     assert await st.owners.get("resp_1") is None
     await h.on_chunk(created[20:])
-    assert await st.owners.get("resp_1") == {"worker": "w1", "model": "m", "history": None}
+    assert await st.owners.get("resp_1") == {"worker": "w1", "model": "m", "parent": None, "delta": None}
     done = {"id": "resp_1", "status": "completed",
             "output": [{"type": "message", "content": [{"type": "output_text", "text": "hello"}]}],
             "usage": {"input_tokens": 70, "input_tokens_details": {"cached_tokens": 64}}}
@@ -45,13 +45,13 @@ async def test_responses_stream_records_the_owner_before_the_id_is_seen_and_the_
                                                                                 {"response": done}))
     assert h.usage == {"prompt_tokens": 70, "prompt_tokens_details": {"cached_tokens": 64}}
     rec = await st.owners.get("resp_1")
-    assert rec["history"] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"},
-                              {"role": "assistant", "content": "hello"}]
+    # instructions do not carry over to a follow-up: the turn is the user's message and the answer
+    assert rec["delta"] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 
 
 async def test_store_false_records_nothing():
     st = state()
-    h = ResponsesHooks(st, SimpleNamespace(chosen="w1", model="m"), {"input": "x", "store": False}, None)
+    h = ResponsesHooks(st, SimpleNamespace(chosen="w1", model="m"), {"input": "x", "store": False})
     await h.on_body(200, json.dumps({"id": "resp_2", "status": "completed", "output": []}).encode())
     assert await st.owners.get("resp_2") is None
 

@@ -32,12 +32,12 @@ async def make(request, redis_server):
 
 async def test_put_get_delete(make):
     store = await make()
-    rec = {"worker": "w1", "model": "m", "history": [{"role": "user", "content": "hé"}]}
+    rec = {"worker": "w1", "model": "m", "parent": None, "delta": [{"role": "user", "content": "hé"}]}
     await store.put("resp_1", rec)
     assert await store.get("resp_1") == rec
     assert await store.get("resp_unknown") is None
-    await store.put("resp_1", {**rec, "history": None})  # the final record replaces the first
-    assert (await store.get("resp_1"))["history"] is None
+    await store.put("resp_1", {**rec, "delta": None})  # the final record replaces the first
+    assert (await store.get("resp_1"))["delta"] is None
     await store.delete("resp_1")
     assert await store.get("resp_1") is None
 
@@ -57,12 +57,24 @@ async def test_records_expire(make):
     assert await store.get("short") is None
 
 
+async def test_chain_walks_parents_newest_first(make):
+    store = await make()
+    await store.put("r1", {"worker": "w", "parent": None, "delta": [1]})
+    for i in range(2, 6):
+        await store.put(f"r{i}", {"worker": "w", "parent": f"r{i - 1}", "delta": [i]})
+    assert [r["delta"] for r in await store.chain("r5", 100)] == [[5], [4], [3], [2], [1]]
+    assert [r["delta"] for r in await store.chain("r5", 2)] == [[5], [4]]  # bounded
+    await store.delete("r2")
+    assert [r["delta"] for r in await store.chain("r4", 100)] == [[4], [3]]  # stops where a record is gone
+    assert await store.chain("nope", 10) == []
+
+
 async def test_redis_replicas_share_owners(redis_server):
     a = create_owners(IndexConfig(backend="redis", redis_url=redis_server, key_prefix="t16b"), 60, 10)
     b = create_owners(IndexConfig(backend="redis", redis_url=redis_server, key_prefix="t16b"), 60, 10)
     try:
-        await a.put("resp_x", {"worker": "vllm-1", "model": "m", "history": None})
-        assert await b.get("resp_x") == {"worker": "vllm-1", "model": "m", "history": None}
+        await a.put("resp_x", {"worker": "vllm-1", "model": "m", "parent": None, "delta": None})
+        assert await b.get("resp_x") == {"worker": "vllm-1", "model": "m", "parent": None, "delta": None}
     finally:
         await a.close()
         await b.close()

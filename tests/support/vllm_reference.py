@@ -1,7 +1,8 @@
 """vLLM's own conversion of Responses and Messages bodies into the conversation its chat template sees.
 
 Run with the vLLM environment's Python (``python vllm_reference.py`` reads a JSON list of
-``{"api": "responses"|"messages", "body": {...}}`` on stdin and writes one JSON list of results): it calls
+``{"api": "responses"|"messages", "body": {...}}`` (``history``: a Responses follow-up's stored
+messages; ``merge_system``: Messages' inline-system rule) on stdin and writes one JSON list of results): it calls
 vLLM 0.32's own functions (``construct_input_messages``, ``ResponsesRequest.build_chat_params``,
 ``construct_tool_dicts``, ``AnthropicServingMessages.to_chat_completion_request``, and
 ``parse_chat_messages`` with the "string" content format), so kvgate's re-implementation in
@@ -21,12 +22,13 @@ def _conversation(messages):
     return [dict(m) for m in conv]
 
 
-def responses(body, merge_system):
+def responses(body, merge_system, history=None):
     from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
     from vllm.entrypoints.openai.responses.utils import construct_input_messages, construct_tool_dicts
 
     req = ResponsesRequest.model_validate(body)
-    messages = construct_input_messages(request_instructions=req.instructions, request_input=req.input)
+    messages = construct_input_messages(request_instructions=req.instructions, request_input=req.input,
+                                        prev_msg=history)
     kwargs = req.build_chat_params(None, "auto").chat_template_kwargs
     return {"messages": _conversation(messages), "tools": construct_tool_dicts(req.tools, req.tool_choice),
             "kwargs": kwargs}
@@ -47,9 +49,11 @@ def messages(body, merge_system):
 def main():
     out = []
     for case in json.load(sys.stdin):
-        fn = responses if case["api"] == "responses" else messages
         try:
-            out.append(fn(case["body"], case.get("merge_system", False)))
+            if case["api"] == "responses":
+                out.append(responses(case["body"], False, case.get("history")))
+            else:
+                out.append(messages(case["body"], case.get("merge_system", False)))
         except Exception as e:  # vLLM rejects the body: the comparison expects kvgate not to tokenize it
             out.append({"error": f"{type(e).__name__}: {e}"[:300]})
     json.dump(out, sys.stdout, default=str)
