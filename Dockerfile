@@ -18,6 +18,7 @@ COPY pyproject.toml README.md ./
 COPY router ./router
 COPY indexer ./indexer
 COPY cache_tier ./cache_tier
+COPY sizing ./sizing
 COPY bench ./bench
 # The wheel only (no dependencies) goes to /dist; the venv gets that file (never a same-named package
 # from the index) plus the runtime dependencies and the k8s extra (the client for pod discovery).

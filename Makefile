@@ -23,8 +23,10 @@ $(VENV)/.test-installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(VENV)/.demo-installed $@
 
+# DEMO_ARGS: options for `kvgate demo` (the tests pass a short slice: DEMO_ARGS="--duration 20").
+DEMO_ARGS ?=
 demo: $(VENV)/.demo-installed
-	$(VENV)/bin/kvgate demo
+	$(VENV)/bin/kvgate demo $(DEMO_ARGS)
 
 redis:
 	@command -v redis-server >/dev/null 2>&1 || tests/support/install-redis.sh

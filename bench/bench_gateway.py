@@ -399,12 +399,16 @@ def main(argv=None) -> int:
     p.add_argument("--no-peer", action="store_true", help="leave sglang-router out")
     args = p.parse_args(argv)
     args.procs = [int(x) for x in args.procs.split(",") if x.strip()]
-    r = asyncio.run(run(args))
+    save_and_print("gateway.json", asyncio.run(run(args)), report)
+    return 0
+
+
+def save_and_print(name: str, result: dict, render) -> None:
+    """Write ``bench/results/<name>`` and print the rendered tables."""
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gateway.json").write_text(json.dumps(r, indent=1))
-    print(report(r))
-    return 0
+    (out / name).write_text(json.dumps(result, indent=1))
+    print(render(result))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import time
 import numpy as np
 import xxhash
 
-from indexer.events import vllm_format as vf
+from bench.sim import vllm_format as vf
 from indexer.events.ingestor import EventIngestor, EventSource
 from indexer.hashing import SEED, sequence_hashes
 from indexer.index import Tier

@@ -4,7 +4,6 @@ index, no Redis, no GPU), a slice of the Mooncake conversation trace replayed th
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -28,20 +27,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    try:
-        import router.app  # noqa: F401
-    except ImportError as e:
-        print(f"kvgate demo: the gateway (router.app) is not available: {e}", file=sys.stderr)
-        return 1
     from bench.sim.harness import Target, run_target
     from bench.sim.tokenizer import save_model_dir
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     tok_dir = str(save_model_dir(out / "sim-model"))
-    if not wl.trace_path().exists():
-        print(f"kvgate demo: trace not found at {wl.trace_path()} (set KVGATE_SHARED)", file=sys.stderr)
-        return 1
     rows = wl.load_trace()
     # requests that cannot fit in one worker's KV cache are left out (a real server would refuse them too)
     fit = min(args.num_blocks * args.block_size - args.max_tokens_cap, args.max_prompt_tokens)

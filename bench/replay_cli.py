@@ -14,7 +14,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8080", help="endpoint (gateway or router) base URL")
     p.add_argument("--model", default="sim-model")
     p.add_argument("--workload", choices=wl.WORKLOADS, default="trace")
-    p.add_argument("--trace", default=None, help=f"trace file (default ../shared/traces/{wl.TRACE_NAME})")
+    p.add_argument("--trace", default=None, help=f"trace file, JSONL or .xz (default: the repository's bench/traces/{wl.TRACE_FILE})")
     p.add_argument("--start", type=float, default=0.0, help="trace slice start, trace seconds")
     p.add_argument("--duration", type=float, default=None, help="trace slice length, trace seconds")
     p.add_argument("--limit", type=int, default=None, help="at most this many requests")

@@ -6,7 +6,7 @@ and describe the same blocks either way."""
 from __future__ import annotations
 
 import json
-import os
+import lzma
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,19 +15,13 @@ import numpy as np
 
 TRACE_BLOCK = 512
 TRACE_NAME = "mooncake_conversation_trace.jsonl"
+TRACE_FILE = TRACE_NAME + ".xz"
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
-def shared_dir() -> Path:
-    """``$KVGATE_SHARED`` or ``<repo root>/../shared`` (CI clones the repo with shared/ beside it)."""
-    env = os.environ.get("KVGATE_SHARED")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parent.parent.parent / "shared"
-
-
 def trace_path() -> Path:
-    return shared_dir() / "traces" / TRACE_NAME
+    """The Mooncake conversation trace carried in the repository (xz-compressed, see bench/traces/NOTICE)."""
+    return Path(__file__).resolve().parent / "traces" / TRACE_FILE
 
 
 @dataclass
@@ -49,8 +43,11 @@ class TraceRow:
 
 
 def load_trace(path: str | Path | None = None) -> list[TraceRow]:
+    """Rows of a trace in Mooncake's JSONL format (an ``.xz`` file is read compressed)."""
+    path = Path(path or trace_path())
+    opener = lzma.open if path.suffix == ".xz" else open
     rows = []
-    with open(path or trace_path()) as f:
+    with opener(path, "rt") as f:
         for line in f:
             if line.strip():
                 d = json.loads(line)

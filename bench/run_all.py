@@ -10,7 +10,7 @@ import sys
 
 # module -> whether it takes --quick
 BENCHES = {"bench.bench_index": True, "bench.bench_gateway": True, "bench.bench_admin": True,
-           "bench.bench_g4_store": False}
+           "bench.bench_g4_store": False, "bench.bench_caches": True}
 
 
 def main(argv: list[str] | None = None) -> int:

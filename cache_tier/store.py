@@ -382,6 +382,8 @@ class G4Store:
         return n
 
     # ---- LRU + GC ----------------------------------------------------------------------------------------
+    # Hand-written, not cachetools: eviction runs in batches down to a low watermark and unlinks the files
+    # outside the lock, and rescan() rebuilds the order from file times; cachetools evicts one per insert.
     def _touch_lru(self, h: int, size: int) -> None:
         e = self._lru.get(h)
         if e is None:
@@ -501,7 +503,11 @@ def store_for_dir(ns_dir: str, **kw) -> G4Store:
 class PresenceCache:
     """Which blocks were recently seen on G4, so the scheduler does not ``stat`` every block of every
     prompt on a slow shared filesystem. Bounded (LRU) with a time-to-live: a block evicted by another node
-    in the meantime is caught by the load (reported and recomputed), never served wrong."""
+    in the meantime is caught by the load (reported and recomputed), never served wrong.
+
+    Hand-written rather than cachetools' ``TTLCache``: it is asked once per block of every waiting prompt
+    in vLLM's scheduler loop, where ``TTLCache`` measured 3.3x slower (``python -m bench.bench_caches``,
+    docs/BENCHMARKS.md "Caches")."""
 
     def __init__(self, store: G4Store, ttl_s: float = 30.0, max_entries: int = 200_000) -> None:
         self.store = store

@@ -6,6 +6,7 @@ import contextlib
 
 from fastapi import FastAPI
 
+from router.admin import install as install_admin
 from router.config import Settings
 from router.errors import install_handlers
 from router.proxy import DataPlane, build_router
@@ -33,15 +34,6 @@ def create_app(settings: Settings | None = None, *, index=None, prefetcher=None,
     app.state.kv = state
     install_handlers(app)
     app.include_router(build_router())
-    _include_admin(app)
+    install_admin(app)
     app.add_middleware(DataPlane, state=state)
     return app
-
-
-def _include_admin(app: FastAPI) -> None:
-    """Mount the admin API when its module is present (another part of the project provides it)."""
-    try:
-        from router.admin import install  # type: ignore[attr-defined]
-    except ImportError:
-        return
-    install(app)

@@ -8,7 +8,7 @@ import sys
 
 COMMANDS = {
     "serve": ("router.commands.serve", "run the gateway"),
-    "calc": ("router.commands.calc", "KV-cache sizing calculator"),
+    "calc": ("sizing.cli", "KV-cache sizing calculator"),
     "sim": ("bench.sim.cli", "run a simulated vLLM fleet"),
     "replay": ("bench.replay_cli", "replay a trace or synthetic workload against an endpoint"),
     "demo": ("bench.demo", "simulated fleet + gateway + trace replay, kv vs round_robin"),

@@ -6,12 +6,14 @@ environment > YAML file > defaults.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict,
+                               YamlConfigSettingsSource)
 
 
 class WorkerConfig(BaseModel):
@@ -96,6 +98,9 @@ class TokenizerConfig(BaseModel):
     # Chat bodies larger than this are also rendered (chat template) off the event loop.
     offload_render_chars: int = 1_000_000
     threads: int = 2
+    # Threads the tokenizers library uses for one batch (None: one less than the cores, so the event loop
+    # keeps one); it reads RAYON_NUM_THREADS once, so an explicit RAYON_NUM_THREADS in the environment wins.
+    batch_threads: int | None = Field(None, ge=1)
     # The prefix cache: bytes held (0 turns it off), anchor spacing and cut spacing (bytes of text).
     prefix_cache_bytes: int = Field(256 * 1024 * 1024, ge=0)
     prefix_chunk_bytes: int = Field(2048, ge=64)
@@ -176,31 +181,30 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, _YamlSource(settings_cls))
-
-
-class _YamlSource(PydanticBaseSettingsSource):
-    """Reads the file named by ``KVGATE_CONFIG`` (set by ``kvgate serve --config``)."""
-
-    def get_field_value(self, field, field_name):  # pragma: no cover - whole-dict source
-        return None, field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        import os
-
         path = os.environ.get("KVGATE_CONFIG")
         if not path:
-            return {}
-        data = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: the configuration must be a mapping")
-        return data
+            return (init_settings, env_settings)
+        return (init_settings, env_settings, _yaml_source(settings_cls, Path(path)))
+
+
+def _yaml_source(settings_cls: type[BaseSettings], path: Path) -> YamlConfigSettingsSource:
+    """pydantic-settings' YAML source for the file named by ``KVGATE_CONFIG`` (``kvgate serve --config``),
+    which, unlike the library's default, must exist and hold a mapping."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such configuration file")
+    try:
+        source = YamlConfigSettingsSource(settings_cls, yaml_file=path)
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML: {e}") from None
+    except (TypeError, ValueError):  # a list or a scalar at the top
+        raise ValueError(f"{path}: the configuration must be a mapping") from None
+    if not isinstance(source.yaml_data, dict):
+        raise ValueError(f"{path}: the configuration must be a mapping")
+    return source
 
 
 def load_settings(config_path: str | None = None, **overrides: Any) -> Settings:
     """Load settings from ``config_path`` (or ``$KVGATE_CONFIG``), the environment and ``overrides``."""
-    import os
-
     if config_path:
         os.environ["KVGATE_CONFIG"] = str(config_path)
     return Settings(**overrides)

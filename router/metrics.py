@@ -93,6 +93,10 @@ class GatewayMetrics:
         self.cache_blind = Gauge("kvgate_worker_cache_blind",
                                  "1 when the parity check found that kvgate's block keys do not match the "
                                  "worker's KV events (its cache entries are ignored)", ["worker"], registry=r)
+        self.chat_cache_blind = Gauge("kvgate_worker_chat_cache_blind",
+                                      "1 when kvgate's chat token ids differ from the worker's /tokenize (or "
+                                      "the worker is cache-blind): chat routing ignores its cache entries",
+                                      ["worker"], registry=r)
         self.parity_checks = Counter("kvgate_parity_checks", "Parity checks by worker and result",
                                      ["worker", "result"], registry=r)
         self.snapshot = _Snapshot()

@@ -22,10 +22,21 @@ The probe is retried with a fresh nonce when the ingestor saw no event at all ye
 subscription misses what is published before it is live (the ingestor replays the missed batches when
 the next message shows the gap).
 
+Chat has a check of its own, because the chat path renders the model's template in the gateway
+(router/tokenize.py) and a template, a content list or a tool message handled differently there than in
+vLLM changes the tokens without changing the tokenizer: kvgate's token ids of a probe conversation (a
+system prompt, a user message given as a content list, an assistant tool call and the tool's answer) are
+compared with the worker's own ``/tokenize`` of the same messages (chat form). Identical: chat ``ok``.
+Different: chat ``cache-blind`` (``ParityResult.chat_cache_blind``, ``Worker.chat_cache_blind``), with
+the first differing position and token of each side; the completions result is left as it is. No local
+chat template (chat is tokenized by the workers' ``/tokenize`` anyway), or a probe the worker or kvgate
+cannot render: chat ``unverified``.
+
 Other APIs render their bodies through their own conversion (router/apis): when the completion probe
 passes, each API in ``api_probes`` gets a probe of its own (a Responses input with instructions and a
 function call's output; an Anthropic conversation with a tool use and its tool result), compared the
-same way. A mismatch there marks the worker cache-blind for that API only (``result.apis``).
+same way (through the KV events, since vLLM's ``/tokenize`` has no form for them). A mismatch there marks
+the worker cache-blind for that API only (``result.apis``).
 """
 
 from __future__ import annotations
@@ -60,6 +71,24 @@ def probe_prompt(nonce: str, words: int = 160) -> str:
     return f"probe {nonce} " + " ".join(_WORDS[i % len(_WORDS)] + f" {nonce[i % 8]}" for i in range(words))
 
 
+def chat_probe_body(model: str, nonce: str) -> dict:
+    """A chat request exercising what the chat path renders: a system prompt, a content list, an
+    assistant tool call and a tool message, then the generation prompt (vLLM's ``/tokenize`` chat form)."""
+    call = {"id": "call0", "type": "function",
+            "function": {"name": "lookup_weather", "arguments": '{"city": "Paris"}'}}
+    return {
+        "model": model,
+        "messages": [
+            {"role": "system", "content": f"You are the kvgate parity probe {nonce}. Answer in one word."},
+            {"role": "user", "content": [{"type": "text", "text": f"Probe {nonce}: what is the weather?"},
+                                         {"type": "text", "text": "Say what to wear."}]},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call0", "content": "sunny, 21 degrees"},
+        ],
+        "add_generation_prompt": True,
+    }
+
+
 @dataclass
 class ParityResult:
     worker: str
@@ -74,11 +103,17 @@ class ParityResult:
     attempts: int = 0
     elapsed_s: float = 0.0
     checked_at: float = field(default_factory=time.time)
+    # The chat probe (module docstring): status, reason, token counts, first_mismatch; None: not run.
+    chat: dict | None = None
     apis: dict[str, dict] = field(default_factory=dict)  # per-API probe results (same keys, fewer)
 
     @property
     def cache_blind(self) -> bool:
         return self.status == CACHE_BLIND
+
+    @property
+    def chat_cache_blind(self) -> bool:
+        return self.cache_blind or bool(self.chat and self.chat.get("status") == CACHE_BLIND)
 
     def to_dict(self) -> dict:
         return {
@@ -93,6 +128,7 @@ class ParityResult:
             "attempts": self.attempts,
             "elapsed_s": round(self.elapsed_s, 3),
             "checked_at": self.checked_at,
+            "chat": self.chat,
             "apis": dict(self.apis),
         }
 
@@ -124,6 +160,9 @@ class ParityChecker:
     ``tokenize(model, text)`` returns kvgate's token ids of a completion prompt (None: cannot tokenize);
     ``block_size(model)`` is the block size kvgate routes ``model`` with; ``events_seen(worker)`` says
     whether the ingestor has received any message from the worker (retries the probe while it has not).
+    ``tokenize_chat(model, body)`` returns kvgate's own token ids of a chat request and, when it has none,
+    why (``(None, reason)``); without it the chat probe is not run. ``decode(model, ids)`` turns token ids
+    into text for the mismatch report (optional).
     """
 
     def __init__(
@@ -135,6 +174,8 @@ class ParityChecker:
         events_seen: Callable[[str], bool] | None = None,
         indexed: Callable[[str, str, list[int]], Awaitable[int]] | None = None,
         metrics=None,
+        tokenize_chat: Callable[[str, dict], Awaitable[tuple[list[int] | None, str]]] | None = None,
+        decode: Callable[[str, list[int]], str | None] | None = None,
         attempts: int = 3,
         settle_s: float = 5.0,
         request_timeout_s: float = 60.0,
@@ -146,6 +187,8 @@ class ParityChecker:
         self.events_seen = events_seen or (lambda worker: True)
         self.indexed = indexed
         self.metrics = metrics
+        self.tokenize_chat = tokenize_chat
+        self.decode = decode
         self.attempts = attempts
         self.settle_s = settle_s
         self.request_timeout_s = request_timeout_s
@@ -168,6 +211,11 @@ class ParityChecker:
             await self._run(result, url, model, bs)
         except Exception as e:  # a failed probe must never break registration
             result.status, result.reason = UNVERIFIED, f"probe failed: {type(e).__name__}: {e}"
+        if self.tokenize_chat is not None:
+            try:
+                result.chat = await self._chat(url, model)
+            except Exception as e:
+                result.chat = {"status": UNVERIFIED, "reason": f"chat probe failed: {type(e).__name__}: {e}"}
         for api, probe in self.api_probes.items():
             if result.status != OK:
                 result.apis[api] = {"status": UNVERIFIED, "reason": f"the completion probe was {result.status}"}
@@ -215,6 +263,33 @@ class ParityChecker:
         result.status = CACHE_BLIND
         result.reason = f"no KV events from the worker after {self.attempts} probes"
 
+    async def _chat(self, url: str, model: str) -> dict:
+        """kvgate's token ids of the chat probe against the worker's ``/tokenize`` of the same messages."""
+        body = chat_probe_body(model, uuid.uuid4().hex[:12])
+        mine, why = await self.tokenize_chat(model, body)
+        if mine is None:
+            return {"status": UNVERIFIED, "reason": why}
+        r = await self.client.post(f"{url}/tokenize", json=body, timeout=self.request_timeout_s)
+        if r.status_code != 200:
+            return {"status": UNVERIFIED, "kvgate_tokens": len(mine),
+                    "reason": f"the worker's /tokenize answered {r.status_code}: {r.text[:300]}"}
+        theirs = (r.json() or {}).get("tokens")
+        if not isinstance(theirs, list):
+            return {"status": UNVERIFIED, "reason": "the worker's /tokenize answered no tokens"}
+        out = {"kvgate_tokens": len(mine), "worker_tokens": len(theirs)}
+        if mine == theirs:
+            return {"status": OK, "reason": f"{len(mine)} tokens identical", **out}
+        i = next((k for k, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+        first = {"index": i, "kvgate_token": mine[i] if i < len(mine) else None,
+                 "worker_token": theirs[i] if i < len(theirs) else None}
+        if self.decode is not None:
+            first["kvgate_text"] = self.decode(model, mine[i:i + 8])
+            first["worker_text"] = self.decode(model, theirs[i:i + 8])
+        reason = (f"kvgate's chat token ids differ from the worker's /tokenize from token {i} on (kvgate "
+                  f"{first['kvgate_token']}, worker {first['worker_token']}; {len(mine)} vs {len(theirs)} "
+                  "tokens): another chat template or message handling, so kvgate's block keys of chat "
+                  "prompts miss this worker's cache (completions are checked separately)")
+        return {"status": CACHE_BLIND, "reason": reason, "first_mismatch": first, **out}
     async def _send_watched(self, worker: str, url: str, path: str, payload: dict,
                             expected: list[int]) -> tuple[_Watch, dict]:
         """Send a probe and collect the expected hashes the worker's events bring back (a few seconds)."""
@@ -260,6 +335,7 @@ class ParityChecker:
         if m is not None and hasattr(m, "cache_blind"):
             m.cache_blind.labels(result.worker).set(1.0 if result.cache_blind else 0.0)
             m.parity_checks.labels(result.worker, result.status).inc()
+            m.chat_cache_blind.labels(result.worker).set(1.0 if result.chat_cache_blind else 0.0)
         if result.status == OK:
             log.info(
                 "parity check of worker %s: ok (%d blocks of %d tokens, block size %d)",
@@ -275,14 +351,19 @@ class ParityChecker:
                 result.status.upper(),
                 result.reason,
             )
+        if result.chat:
+            log.log(logging.WARNING if result.chat.get("status") == CACHE_BLIND else logging.INFO,
+                    "chat parity check of worker %s: %s: %s", result.worker,
+                    str(result.chat.get("status")).upper(), result.chat.get("reason"))
 
     def forget(self, worker: str) -> None:
         self.results.pop(worker, None)
         if self.metrics is not None and hasattr(self.metrics, "cache_blind"):
-            try:
-                self.metrics.cache_blind.remove(worker)
-            except KeyError:
-                pass
+            for gauge in (self.metrics.cache_blind, self.metrics.chat_cache_blind):
+                try:
+                    gauge.remove(worker)
+                except KeyError:
+                    pass
 
 
 def _leading(expected: list[int], seen: set[int]) -> int:

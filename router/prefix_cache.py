@@ -139,8 +139,6 @@ class Lookup:
     source: Record | None = None  # the record the known prefix comes from
     known_bytes: int = 0  # a safe cut: data[:known_bytes] tokenizes as source.tokens[:known_tokens]
     known_tokens: int = 0
-    pieces: list[str] = field(default_factory=list)  # the rest, cut at fine cuts
-    piece_cuts: list[int] = field(default_factory=list)  # byte offset where each piece starts
 
     @property
     def exact(self) -> bool:
@@ -200,14 +198,16 @@ class PrefixTokenCache:
             if rec is not None and len(rec.data) >= a and data.startswith(memoryview(rec.data)[:a]):
                 self._extend(lk, rec, a)
                 break
-        if lk.source is None and len(data) == 0:
-            return lk
-        if not lk.exact:
-            cuts = self._cuts(data, lk.known_bytes, self.step)
-            bounds = [lk.known_bytes, *cuts, len(data)]
-            lk.piece_cuts = bounds[:-1]
-            lk.pieces = [data[bounds[i]:bounds[i + 1]].decode("utf-8") for i in range(len(bounds) - 1)]
         return lk
+
+    def pieces(self, lk: Lookup) -> tuple[list[int], list[str]]:
+        """The text after the known prefix, cut at fine cuts: (start offsets, pieces). Pure: may run on
+        a thread pool."""
+        data = lk.data
+        if lk.exact or lk.known_bytes >= len(data):
+            return [], []
+        bounds = [lk.known_bytes, *self._cuts(data, lk.known_bytes, self.step), len(data)]
+        return bounds[:-1], [data[bounds[i]:bounds[i + 1]].decode("utf-8") for i in range(len(bounds) - 1)]
 
     def _extend(self, lk: Lookup, rec: Record, anchor: int) -> None:
         """The known prefix: past ``anchor``, as far as the bytes agree, back to a fine cut of both texts."""
@@ -244,38 +244,47 @@ class PrefixTokenCache:
         if n is not None:
             lk.source, lk.known_bytes, lk.known_tokens = rec, anchor, n
 
-    def commit(self, lk: Lookup, encoded: list[list[int]]) -> Record:
-        """Store the text of ``lk`` with the ids of its pieces (``encoded``, one list per piece)."""
+    def build(self, lk: Lookup, encode) -> Record:
+        """The record of ``lk``'s text: the known prefix's ids and hashes from its source, the rest encoded
+        by ``encode(pieces) -> [ids]``. Pure (reads the source record only): may run on a thread pool."""
         src = lk.source
         if lk.exact:
-            self._lru.move_to_end(id(src))
-            self.hits += 1
-            self.reused_bytes += len(lk.data)
             return src
+        starts, pieces = self.pieces(lk)
+        encoded = encode(pieces) if pieces else []
         tokens = array.array("I")
         cut_pos = array.array("I")
         cut_tok = array.array("I")
         if src is not None:
-            self.hits += 1
-            self.reused_bytes += lk.known_bytes
             tokens = src.tokens[:lk.known_tokens]
             i = bisect_right(src.cut_pos, lk.known_bytes)
             cut_pos, cut_tok = src.cut_pos[:i], src.cut_tok[:i]
-        else:
-            self.misses += 1
-        self.encoded_bytes += lk.new_bytes
-        for start, ids in zip(lk.piece_cuts, encoded):
+        for start, ids in zip(starts, encoded):
             if start > 0 and (not cut_pos or cut_pos[-1] < start):
                 cut_pos.append(start)
                 cut_tok.append(len(tokens))
             tokens.extend(ids)
         rec = Record(lk.data, tokens, cut_pos, cut_tok, anchors=[k for _, k in lk.keys])
         if src is not None:  # block hashes of the shared blocks come along
-            for hk, hs in src.hashes.items():
-                pre = len(hk[3])
-                keep = min(len(hs), (pre + lk.known_tokens) // hk[0])
+            for hk, hs in list(src.hashes.items()):
+                keep = min(len(hs), (len(hk[3]) + lk.known_tokens) // hk[0])
                 if keep:
                     rec.hashes[hk] = hs[:keep]
+        return rec
+
+    def commit(self, lk: Lookup, rec: Record) -> Record:
+        """Keep ``rec`` (built from ``lk``) and count the lookup (on the event loop)."""
+        if lk.exact:
+            self._lru.move_to_end(id(rec))
+            self.hits += 1
+            self.reused_bytes += len(lk.data)
+            return rec
+        if lk.source is not None:
+            self.hits += 1
+            self.reused_bytes += lk.known_bytes
+        else:
+            self.misses += 1
+        self.encoded_bytes += lk.new_bytes
         self._insert(rec)
         return rec
 

@@ -29,7 +29,7 @@ from router.apis.routes import add_routes as add_api_routes
 from router.errors import APIError, error_body, error_response, sse_error_event
 from router.metrics import CONTENT_TYPE
 from router.policies import RouteRequest
-from router.routing import Decision
+from router.routing import Decision, kind_of
 from router.upstream import UpstreamError, UpstreamResponse
 
 log = logging.getLogger("kvgate.proxy")
@@ -304,7 +304,7 @@ class Forwarder:
                     last_error, last_status = f"upstream_{resp.status}: worker {w.name}", 502
                     continue
                 self._tell_policy(w)
-                if self.hashes and not w.cache_blind:
+                if self.hashes and not w.blind_for(kind_of(self.path)):
                     st.pending.record(d.namespace, self.hashes, w.name, cand.local_blocks)
                 if resp.headers.get("content-type", "").startswith("text/event-stream"):
                     await self._stream(send, resp, lease, w, cand, t_send)
@@ -384,9 +384,10 @@ class Forwarder:
         except asyncio.CancelledError:
             self.finish("client_disconnected", 499)
             raise
-        await send({"type": "http.response.body", "body": b""})
+        # recorded before the last byte: a client that has the whole stream finds the outcome in place
         usage = (hooks.usage if hooks is not None else usage_from_sse_tail(bytes(tail))) if outcome == "ok" else None
         self.finish(outcome, resp.status, usage)
+        await send({"type": "http.response.body", "body": b""})
 
 
 async def handle(st, scope, receive, send, path: str, need_model: bool) -> None:

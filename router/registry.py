@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from indexer.events.subscriber import resolve_endpoint
 from router.config import Settings, WorkerConfig
 
 log = logging.getLogger("kvgate.registry")
@@ -83,6 +84,16 @@ class Worker:
         return bool(self.parity and self.parity.get("status") == "cache-blind")
 
     @property
+    def chat_cache_blind(self) -> bool:
+        """Cache-blind, or kvgate's chat token ids differ from the worker's (the chat parity probe)."""
+        chat = (self.parity or {}).get("chat") or {}
+        return self.cache_blind or chat.get("status") == "cache-blind"
+
+    def blind_for(self, kind: str) -> bool:
+        """Whether kvgate's block keys of a ``kind`` request ("chat", "completion", ...) miss this worker."""
+        return self.chat_cache_blind if kind == "chat" else self.cache_blind
+
+    @property
     def host(self) -> str:
         return urlsplit(self.url).hostname or "127.0.0.1"
 
@@ -116,15 +127,6 @@ def worker_name(cfg: WorkerConfig) -> str:
         return cfg.name
     parts = urlsplit(cfg.url)
     return parts.netloc or cfg.url
-
-
-def resolve_endpoint(endpoint: str | None, host: str) -> str | None:
-    """vLLM reports a bound endpoint as ``tcp://*:5557``: connect to the worker's host instead."""
-    if not endpoint:
-        return endpoint
-    for wildcard in ("*", "0.0.0.0", "[::]"):
-        endpoint = endpoint.replace(f"//{wildcard}:", f"//{host}:")
-    return endpoint
 
 
 _PREFILL_HISTOGRAMS = {"vllm:request_prefill_kv_computed_tokens": "prefill_tokens",
@@ -369,8 +371,8 @@ class WorkerRegistry:
         except (httpx.HTTPError, ValueError, AttributeError) as e:
             w.last_error = f"/v1/models: {e}"
         if w.config.events_endpoint:
-            w.event_sources = [{"rank": 0, "endpoint": resolve_endpoint(w.config.events_endpoint, w.host),
-                                "replay_endpoint": resolve_endpoint(w.config.replay_endpoint, w.host),
+            w.event_sources = [{"rank": 0, "endpoint": resolve_endpoint(w.config.events_endpoint, w.url),
+                                "replay_endpoint": resolve_endpoint(w.config.replay_endpoint, w.url),
                                 "topic": ""}]
             return
         try:
@@ -382,8 +384,8 @@ class WorkerRegistry:
                         continue
                     if not cfg.get("endpoint"):
                         continue
-                    srcs.append({"rank": rank, "endpoint": resolve_endpoint(cfg["endpoint"], w.host),
-                                 "replay_endpoint": resolve_endpoint(cfg.get("replay_endpoint"), w.host),
+                    srcs.append({"rank": rank, "endpoint": resolve_endpoint(cfg["endpoint"], w.url),
+                                 "replay_endpoint": resolve_endpoint(cfg.get("replay_endpoint"), w.url),
                                  "topic": cfg.get("topic") or ""})
                 w.event_sources = srcs
         except (httpx.HTTPError, ValueError, AttributeError) as e:

@@ -169,6 +169,10 @@ class Router:
         d = Decision(request_id=request_id or headers.get("x-request-id") or uuid.uuid4().hex,
                      model=model or "", path=path, policy=policy.name, namespace=ns, lora_name=lora)
         kind = kind_of(path) if model else "other"
+        bs = st.registry.block_size(model) if model else 0
+        d.block_size = bs
+        salt = body.get("cache_salt")
+        salt = salt if isinstance(salt, str) else None
         tok_body = body
         if view is not None and model:
             kind, tok_body = "chat", view
@@ -176,17 +180,14 @@ class Router:
         if kind != "other":
             tok_worker = min(workers, key=lambda w: w.inflight)
             res = await st.tokenizers.tokenize(model, kind, tok_body, size=size or 0, namespace=ns,
-                                               worker_url=tok_worker.url)
+                                               worker_url=tok_worker.url, hashing=(bs, lora, salt))
             d.tokenizer, d.tokenize_error = res.source, res.error
             d.reused_bytes, d.new_bytes = res.reused_bytes, res.new_bytes
         t1 = time.perf_counter()
-        bs = st.registry.block_size(model) if model else 0
-        d.block_size = bs
         if res is not None and res.tokens:
             d.num_tokens = len(res.tokens)
-            salt = body.get("cache_salt")
             try:
-                d.hashes = res.block_hashes(bs, lora, salt if isinstance(salt, str) else None)
+                d.hashes = res.block_hashes(bs, lora, salt)
             except (OverflowError, TypeError, ValueError):  # ids outside uint32: vLLM will refuse the prompt
                 d.tokenize_error, d.num_tokens = "token ids outside uint32", 0
             d.num_blocks = len(d.hashes)
@@ -204,7 +205,8 @@ class Router:
         pending = st.pending
 
         def match(w) -> WorkerMatch:
-            if w.cache_blind or api_blind(w, api):
+            # chat (and the APIs rendered as chat): also when only the chat probe failed, or the API's
+            if w.blind_for(kind) or api_blind(w, api):
                 return WorkerMatch()
             m = result.match(w.name)
             if d.hashes:

@@ -8,6 +8,8 @@ import logging
 
 import httpx
 
+from indexer.events import EventIngestor
+from indexer.index import create_index
 from indexer.index.owners import create_owners
 from router.apis.probes import make_probes
 from router.config import Settings
@@ -24,39 +26,11 @@ from router.upstream import Upstream
 log = logging.getLogger("kvgate.state")
 
 
-def make_index(settings: Settings):
-    """The configured index backend (the index part's factory when present)."""
-    try:
-        from indexer.index import create_index  # type: ignore[attr-defined]
-    except ImportError:
-        create_index = None
-    if create_index is not None:
-        return create_index(settings.index)
-    if settings.index.backend == "redis":
-        from indexer.index.redis import RedisIndex
-
-        return RedisIndex(settings.index.redis_url, key_prefix=settings.index.key_prefix,
-                          timeout_s=settings.index.timeout_s)
-    from indexer.index.memory import MemoryIndex
-
-    return MemoryIndex()
-
-
-def make_ingestor(index, on_reset, observer=None):
-    """The KV event ingestor, or None when the events part is not installed."""
-    try:
-        from indexer.events import EventIngestor
-    except ImportError:
-        log.warning("indexer.events is not available: KV events are not ingested")
-        return None
-    return EventIngestor(index, queue_size=10000, on_reset=on_reset, observer=observer)
-
-
 class GatewayState:
     def __init__(self, settings: Settings, *, index=None, prefetcher: Prefetcher | None = None,
                  ingestor=None, with_events: bool = True) -> None:
         self.settings = settings
-        self.index = index if index is not None else make_index(settings)
+        self.index = index if index is not None else create_index(settings.index)
         # Responses API: which worker created each response id (indexer/index/owners.py), on the index's
         # backend so every gateway replica shares it.
         self.owners = create_owners(settings.index, settings.responses.owner_ttl_s,
@@ -73,9 +47,10 @@ class GatewayState:
         # registry's on_ready hook each time a worker becomes routable.
         self.parity = ParityChecker(self.client, self._tokenize_probe, self._block_size,
                                     events_seen=self._events_seen, indexed=self._indexed_blocks,
-                                    metrics=self.metrics, api_probes=make_probes(self))
-        self.ingestor = ingestor if ingestor is not None or not with_events else make_ingestor(
-            self.index, self._on_events_reset, self.parity.observe)
+                                    metrics=self.metrics, tokenize_chat=self._tokenize_chat_probe,
+                                    decode=self._decode, api_probes=make_probes(self))
+        self.ingestor = ingestor if ingestor is not None or not with_events else EventIngestor(
+            self.index, queue_size=10000, on_reset=self._on_events_reset, observer=self.parity.observe)
         if self.ingestor is not None and getattr(self.ingestor, "observer", False) is None:
             self.ingestor.observer = self.parity.observe  # an ingestor passed in by the caller
         self.registry = WorkerRegistry(settings, self.client, self.index, self.ingestor, self.metrics)
@@ -128,6 +103,19 @@ class GatewayState:
         res = await self.tokenizers.tokenize(model, "completion", {"prompt": text}, size=len(text),
                                              namespace=ns, worker_url=w.url if w else None)
         return res.tokens
+
+    async def _tokenize_chat_probe(self, model: str, body: dict) -> tuple[list[int] | None, str]:
+        """kvgate's own token ids of a chat request (its local template), never a worker's /tokenize."""
+        ns, _ = self.registry.namespace(model)
+        if self.tokenizers.for_model(model, ns) is None:
+            return None, "kvgate has no chat template of its own for this model (it uses the workers' /tokenize)"
+        res = await self.tokenizers.tokenize(model, "chat", body, size=0, namespace=ns, worker_url=None)
+        return (list(res.tokens) if res.tokens is not None else None,
+                res.error or "kvgate cannot tokenize the probe conversation")
+
+    def _decode(self, model: str, ids: list[int]) -> str | None:
+        tok = self.tokenizers.for_model(model, self.registry.namespace(model)[0])
+        return tok.hf.decode(ids) if tok is not None else None
 
     def _block_size(self, model: str) -> int:
         return self.registry.block_size(model)

@@ -22,6 +22,7 @@ import array
 import asyncio
 import json
 import logging
+import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -206,11 +207,17 @@ class LocalTokenizer:
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.fast.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_pieces(self, pieces: list[str]) -> list[list[int]]:
-        """Ids of each piece: a few one by one, many as one batch (the tokenizers library spreads a batch over
-        cores, without the GIL; for a few small pieces its thread hand-off costs more than it saves)."""
+    def encode_released(self, text: str, add_special_tokens: bool) -> list[int]:
+        """``encode`` for a thread pool: tokenizers' ``encode`` holds the GIL while it works (measured: a
+        spinning thread ran at a fifth of its speed beside it), ``encode_batch`` releases it."""
+        return self.fast.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def encode_pieces(self, pieces: list[str], off_loop: bool = False) -> list[list[int]]:
+        """Ids of each piece: a few one by one on the loop; off the loop, or many, as one batch (the
+        tokenizers library releases the GIL for a batch and spreads it over cores; for a few small pieces
+        its thread hand-off costs more than it saves)."""
         t = time.perf_counter()
-        if len(pieces) <= 8:
+        if len(pieces) <= 8 and not off_loop:
             enc = self.fast.encode
             out = [enc(p, add_special_tokens=False).ids for p in pieces]
         else:
@@ -231,9 +238,19 @@ class LocalTokenizer:
             raise APIError(400, "The prompt is not valid UTF-8 (it holds a lone surrogate).",
                            code="invalid_prompt") from None
 
-    def finish(self, lk: Lookup, encoded: list[list[int]], add_special_tokens: bool) -> Tokenized:
-        """Store the encoded pieces and assemble the prompt's ids (on the loop)."""
-        rec = self.prefix.commit(lk, encoded)
+    def build(self, lk: Lookup, add_special_tokens: bool, hashing: tuple | None, off_loop: bool = False):
+        """Encode what ``lk`` does not know and assemble the record, with the block hashes for ``hashing``
+        (block size, LoRA name, cache_salt) when given. Pure: runs on the pool for large new text."""
+        rec = self.prefix.build(lk, lambda pieces: self.encode_pieces(pieces, off_loop))
+        if hashing is not None and hashing[0] > 0:
+            pre, post = self.wrap if add_special_tokens else ((), ())
+            n = len(pre) + len(rec.tokens) + len(post)
+            block_hashes(rec, pre, post, hashing[0], hashing[1], hashing[2], routable_blocks(n, hashing[0]))
+        return rec
+
+    def finish(self, lk: Lookup, rec: Record, add_special_tokens: bool) -> Tokenized:
+        """Keep the record and assemble the prompt's ids (on the loop)."""
+        rec = self.prefix.commit(lk, rec)
         self.saved_s += lk.known_bytes * self.seconds_per_byte
         pre, post = self.wrap if add_special_tokens else ((), ())
         tokens = rec.tokens
@@ -246,7 +263,7 @@ class LocalTokenizer:
         lk = self.prepare(text, add_special_tokens)
         if lk is None:
             return Tokenized(array.array("I", self.encode(text, add_special_tokens)), "local", 0, len(text))
-        return self.finish(lk, self.encode_pieces(lk.pieces) if lk.pieces else [], add_special_tokens)
+        return self.finish(lk, self.build(lk, add_special_tokens, None), add_special_tokens)
 
     def render_chat(self, body: dict) -> str:
         messages = normalize_messages(body["messages"])
@@ -268,8 +285,9 @@ class LocalTokenizer:
         return self.tokenize_text_sync(text, add_special_tokens)
 
     def check(self, text: str, tokens: Sequence[int], add_special_tokens: bool) -> bool:
-        """Whether ``tokens`` equal the whole text's encoding; a mismatch turns the prefix cache off."""
-        if list(tokens) == self.encode(text, add_special_tokens):
+        """Whether ``tokens`` equal the whole text's encoding (runs on the pool); a mismatch turns the
+        prefix cache off."""
+        if list(tokens) == self.encode_released(text, add_special_tokens):
             return True
         self.mismatches += 1
         if self.prefix is not None:
@@ -315,6 +333,10 @@ class Tokenizers:
         self.client = client
         self.local: dict[str, LocalTokenizer] = {}
         self._pool = ThreadPoolExecutor(max(1, settings.tokenizer.threads), thread_name_prefix="kvgate-tok")
+        # The tokenizers library spreads a batch over its own thread pool, sized once, at first use, from
+        # RAYON_NUM_THREADS: leave a core to the event loop (a batch on every core starves it).
+        n = settings.tokenizer.batch_threads or max(1, (os.cpu_count() or 2) - 1)
+        os.environ.setdefault("RAYON_NUM_THREADS", str(n))
         self._reused = 0
 
     def load(self) -> None:
@@ -332,9 +354,10 @@ class Tokenizers:
         return self.local.get(model) or (self.local.get(namespace) if namespace else None)
 
     async def tokenize(self, model: str, kind: str, body: dict, *, size: int, namespace: str | None = None,
-                       worker_url: str | None = None) -> Tokenized:
+                       worker_url: str | None = None, hashing: tuple | None = None) -> Tokenized:
         """Token ids of a request's prompt. ``kind`` is "chat" or "completion"; ``size`` the body's bytes
-        (large chats are rendered on the thread pool). Returns ``tokens=None`` for a prompt it cannot
+        (large chats are rendered on the thread pool); ``hashing`` (block size, LoRA name, cache_salt) has
+        the block hashes computed with the ids, on the pool when the new text is large. Returns ``tokens=None`` for a prompt it cannot
         tokenize (the request is routed on load alone); raises a 400 for a template that refuses the
         conversation or a prompt that is not valid UTF-8."""
         if kind == "completion":
@@ -363,7 +386,7 @@ class Tokenizers:
                 add_special = bool(body.get("add_special_tokens", False))
             else:
                 text, add_special = prompt, bool(body.get("add_special_tokens", True))
-            return await self._encode(local, text, add_special)
+            return await self._encode(local, text, add_special, hashing)
         except _NotText:
             return Tokenized(None, "none", error="non-text content")
         except APIError:
@@ -374,18 +397,16 @@ class Tokenizers:
         except Exception as e:  # anything else must not fail routing; vLLM will answer the client
             return Tokenized(None, "none", error=f"local tokenizer: {type(e).__name__}: {e}")
 
-    async def _encode(self, local: LocalTokenizer, text: str, add_special: bool) -> Tokenized:
+    async def _encode(self, local: LocalTokenizer, text: str, add_special: bool, hashing: tuple | None) -> Tokenized:
         limit = self.settings.tokenizer.offload_chars
         lk = local.prepare(text, add_special)
         if lk is None:
-            ids = (await self._off_loop(local.encode, text, add_special) if len(text) > limit
+            ids = (await self._off_loop(local.encode_released, text, add_special) if len(text) > limit
                    else local.encode(text, add_special))
             return Tokenized(array.array("I", ids), "local", 0, len(text))
-        encoded = []
-        if lk.pieces:
-            encoded = (await self._off_loop(local.encode_pieces, lk.pieces) if lk.new_bytes > limit
-                       else local.encode_pieces(lk.pieces))
-        res = local.finish(lk, encoded, add_special)
+        rec = (await self._off_loop(local.build, lk, add_special, hashing, True) if lk.new_bytes > limit
+               else local.build(lk, add_special, hashing))
+        res = local.finish(lk, rec, add_special)
         self._sample(local, res, text, add_special)
         return res
 

@@ -17,12 +17,21 @@ from fastapi import FastAPI, Request
 
 from indexer.hashing import sequence_hashes
 from router.metrics import GatewayMetrics
-from router.parity import CACHE_BLIND, OK, UNVERIFIED, ParityChecker
+from router.parity import CACHE_BLIND, OK, UNVERIFIED, ParityChecker, chat_probe_body
 from tests.support.servers import ThreadServer
 
 
 def chars(text: str) -> list[int]:
     return [ord(c) for c in text]
+
+
+def render(body: dict) -> str:
+    """A stand-in chat template: role, then content (content lists joined by newlines), per message."""
+    out = []
+    for m in body["messages"]:
+        c = m.get("content")
+        out.append(f"<{m['role']}>" + ("\n".join(p["text"] for p in c) if isinstance(c, list) else c or ""))
+    return "".join(out) + ("<assistant>" if body.get("add_generation_prompt") else "")
 
 
 class Worker:
@@ -37,6 +46,8 @@ class Worker:
         self.status = status
         self.checker: ParityChecker | None = None
         self.probes = 0
+        self.render = render  # the worker's chat rendering (its template)
+        self.tokenize_requests: list[dict] = []
 
 
 @pytest.fixture
@@ -55,6 +66,14 @@ def worker():
             w.checker.observe("w", "GPU", sequence_hashes(tokens, w.block_size))
         return {"usage": {"prompt_tokens": len(tokens), "completion_tokens": 1}}
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await request.json()
+        w.tokenize_requests.append(body)
+        if w.status != 200:
+            return _error(w.status)
+        toks = chars(w.render(body))
+        return {"count": len(toks), "max_model_len": 4096, "tokens": toks, "token_strs": None}
     @app.post("/v1/{api}")
     async def other_api(api: str, request: Request):
         """Another API's probe: the worker "renders" the body as the characters of its JSON."""
@@ -80,10 +99,13 @@ def _error(status: int):
 
 async def run(
     worker: Worker, *, kvgate_tokenize=chars, block_size: int = 16, events_seen: bool = True, metrics=None,
-    indexed=None, api_probes=None,
+    indexed=None, kvgate_render=render, api_probes=None,
 ):
     async def tokenize(model: str, text: str):
         return kvgate_tokenize(text) if kvgate_tokenize else None
+
+    async def tokenize_chat(model: str, body: dict):
+        return (chars(kvgate_render(body)), "") if kvgate_render else (None, "no local chat template")
 
     async with httpx.AsyncClient() as client:
         checker = ParityChecker(
@@ -93,6 +115,8 @@ async def run(
             events_seen=lambda w: events_seen,
             indexed=indexed,
             metrics=metrics,
+            tokenize_chat=tokenize_chat,
+            decode=lambda model, ids: "".join(map(chr, ids)),
             attempts=3,
             settle_s=0.5,
             api_probes=api_probes,
@@ -170,6 +194,84 @@ async def test_probe_already_cached_and_indexed_is_ok(worker):
     assert r.status == CACHE_BLIND
 
 
+# -- the chat probe -------------------------------------------------------------------------------------
+
+
+async def test_chat_probe_sends_system_content_list_and_tool_message_and_matches(worker):
+    m = GatewayMetrics()
+    r = await run(worker, metrics=m)
+    assert r.chat["status"] == OK and r.chat["kvgate_tokens"] == r.chat["worker_tokens"] > 50, r.chat
+    assert not r.chat_cache_blind and m.chat_cache_blind.labels("w")._value.get() == 0.0
+    (body,) = worker.tokenize_requests
+    roles = [msg["role"] for msg in body["messages"]]
+    assert roles == ["system", "user", "assistant", "tool"] and body["add_generation_prompt"] is True
+    assert isinstance(body["messages"][1]["content"], list) and body["messages"][2]["tool_calls"]
+    assert body["model"] == "tiny"
+
+
+async def test_chat_template_difference_marks_chat_only_with_the_first_differing_token(worker, caplog):
+    """The worker flattens content lists with a space where kvgate uses a newline: completions still
+    match (ok), chat is cache-blind, and the report points at the first token that differs."""
+    def spaced(body):
+        return render({**body, "messages": [
+            {**m, "content": " ".join(p["text"] for p in m["content"])} if isinstance(m.get("content"), list)
+            else m for m in body["messages"]]})
+    worker.render = spaced
+    m = GatewayMetrics()
+    with caplog.at_level(logging.WARNING, logger="kvgate.parity"):
+        r = await run(worker, metrics=m)
+    assert r.status == OK and not r.cache_blind  # completions stay cache-aware
+    assert r.chat["status"] == CACHE_BLIND and r.chat_cache_blind
+    first = r.chat["first_mismatch"]
+    mine = render(chat_probe_body("tiny", "x" * 12))
+    assert first["kvgate_token"] == ord("\n") and first["worker_token"] == ord(" ")
+    assert first["kvgate_text"].startswith("\nSay") and first["worker_text"].startswith(" Say")
+    assert first["index"] == mine.index("\nSay")  # the nonce has a fixed length
+    assert "from token" in r.chat["reason"] and "chat prompts miss this worker's cache" in r.chat["reason"]
+    assert m.chat_cache_blind.labels("w")._value.get() == 1.0
+    assert m.cache_blind.labels("w")._value.get() == 0.0
+    assert any("chat parity" in rec.getMessage() and "CACHE-BLIND" in rec.getMessage()
+               for rec in caplog.records)
+    assert r.to_dict()["chat"]["first_mismatch"] == first
+
+
+async def test_chat_probe_with_one_side_a_prefix_of_the_other(worker):
+    worker.render = lambda body: render(body) + "<extra>"
+    r = await run(worker)
+    first = r.chat["first_mismatch"]
+    assert r.chat["status"] == CACHE_BLIND
+    assert first["kvgate_token"] is None and first["worker_token"] == ord("<")
+    assert first["index"] == r.chat["kvgate_tokens"] == r.chat["worker_tokens"] - len("<extra>")
+
+
+async def test_chat_unverified_without_a_local_template_or_when_the_worker_refuses(worker):
+    r = await run(worker, kvgate_render=None)
+    assert r.chat == {"status": UNVERIFIED, "reason": "no local chat template"}
+    assert not worker.tokenize_requests
+    assert not r.chat_cache_blind
+    worker.status = 400
+    r = await run(worker)
+    assert r.chat["status"] == UNVERIFIED and "answered 400" in r.chat["reason"] and not r.chat_cache_blind
+
+
+async def test_a_cache_blind_worker_is_chat_blind_too(worker):
+    worker.block_size = 32
+    r = await run(worker, block_size=16)
+    assert r.cache_blind and r.chat["status"] == OK and r.chat_cache_blind
+
+
+def test_a_worker_is_blind_per_request_kind_by_its_last_parity_result():
+    from router.config import WorkerConfig
+    from router.registry import Worker
+
+    w = Worker(name="w", url="http://w:8000", config=WorkerConfig(url="http://w:8000"))
+    assert not w.blind_for("chat") and not w.blind_for("completion")
+    w.parity = {"status": "ok", "chat": {"status": "cache-blind"}}
+    assert w.blind_for("chat") and w.chat_cache_blind and not w.blind_for("completion") and not w.cache_blind
+    w.parity = {"status": "cache-blind", "chat": {"status": "ok"}}
+    assert w.blind_for("chat") and w.blind_for("completion")
+    w.parity = {"status": "ok", "chat": {"status": "unverified"}}
+    assert not w.blind_for("chat")
 def api_probe(api: str, render):
     """An API probe whose kvgate side renders the body with ``render`` (the worker renders its JSON)."""
 

@@ -19,15 +19,12 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-# One definition of vLLM's structs for the whole project (indexer/events/vllm_format.py); the simulator
+# One definition of vLLM's structs for the whole project (bench/sim/vllm_format.py); the simulator
 # only adds an asyncio publisher (one event loop for many workers, no thread per worker).
-from indexer.events.vllm_format import (  # noqa: F401 - re-exported
-    AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVCacheEvent, KVEventBatch)
+from bench.sim.vllm_format import (  # noqa: F401 - re-exported
+    END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVCacheEvent, KVEventBatch)
 
 log = logging.getLogger(__name__)
-
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
 
 _encoder = msgspec.msgpack.Encoder()
 

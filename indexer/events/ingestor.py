@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from indexer.events.wire import DecodeError, decode_batch, decode_seq
 from indexer.index.base import BlockIndex
 
 log = logging.getLogger("kvgate.events")
+YIELD_EVERY_S = 0.0005
 
 _COUNTERS = ("applied", "blocks_stored", "blocks_removed", "dropped", "gaps", "replays", "resets", "errors")
 
@@ -80,6 +82,7 @@ class EventIngestor:
         self.replay_timeout_s = replay_timeout_s
         self._ctx: zmq.asyncio.Context | None = None
         self._sources: dict[str, _Source] = {}
+        self._last_yield = 0.0
 
     # -- lifecycle --------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -169,6 +172,7 @@ class EventIngestor:
             frames = await s.queue.get()
             try:
                 await self.handle_message(s, frames)
+                await self._yield()
             except asyncio.CancelledError:
                 raise
             except Exception:  # an index error: never fatal, but the index may have diverged
@@ -224,7 +228,16 @@ class EventIngestor:
         s.counters["replays"] += 1
         for q, p in batches:
             await self._apply_payload(s, q, p)
+            await self._yield()
         return seqs[0] == start
+
+    async def _yield(self) -> None:
+        """Let requests run between event batches: an in-memory index applies a batch without suspending,
+        so a burst (a replay, a queue backlog) would otherwise hold the loop until all of it is applied."""
+        now = time.perf_counter()
+        if now - self._last_yield > YIELD_EVERY_S:
+            await asyncio.sleep(0)
+            self._last_yield = time.perf_counter()
 
     async def _reset(self, s: _Source, reason: str) -> None:
         s.counters["resets"] += 1

@@ -17,8 +17,9 @@ salts block 0 only, and the chain carries it on. Multimodal identifiers are not 
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
+
+from cachetools import LRUCache
 
 from indexer import hashing
 from indexer.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
@@ -41,14 +42,17 @@ class Ops:
 
 _MASK64 = (1 << 64) - 1
 _TIERS = (Tier.GPU, Tier.CPU)  # tier codes 0 and 1 (ints: cheaper dict keys than the enum)
-_CODES = {"GPU": 0, None: 0, "CPU": 1}  # fast path of medium_tier for the common spellings
+# vLLM's ``medium`` of a BlockStored/BlockRemoved -> tier code (an index into _TIERS), or G4 for STORAGE.
+# The one place this mapping is written; a medium not here (any case) is not indexed.
+_MEDIUMS = {None: 0, "GPU": 0, "CPU": 1, "CPU_TIER": 1, "STORAGE": G4}
 
 
-def medium_tier(medium: str | None) -> Tier | str | None:
-    """GPU/CPU tier, ``"G4"`` for STORAGE, None for a medium kvgate does not index."""
-    if medium is not None and medium.upper() == "STORAGE":
-        return G4
-    return Tier.from_medium(medium)
+def medium_code(medium: str | None) -> int | str | None:
+    """0 (GPU, also for a missing medium), 1 (CPU), ``G4`` (STORAGE), None for a medium kvgate does not index."""
+    code = _MEDIUMS.get(medium)
+    if code is None and isinstance(medium, str):
+        code = _MEDIUMS.get(medium.upper())
+    return code
 
 
 def cache_salt_of(extra_keys: list | None, lora_name: str | None) -> str | None:
@@ -94,8 +98,7 @@ class WorkerState:
         self._held: tuple[dict[int, int], dict[int, int]] = ({}, {})
         # STORAGE blocks are never removed by vLLM; remember a bounded number of their handles so that
         # later events can chain from them.
-        self._storage: OrderedDict = OrderedDict()
-        self._storage_max = storage_handles
+        self._storage: LRUCache = LRUCache(maxsize=storage_handles)
         self.counters = {"unknown_parent": 0, "size_mismatch": 0, "unmapped": 0, "skipped": 0,
                          "malformed": 0}
 
@@ -117,9 +120,6 @@ class WorkerState:
 
     def _remember_storage(self, key, rh: int) -> None:
         self._storage[key] = rh
-        self._storage.move_to_end(key)
-        if len(self._storage) > self._storage_max:
-            self._storage.popitem(last=False)
 
     def _incr(self, key, rh: int, code: int, pending: dict[int, tuple[bool, bool]]) -> None:
         h = self._handles.get(key)
@@ -165,16 +165,13 @@ class WorkerState:
                 except (TypeError, ValueError, OverflowError):
                     self.counters["malformed"] += 1
             elif isinstance(ev, BlockRemoved):
-                code = _CODES.get(ev.medium)
-                if code is None:
-                    tier = medium_tier(ev.medium)
-                    if not isinstance(tier, Tier):  # only kvgate's G4 GC removes G4 entries
-                        if tier == G4 and ev.ownership == G4_OWNERSHIP and ev.block_hashes:
-                            self._flush(ops, pending, g4)
-                            gone = [h & _MASK64 for h in ev.block_hashes if isinstance(h, int)]
-                            ops.items.append(("g4_remove", None, gone))
-                        continue
-                    code = _TIERS.index(tier)
+                code = medium_code(ev.medium)
+                if code is None or code == G4:  # only kvgate's G4 GC removes G4 entries
+                    if code == G4 and ev.ownership == G4_OWNERSHIP and ev.block_hashes:
+                        self._flush(ops, pending, g4)
+                        gone = [h & _MASK64 for h in ev.block_hashes if isinstance(h, int)]
+                        ops.items.append(("g4_remove", None, gone))
+                    continue
                 g = ev.group_idx
                 for eh in ev.block_hashes:
                     self._decr(_key(g, eh), code, pending[code])
@@ -201,10 +198,7 @@ class WorkerState:
             g4.clear()
 
     def _stored(self, ev: BlockStored, pending: tuple[dict, dict], g4: list[int]) -> None:
-        code = _CODES.get(ev.medium)
-        if code is None:
-            tier = medium_tier(ev.medium)
-            code = G4 if tier == G4 else (_TIERS.index(tier) if tier is not None else None)
+        code = medium_code(ev.medium)
         if code is None or ev.kv_cache_spec_kind not in ACCEPTED_KINDS:
             self.counters["skipped"] += 1
             return

@@ -21,10 +21,11 @@ class ReplayError(RuntimeError):
     """The replay endpoint did not answer in time or answered garbage."""
 
 
-def resolve_endpoint(endpoint: str, worker_url: str | None) -> str:
+def resolve_endpoint(endpoint: str | None, worker_url: str | None) -> str | None:
     """Replace a wildcard host (``tcp://*:5557``, ``0.0.0.0``, ``::``) by the worker's host, as vLLM
-    reports the configured endpoint unchanged when it binds every interface."""
-    if not worker_url or not endpoint.startswith("tcp://"):
+    reports the configured endpoint unchanged when it binds every interface. The worker is a URL or a
+    bare host; no endpoint stays None."""
+    if not endpoint or not worker_url or not endpoint.startswith("tcp://"):
         return endpoint
     rest = endpoint[len("tcp://"):]
     host, sep, port = rest.rpartition(":")

@@ -23,16 +23,6 @@ class Tier(str, enum.Enum):
     GPU = "GPU"
     CPU = "CPU"
 
-    @classmethod
-    def from_medium(cls, medium: str | None) -> Tier | None:
-        """Map vLLM's ``BlockStored.medium`` to a worker tier (None for STORAGE, which is G4)."""
-        m = (medium or "GPU").upper()
-        if m == "GPU":
-            return cls.GPU
-        if m in ("CPU", "CPU_TIER"):
-            return cls.CPU
-        return None
-
 
 @dataclass(frozen=True)
 class WorkerMatch:

@@ -57,6 +57,8 @@ class WorkerOut(BaseModel):
     cached_blocks: dict[str, int] = Field(default_factory=dict, description="index entries per tier")
     parity: ParityOut | None = Field(None, description="last parity check (at registration or on demand)")
     cache_blind: bool = Field(False, description="parity failed: routing ignores its cache entries")
+    chat_cache_blind: bool = Field(False, description="cache-blind, or the chat parity probe failed: chat "
+                                                      "routing ignores its cache entries")
     restarts: int = 0
     last_error: str | None = None
 
@@ -80,6 +82,26 @@ class ParityOut(_Open):
         default_factory=dict,
         description="per-API probes (responses, messages): status ok | cache-blind (routing ignores the "
                     "worker's cache for that API only) | unverified, with reason and token/block counts")
+    chat: ChatParityOut | None = Field(None, description="the chat probe (None: not run)")
+
+
+class ChatMismatch(_Open):
+    index: int = Field(..., description="position of the first token that differs")
+    kvgate_token: int | None = Field(None, description="kvgate's token id there (None: kvgate's ids end)")
+    worker_token: int | None = Field(None, description="the worker's token id there (None: its ids end)")
+    kvgate_text: str | None = Field(None, description="kvgate's next few tokens there, decoded")
+    worker_text: str | None = Field(None, description="the worker's next few tokens there, decoded")
+
+
+class ChatParityOut(_Open):
+    """kvgate's token ids of a probe conversation (system prompt, content list, tool call and tool
+    message) against the worker's own /tokenize of it."""
+
+    status: str = Field(..., description="ok | cache-blind (chat routing ignores its cache) | unverified")
+    reason: str = ""
+    kvgate_tokens: int | None = None
+    worker_tokens: int | None = None
+    first_mismatch: ChatMismatch | None = None
 
 
 class WorkerList(BaseModel):
@@ -218,6 +240,8 @@ class DecisionOut(_Open):
     num_blocks: int = 0
     tokenizer: str | None = None
     tokenize_error: str | None = None
+    reused_bytes: int = Field(0, description="prompt text whose token ids came from the prefix token cache")
+    new_bytes: int = Field(0, description="prompt text tokenized for this request")
     index_error: str | None = None
     g4_blocks: int = Field(0, description="leading prompt blocks on G4 (model-wide)")
     candidates: list[CandidateOut] = Field(default_factory=list)

@@ -33,6 +33,7 @@ def worker_out(state, w, stats: dict, events: dict) -> schemas.WorkerOut:
             prefill_ratio=w.prefill_ratio, prefill_samples=w.prefill_samples, ttft_samples=w.ttft_samples),
         cached_blocks=cached, parity=parity if isinstance(parity, dict) else None,
         cache_blind=bool(getattr(w, "cache_blind", False)),
+        chat_cache_blind=bool(getattr(w, "chat_cache_blind", False)),
         restarts=w.restarts, last_error=w.last_error,
     )
 

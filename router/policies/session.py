@@ -2,7 +2,7 @@
 first; without the header, or when that worker is gone, the kv policy decides (and the session moves)."""
 from __future__ import annotations
 
-from collections import OrderedDict
+from cachetools import LRUCache
 
 from router.cost import Candidate
 from router.policies.base import Policy, RouteRequest
@@ -17,16 +17,15 @@ class SessionPolicy(Policy):
         self.header = header.lower()
         self.max_sessions = max_sessions
         self._fallback = KVPolicy(cache_affinity, recompute_weight)
-        self._sticky: OrderedDict[str, str] = OrderedDict()
+        self._sticky: LRUCache[str, str] = LRUCache(maxsize=max_sessions)  # session id -> worker
 
     def order(self, req: RouteRequest, candidates: list[Candidate]) -> list[Candidate]:
         ordered = self._fallback.order(req, candidates)
         sid = req.headers.get(self.header)
         if not sid:
             return ordered
-        worker = self._sticky.get(sid)
+        worker = self._sticky.get(sid)  # a hit refreshes the session's place in the LRU order
         if worker is not None:
-            self._sticky.move_to_end(sid)
             for i, c in enumerate(ordered):
                 if c.worker == worker:
                     return [c] + ordered[:i] + ordered[i + 1:]
@@ -37,6 +36,3 @@ class SessionPolicy(Policy):
         if not sid:
             return
         self._sticky[sid] = worker
-        self._sticky.move_to_end(sid)
-        while len(self._sticky) > self.max_sessions:
-            self._sticky.popitem(last=False)

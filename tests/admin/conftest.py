@@ -1,6 +1,6 @@
 """Admin API fixtures: a real gateway (uvicorn on loopback) over a real Redis index, with live fake vLLM
 workers (tests/support/fake_worker.py: vLLM's HTTP surface) whose KV events come from vLLM-shaped ZMQ
-publishers (indexer.events.vllm_format.EventPublisher) into the gateway's real event ingestor.
+publishers (bench.sim.vllm_format.EventPublisher) into the gateway's real event ingestor.
 
 The fake worker is not an engine, so the test plays the engine's part for the cache: after a request it
 publishes the BlockStored events vLLM would (:meth:`AdminEnv.publish`)."""
@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from indexer.events import vllm_format as vf
+from bench.sim import vllm_format as vf
 from indexer.hashing import sequence_hashes
 from indexer.index.redis import RedisIndex
 from router.app import create_app

@@ -76,6 +76,8 @@ def test_parity_explain_and_delivery_against_the_simulator(sim_gateway):
     for w in http.get("/admin/workers").json()["workers"]:
         assert w["parity"]["matched_blocks"] == w["parity"]["expected_blocks"] >= 4
         assert w["cache_blind"] is False
+        # the simulator renders the chat probe (content list, tool call, tool message) as the gateway does
+        assert w["parity"]["chat"]["status"] == "ok" and w["chat_cache_blind"] is False, w["parity"]["chat"]
 
     chat = {"model": MODEL, "max_tokens": 4, "messages": [
         {"role": "system", "content": "You answer questions about caches. " * 20},

@@ -196,3 +196,65 @@ def test_parity_check(admin_env):
     assert value(fams, "kvgate_worker_cache_blind", worker="w2") == 1
     assert value(fams, "kvgate_worker_cache_blind", worker="w1") == 0
     assert env.http.post("/admin/workers/nope/parity").status_code == 404
+
+
+# The tiny tokenizer's template (tests/support/tiny_tokenizer.py) with a space after each role instead of
+# a newline: the same tokenizer, other chat tokens -- what a worker started with its own --chat-template is.
+OTHER_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + ' ' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_chat_parity_catches_a_worker_with_another_chat_template(admin_env):
+    """w2 renders chat with its own template: its completions parity is ok (same tokenizer, same blocks),
+    but the chat probe's token ids differ from the worker's /tokenize, so the admin API marks it chat
+    cache-blind and shows where the ids part; w1, with the model's template, is ok for both."""
+    from tests.admin.test_metrics import scrape, value
+
+    env = admin_env(2, worker_kw={"w2": {"chat_template": OTHER_TEMPLATE}})
+    for name in ("w1", "w2"):
+        t = _engine_for_probe(env, name)
+        r = env.http.post(f"/admin/workers/{name}/parity")
+        t.join(30)
+        assert r.status_code == 200 and r.json()["status"] == "ok", r.text
+    listed = {w["name"]: w for w in env.http.get("/admin/workers").json()["workers"]}
+    ok, other = listed["w1"], listed["w2"]
+    assert ok["parity"]["chat"]["status"] == "ok" and ok["chat_cache_blind"] is False, ok["parity"]
+    assert ok["parity"]["chat"]["kvgate_tokens"] == ok["parity"]["chat"]["worker_tokens"] > 20
+    chat = other["parity"]["chat"]
+    assert chat["status"] == "cache-blind" and other["chat_cache_blind"] is True, chat
+    assert other["cache_blind"] is False  # completions routing stays cache-aware
+    first = chat["first_mismatch"]
+    # Both renderings start "<|im_start|>system" and part right after the role: newline vs space.
+    hf = env.state.tokenizers.for_model(MODEL).hf
+    assert first["index"] == len(hf("<|im_start|>system", add_special_tokens=False)["input_ids"]) > 0
+    assert first["kvgate_token"] != first["worker_token"]
+    assert first["kvgate_text"].startswith("\n") and first["worker_text"].startswith(" ")
+    assert f"from token {first['index']} on" in chat["reason"]
+    fams = scrape(env)
+    assert value(fams, "kvgate_worker_chat_cache_blind", worker="w2") == 1
+    assert value(fams, "kvgate_worker_chat_cache_blind", worker="w1") == 0
+    assert value(fams, "kvgate_worker_cache_blind", worker="w2") == 0
+
+
+def test_a_chat_cache_blind_worker_gets_no_predicted_hit_for_chat_but_keeps_it_for_completions(admin_env):
+    """After the chat probe catches w2's other template, the index's blocks on w2 no longer count for a
+    chat request; for a completion on the same tokens they still do."""
+    env = admin_env(2, worker_kw={"w2": {"chat_template": OTHER_TEMPLATE}})
+    t = _engine_for_probe(env, "w2")
+    assert env.http.post("/admin/workers/w2/parity").json()["chat"]["status"] == "cache-blind"
+    t.join(30)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "tell me about caches " * 40}]}
+    toks = list(env.call(env.state.tokenizers.tokenize(MODEL, "chat", chat, size=0)).tokens)
+    env.publish("w2", toks)
+
+    def local(body, path):
+        ex = env.http.post("/admin/explain", json={"body": body, "path": path}).json()
+        return next(c for c in ex["candidates"] if c["worker"] == "w2")["local_blocks"]
+
+    assert local(chat, "/v1/chat/completions") == 0
+    completion = {"model": MODEL, "prompt": toks, "max_tokens": 1}
+    assert local(completion, "/v1/completions") == len(toks[:-1]) // BLOCK > 0

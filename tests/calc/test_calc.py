@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from router import calc
+from sizing import calc
 from router.cli import main
 
 CONFIGS = Path(__file__).resolve().parents[2] / "bench" / "configs"

@@ -12,6 +12,8 @@ import logging
 import time
 import uuid
 
+from pathlib import Path
+
 import httpx
 import pytest
 
@@ -271,6 +273,12 @@ def test_parity_check_passes_on_matching_workers(kvgate, vllm_servers):
         assert w.parity["status"] == "ok" and not w.cache_blind, w.parity
         assert w.parity["matched_blocks"] == w.parity["expected_blocks"] > 0
         assert _metric(gw, "kvgate_worker_cache_blind", s.name) == 0.0
+        # the chat probe (system prompt, content list, tool call, tool message): kvgate's token ids are
+        # vLLM's own /tokenize ids
+        chat = w.parity["chat"]
+        assert chat["status"] == "ok" and not w.chat_cache_blind, chat
+        assert chat["kvgate_tokens"] == chat["worker_tokens"] > 30
+        assert _metric(gw, "kvgate_worker_chat_cache_blind", s.name) == 0.0
 
 
 @pytest.fixture(scope="module")
@@ -281,6 +289,41 @@ def other_tokenizer(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("other-tokenizer")
     build_tokenizer(out, vocab_size=3000)
     return str(out)
+
+
+@pytest.fixture(scope="module")
+def other_chat_template(tiny_model_dir, tmp_path_factory) -> str:
+    """The workers' own tokenizer with another chat template (a newline after each role marker): the
+    completion tokens are the workers', the chat tokens are not."""
+    import json
+    import shutil
+
+    out = tmp_path_factory.mktemp("other-chat-template")
+    shutil.copy(Path(tiny_model_dir) / "tokenizer.json", out / "tokenizer.json")
+    cfg = json.loads((Path(tiny_model_dir) / "tokenizer_config.json").read_text())
+    role_end = "'|>' + message['content']"
+    assert role_end in cfg["chat_template"]
+    cfg["chat_template"] = cfg["chat_template"].replace(role_end, "'|>\\n' + message['content']")
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return str(out)
+
+
+def test_chat_parity_catches_another_chat_template_against_real_vllm(kvgate, vllm_servers,
+                                                                     other_chat_template):
+    """kvgate renders chat with another template than vLLM's: the completions probe still matches (same
+    tokenizer, same block keys), the chat probe does not, and the admin view says where the ids part."""
+    gw = kvgate("kv", tokenizer=other_chat_template)
+    for s in vllm_servers:
+        w = gw.state.registry.get(s.name)
+        assert w.parity["status"] == "ok" and not w.cache_blind, w.parity
+        chat = w.parity["chat"]
+        assert chat["status"] == "cache-blind" and w.chat_cache_blind and w.blind_for("chat"), chat
+        assert not w.blind_for("completion")
+        first = chat["first_mismatch"]
+        # BOS, then "<|system|>": the templates part right after the first role marker
+        assert first["index"] == 2 and first["kvgate_text"].startswith("\n"), first
+        assert _metric(gw, "kvgate_worker_chat_cache_blind", s.name) == 1.0
+        assert _metric(gw, "kvgate_worker_cache_blind", s.name) == 0.0
 
 
 @pytest.mark.parametrize("mismatch", ["tokenizer", "block_size"])

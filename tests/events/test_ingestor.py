@@ -8,7 +8,7 @@ import time
 import pytest
 
 from indexer.events import EventIngestor, EventSource, resolve_endpoint
-from indexer.events import vllm_format as vf
+from bench.sim import vllm_format as vf
 from indexer.hashing import sequence_hashes
 from tests.support.procs import free_port
 
@@ -78,6 +78,9 @@ def test_resolve_endpoint():
     assert resolve_endpoint("tcp://*:5557", "http://10.1.2.3:8000") == "tcp://10.1.2.3:5557"
     assert resolve_endpoint("tcp://0.0.0.0:5557", "http://vllm-0.svc:8000/v1") == "tcp://vllm-0.svc:5557"
     assert resolve_endpoint("tcp://*:5557", "http://[fd00::1]:8000") == "tcp://[fd00::1]:5557"
+    assert resolve_endpoint("tcp://*:5557", "10.0.0.7") == "tcp://10.0.0.7:5557"  # a bare host
+    assert resolve_endpoint("tcp://host:1", "http://h:8000") == "tcp://host:1"
+    assert resolve_endpoint(None, "http://h:8000") is None
     assert resolve_endpoint("tcp://10.0.0.9:5557", "http://10.1.2.3:8000") == "tcp://10.0.0.9:5557"
     assert resolve_endpoint("ipc:///tmp/kv", "http://h:1") == "ipc:///tmp/kv"
     assert resolve_endpoint("tcp://*:5557", None) == "tcp://*:5557"

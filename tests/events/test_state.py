@@ -148,7 +148,7 @@ def test_bad_token_ids_are_malformed_not_fatal():
 
 def test_lora_and_salt_identity_through_the_wire():
     """vLLM-shaped BlockStored (extra_keys per block) -> msgpack -> decode -> state == router's hashes."""
-    from indexer.events import vllm_format as vf
+    from bench.sim import vllm_format as vf
     from indexer.events.wire import decode_batch
 
     tok = list(range(7, 7 + 3 * B))
@@ -157,3 +157,27 @@ def test_lora_and_salt_identity_through_the_wire():
     batch = decode_batch(vf.encode_batch(vf.KVEventBatch(ts=0.0, events=[ev], data_parallel_rank=0)))
     ops = WorkerState(block_size=B).apply(batch.events)
     assert items(ops) == [("store", "GPU", sequence_hashes(tok, B, lora_name="adapterA", cache_salt="t1"))]
+
+
+def test_medium_spellings_map_to_one_tier_each():
+    """vLLM's media in any case: missing/GPU -> GPU, CPU/CPU_TIER -> CPU, STORAGE -> G4, others not indexed."""
+    for i, (medium, want) in enumerate([(None, "GPU"), ("gpu", "GPU"), ("cpu", "CPU"), ("cpu_tier", "CPU"),
+                                        ("CPU_TIER", "CPU")]):
+        s = WorkerState(block_size=B)
+        assert items(s.apply([stored([11 + i], TOK[:B], medium=medium)])) == [("store", want, SEQ[:1])], medium
+        ops = s.apply([BlockRemoved(block_hashes=[11 + i], medium=medium)])
+        assert items(ops) == [("remove", want, SEQ[:1])], medium
+    s = WorkerState(block_size=B)
+    assert items(s.apply([stored([11], TOK[:B], medium="storage")])) == [("g4", None, SEQ[:1])]
+    assert s.apply([stored([12], TOK[:B], medium="nvme")]).items == [] and s.counters["skipped"] == 1
+
+
+def test_storage_handles_are_bounded_least_recently_used_first():
+    """G4 handles outlive resets so later chains can start from them; only ``storage_handles`` are kept."""
+    s = WorkerState(block_size=B, storage_handles=2)
+    s.apply([stored([11], TOK[:B], medium="STORAGE"), stored([12], TOK[B:2 * B], parent=11, medium="STORAGE")])
+    s.apply([stored([13], TOK[2 * B:3 * B], parent=11, medium="STORAGE")])  # 11 used again: 12 is the oldest
+    s.reset()
+    assert items(s.apply([stored([21], TOK[B:2 * B], parent=11)])) == [("store", "GPU", SEQ[1:2])]
+    assert s.apply([stored([22], TOK[2 * B:3 * B], parent=12)]).items == []  # 12 was forgotten
+    assert s.counters["unknown_parent"] == 1

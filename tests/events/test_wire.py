@@ -1,11 +1,11 @@
 """Decoding vLLM's KV-event payloads: the frames are produced with msgspec structs shaped exactly like
-vLLM 0.32's (indexer/events/vllm_format.py), plus the older array form."""
+vLLM 0.32's (bench/sim/vllm_format.py), plus the older array form."""
 from __future__ import annotations
 
 import msgspec
 import pytest
 
-from indexer.events import vllm_format as vf
+from bench.sim import vllm_format as vf
 from indexer.events.wire import (
     AllBlocksCleared,
     BlockRemoved,

@@ -1,5 +1,5 @@
 """The whole loop over real sockets: a worker serves a prompt and announces its blocks as vLLM does
-(BlockStored over ZMQ, indexer.events.vllm_format.EventPublisher), the gateway's EventIngestor writes them
+(BlockStored over ZMQ, bench.sim.vllm_format.EventPublisher), the gateway's EventIngestor writes them
 into Redis, and the next turn of that conversation goes to that worker, where the delivered cached_tokens
 match the prediction."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import asyncio
 
 import httpx
 
-from indexer.events.vllm_format import EventPublisher
+from bench.sim.vllm_format import EventPublisher
 from tests.gateway.conftest import BLOCK
 from tests.gateway.test_proxy import LONG, chat_body, wait_until
 

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from indexer.hashing import sequence_hashes
 from indexer.index.base import Tier
 from router.config import WorkerConfig
-from router.registry import parse_metrics, resolve_endpoint
+from router.registry import parse_metrics
 from tests.gateway.conftest import BLOCK, MODEL
 from tests.gateway.test_proxy import LONG, chat_body, wait_until
 
@@ -37,10 +37,7 @@ class RecordingIngestor:
         return {s.worker: {"applied": 3, "dropped": 1, "replays": 0, "resets": 0, "gaps": 0} for s in self.added}
 
 
-def test_resolve_endpoint_and_parse_metrics():
-    assert resolve_endpoint("tcp://*:5557", "10.0.0.7") == "tcp://10.0.0.7:5557"
-    assert resolve_endpoint("tcp://0.0.0.0:1", "h") == "tcp://h:1"
-    assert resolve_endpoint("tcp://host:1", "h") == "tcp://host:1"
+def test_parse_metrics():
     text = ('vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
             'vllm:num_requests_running{engine="1",model_name="m"} 1.0\n'
             'vllm:num_requests_waiting{engine="0",model_name="m"} 4.0\n'

@@ -9,7 +9,7 @@ import pytest
 
 from bench import replay as rp
 from bench import replay_cli
-from bench.replay_workloads import WorkItem, trace_path
+from bench.replay_workloads import WorkItem
 
 
 async def test_replay_summary_table_plot_json(fleet, tmp_path):
@@ -36,7 +36,6 @@ async def test_replay_summary_table_plot_json(fleet, tmp_path):
     assert data["runs"][0]["summary"]["cached_tokens"] == 64 and len(data["runs"][0]["records"]) == 3
 
 
-@pytest.mark.skipif(not trace_path().exists(), reason="the shared trace is not beside the repository")
 def test_cli_trace_slice_and_its_ceiling():
     p = argparse.ArgumentParser()
     replay_cli.add_arguments(p)

@@ -32,10 +32,11 @@ class FakeState:
     running: int = 0
     events_endpoint: str | None = None
     words: int = 8
+    chat_template: str | None = None  # the worker's own template (vLLM's --chat-template), else the model's
     fast: bool = False  # benchmark mode: no tokenizer, no cache bookkeeping
     pause_after: int | None = None  # streaming: stop after this many content chunks until released
     release: threading.Event = field(default_factory=threading.Event)
-    publisher: object = None  # an indexer.events.vllm_format.EventPublisher: BlockStored for new blocks
+    publisher: object = None  # a bench.sim.vllm_format.EventPublisher: BlockStored for new blocks
     requests: list = field(default_factory=list)
     cancelled: int = 0
     active: int = 0
@@ -66,7 +67,7 @@ def create_fake_worker(state: FakeState, tokenizer_dir: str | None = None) -> Fa
             msgs = [{**m, "content": "\n".join(p["text"] for p in m["content"])}
                     if isinstance(m.get("content"), list) else m for m in body["messages"]]
             text = tok.apply_chat_template(
-                msgs, tools=body.get("tools"), chat_template=body.get("chat_template"),
+                msgs, tools=body.get("tools"), chat_template=body.get("chat_template") or st.chat_template,
                 add_generation_prompt=body.get("add_generation_prompt", True),
                 continue_final_message=body.get("continue_final_message", False), tokenize=False,
                 **(body.get("chat_template_kwargs") or {}))
@@ -92,7 +93,7 @@ def create_fake_worker(state: FakeState, tokenizer_dir: str | None = None) -> Fa
         new = [i for i, h in enumerate(hashes) if h not in st.cache]
         st.cache.update(hashes)
         if st.publisher is not None and new:
-            from indexer.events.vllm_format import stored
+            from bench.sim.vllm_format import stored
 
             bs = st.block_size
             # Engine block hashes are opaque to kvgate: reuse our own as the engine's.

@@ -1,7 +1,7 @@
 """KV-cache sizing arithmetic: how many bytes of KV a prompt costs, whether a fleet's GPUs hold it after the
 weights, and how long loading it from G4 takes compared with recomputing it.
 
-Pure functions over a model's Hugging Face ``config.json``; the ``kvgate calc`` command (router.commands.calc)
+Pure functions over a model's Hugging Face ``config.json``; the ``kvgate calc`` command (sizing.cli)
 is only argument parsing and printing around :func:`calculate`.
 
 Conventions (stated so the figures can be checked by hand):

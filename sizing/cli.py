@@ -1,4 +1,4 @@
-"""``kvgate calc``: KV-cache sizing from a model's config.json (arithmetic in router.calc).
+"""``kvgate calc``: KV-cache sizing from a model's config.json (arithmetic in sizing.calc).
 
 Exit codes: 0 when it ran (and, with ``--gpu``, also when the cache does not fit: that is an answer),
 2 for a bad configuration or argument, with the reason on stderr.
@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from router import calc
+from sizing import calc
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

