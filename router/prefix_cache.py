@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import array
 import re
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -51,7 +51,6 @@ _SAFE_SPLITS = {
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
 _CHAR_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "BertNormalizer"}
-_WORD_CUT = rb"(?<=[A-Za-z0-9])(?=[ \n][A-Za-z])"
 
 
 def _normalizer_ok(n: dict | None) -> bool:
@@ -82,29 +81,74 @@ def _bytelevel_tail(p: dict) -> bool:
     return p.get("type") == "ByteLevel" and not p.get("add_prefix_space", False) and not p.get("use_regex", True)
 
 
-def cut_rule(tok_json: dict, specials: list[str], splittable: bool) -> tuple[re.Pattern | None, str]:
-    """The safe-cut pattern (over UTF-8 bytes) for a tokenizer, and a word saying which cuts it uses.
+class Cuts:
+    """Finds safe cuts in UTF-8 bytes: word boundaries ``[A-Za-z0-9] | [ \\n][A-Za-z]`` (when ``words``) and
+    the positions before and after each special token. Searches start with a literal or a character
+    class, so the regex engine scans in C (a zero-width pattern would be tried at every byte)."""
+
+    def __init__(self, words: bool, specials: list[bytes]) -> None:
+        self.words = re.compile(rb"[ \n](?=[A-Za-z])(?<=[A-Za-z0-9][ \n])") if words else None
+        self.specials = sorted(set(specials), key=len, reverse=True)
+        self.special = re.compile(b"|".join(map(re.escape, self.specials))) if self.specials else None
+        self._back = max(map(len, self.specials), default=0)
+
+    def scan(self, data: bytes, start: int, step: int) -> list[int]:
+        """The first safe cut at or after every multiple of ``step`` past ``start``. The special tokens are
+        found in one pass; a word cut is looked for within ``step`` bytes of each target, so a text
+        without one costs one bounded search per step (the result depends only on the bytes there)."""
+        n = len(data)
+        sp: list[int] = []
+        if self.special is not None:
+            for m in self.special.finditer(data, max(0, start - self._back)):
+                sp.append(m.start())
+                sp.append(m.end())
+        words = self.words.search if self.words is not None else None
+        out = []
+        target = (start // step + 1) * step
+        while target < n:
+            end = min(n, target + step)
+            best = -1
+            if words is not None:
+                m = words(data, target, end + 1)  # one byte past the window for the letter after a cut
+                if m is not None:
+                    best = m.start()
+            if sp:
+                i = bisect_left(sp, target)
+                if i < len(sp) and sp[i] <= end and (best < 0 or sp[i] < best):
+                    best = sp[i]
+            if 0 < best < n:
+                out.append(best)
+                target = (best // step + 1) * step
+            else:
+                target += step
+        return out
+
+    def at(self, data: bytes, pos: int) -> bool:
+        """Whether ``pos`` is a safe cut of ``data``."""
+        if not 0 < pos < len(data):
+            return False
+        if self.words is not None and self.words.match(data, pos):
+            return True
+        if self.special is not None:
+            if self.special.match(data, pos):
+                return True
+            return any(data.endswith(s, 0, pos) for s in self.specials)
+        return False
+
+
+def cut_rule(tok_json: dict, specials: list[str], splittable: bool) -> tuple[Cuts | None, str]:
+    """The safe cuts for a tokenizer, and a word saying which it uses.
 
     ``tok_json`` is the tokenizer's ``to_str()`` document, ``specials`` the contents of its non-normalized
     added tokens, ``splittable`` whether none of them strips whitespace or must be a single word."""
-    alts = []
     added = [t.get("content", "") for t in tok_json.get("added_tokens", [])]
     word = (_normalizer_ok(tok_json.get("normalizer")) and _pre_ok(tok_json.get("pre_tokenizer"))
             and tok_json.get("model", {}).get("type") in ("BPE", "WordPiece", "WordLevel")
             and splittable and not any(" " in a or "\n" in a for a in added))
-    if word:
-        alts.append(_WORD_CUT)
-    if splittable and specials:
-        enc = sorted({s.encode() for s in specials}, key=len, reverse=True)
-        alts.append(b"(?=" + b"|".join(map(re.escape, enc)) + b")")
-        by_len: dict[int, list[bytes]] = {}
-        for s in enc:  # a look-behind must have one width
-            by_len.setdefault(len(s), []).append(re.escape(s))
-        alts += [b"(?<=" + b"|".join(g) + b")" for g in by_len.values()]
-    if not alts:
+    sp = [x.encode() for x in specials if x] if splittable else []
+    if not word and not sp:
         return None, "off"
-    kind = "words+specials" if word and len(alts) > 1 else ("words" if word else "specials")
-    return re.compile(b"|".join(alts)), kind
+    return Cuts(word, sp), "words+specials" if word and sp else ("words" if word else "specials")
 
 
 @dataclass(eq=False)
@@ -150,7 +194,7 @@ class Lookup:
 
 
 class PrefixTokenCache:
-    def __init__(self, cut: re.Pattern, *, max_bytes: int, chunk_bytes: int = 2048, cut_bytes: int = 256) -> None:
+    def __init__(self, cut: Cuts, *, max_bytes: int, chunk_bytes: int = 2048, cut_bytes: int = 256) -> None:
         if chunk_bytes % cut_bytes:
             raise ValueError("chunk_bytes must be a multiple of cut_bytes")
         self.cut = cut
@@ -168,18 +212,7 @@ class PrefixTokenCache:
 
     def _cuts(self, data: bytes, start: int, step: int) -> list[int]:
         """First safe cut at or after every multiple of ``step`` past ``start`` (exclusive of both ends)."""
-        out = []
-        search = self.cut.search
-        n = len(data)
-        target = (start // step + 1) * step
-        while target < n:
-            m = search(data, target)
-            if m is None or m.start() >= n:
-                break
-            a = m.start()
-            out.append(a)
-            target = (a // step + 1) * step
-        return out
+        return self.cut.scan(data, start, step)
 
     def lookup(self, text: str) -> Lookup:
         """Find the longest known prefix of ``text`` (raises UnicodeEncodeError for lone surrogates)."""
@@ -232,11 +265,11 @@ class PrefixTokenCache:
             lk.source, lk.known_bytes, lk.known_tokens = rec, common, len(rec.tokens)
             return
         i = bisect_right(rec.cut_pos, common) - 1
-        match = self.cut.match
+        at = self.cut.at
         while i >= 0 and rec.cut_pos[i] >= anchor:
             pos = rec.cut_pos[i]
             # a cut of the record is a cut of this text when the bytes it looks at agree (checked on this text)
-            if pos < len(data) and match(data, pos):
+            if at(data, pos):
                 lk.source, lk.known_bytes, lk.known_tokens = rec, pos, rec.cut_tok[i]
                 return
             i -= 1
