@@ -20,12 +20,14 @@ from bench.sim.harness import Target, run_target
 from bench.sim.tokenizer import save_model_dir
 
 
-def targets(text: bool, redis: bool, include: set[str] | None) -> list[Target]:
+def targets(text: bool, redis: bool, include: set[str] | None, with_ids: bool = False) -> list[Target]:
     ts = []
     if redis:
         ts.append(Target("kvgate kv (redis)", "kvgate", "kv", "redis", text))
+    ts.append(Target("kvgate kv (memory)", "kvgate", "kv", "memory", text))
+    if with_ids and text:  # the same routing without the gateway's text path, in the same run
+        ts.append(Target("kvgate kv (memory, token ids)", "kvgate", "kv", "memory", False))
     ts += [
-        Target("kvgate kv (memory)", "kvgate", "kv", "memory", text),
         Target("kvgate round_robin", "kvgate", "round_robin", "memory", text),
         Target("kvgate least_loaded", "kvgate", "least_loaded", "memory", text),
         Target("kvgate session", "kvgate", "session", "memory", text),
@@ -50,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="", help="comma-separated substrings of target names to run")
     p.add_argument("--token-ids", action="store_true",
                    help="send token ids to kvgate targets (peers always get text)")
+    p.add_argument("--with-token-ids", action="store_true",
+                   help="also run kvgate kv (memory) with token-id prompts, beside the text targets")
     p.add_argument("--out", default="bench-results/side-by-side")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -68,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     if redis is None:
         print("redis-server not found: skipping kvgate kv (redis)", file=sys.stderr)
     include = {s.strip() for s in args.only.split(",") if s.strip()} or None
-    tlist = targets(not args.token_ids, redis is not None, include)
+    tlist = targets(not args.token_ids, redis is not None, include, args.with_token_ids)
     report = [f"Command: `python -m bench.side_by_side {' '.join(argv if argv is not None else sys.argv[1:])}`",
               f"Trace slice {args.start:.0f}-{args.start + args.duration:.0f} s ({len(items)} requests), replayed "
               f"{args.time_scale:g}x faster; {args.num_blocks} blocks x {args.block_size} tokens per worker; "

@@ -35,5 +35,5 @@ def create_app(settings: Settings | None = None, *, index=None, prefetcher=None,
     install_handlers(app)
     app.include_router(build_router())
     install_admin(app)
-    app.add_middleware(DataPlane, state=state)
+    app.add_middleware(DataPlane, dp=state.datapath)
     return app

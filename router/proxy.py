@@ -19,6 +19,8 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from urllib.parse import parse_qs
 
 import msgspec
@@ -192,18 +194,38 @@ async def guarded(receive, coro) -> bool:
         watcher.cancel()
 
 
+@dataclass
+class DataPath:
+    """What the request path needs of a gateway, and nothing more (router/state.py builds it)."""
+
+    registry: object
+    upstream: object
+    router: object  # router.routing.Router: plan() and its cost model
+    pending: object
+    metrics: object
+    decisions: object
+    prefetcher: object
+    spawn: Callable  # fire-and-forget tasks kept referenced by the gateway
+    routing: object  # RoutingConfig
+    max_body_bytes: int
+
+    @property
+    def policy(self):
+        return self.router.policy
+
+
 class _Lease:
     """Gateway-side load a request puts on a worker: in flight until done, pending until its first byte."""
 
-    def __init__(self, state, worker, cand) -> None:
+    def __init__(self, metrics, worker, cand) -> None:
         # prefill work (tokens at context 0, router/cost.py), so a long context queues as what it costs
-        self.state, self.worker, self.tokens = state, worker, round(cand.prefill_work)
+        self.metrics, self.worker, self.tokens = metrics, worker, round(cand.prefill_work)
         self.pending = self.active = True
         worker.inflight += 1
         worker.pending_requests += 1
         worker.pending_tokens += self.tokens
         worker.mean_prompt_tokens = 0.9 * worker.mean_prompt_tokens + 0.1 * self.tokens
-        state.metrics.child(state.metrics.inflight, worker.name).set(worker.inflight)
+        metrics.child(metrics.inflight, worker.name).set(worker.inflight)
         # A non-streamed response shows no first token: count its prompt as queued until twice the
         # predicted TTFT has passed (vLLM's own waiting gauge covers a longer wait), not for its whole decode.
         self._timer = asyncio.get_running_loop().call_later(
@@ -221,15 +243,15 @@ class _Lease:
         if self.active:
             self.active = False
             self.worker.inflight -= 1
-            self.state.metrics.child(self.state.metrics.inflight, self.worker.name).set(self.worker.inflight)
+            self.metrics.child(self.metrics.inflight, self.worker.name).set(self.worker.inflight)
 
 
 class Forwarder:
     """Sends one planned request down the decision's candidate list and writes the response to ASGI ``send``."""
 
-    def __init__(self, state, d: Decision, body: bytes, path: str, *, method: str, query: str,
+    def __init__(self, dp: DataPath, d: Decision, body: bytes, path: str, *, method: str, query: str,
                  headers: dict[str, str], hooks=None):
-        self.st, self.d, self.body, self.path = state, d, body, path
+        self.st, self.d, self.body, self.path = dp, d, body, path
         self.method, self.query, self.headers = method, query, headers
         self.hashes = d.hashes
         self.hooks = hooks  # router/apis/hooks.py: another API's usage, error events and response ids
@@ -267,7 +289,7 @@ class Forwarder:
         async def go():
             try:
                 ok = await asyncio.wait_for(st.prefetcher.order(worker, self.d.namespace, want),
-                                            st.settings.routing.prefetch_timeout_s)
+                                            st.routing.prefetch_timeout_s)
                 st.metrics.prefetch.labels(worker.name, "sent" if ok else "declined").inc()
             except Exception:
                 st.metrics.prefetch.labels(worker.name, "failed").inc()
@@ -284,7 +306,7 @@ class Forwarder:
         last_status = 503
         attempts = 0
         for cand in d.candidates:
-            if attempts >= max(1, st.settings.routing.max_attempts):
+            if attempts >= max(1, st.routing.max_attempts):
                 break
             w = reg.get(cand.worker)
             if w is None or not w.routable:
@@ -295,7 +317,7 @@ class Forwarder:
             d.chosen = w.name
             d.attempts.append(w.name)
             self._prefetch(w, cand)
-            lease = _Lease(st, w, cand)
+            lease = _Lease(st.metrics, w, cand)
             t_send = time.perf_counter()
             resp = None
             try:
@@ -390,11 +412,11 @@ class Forwarder:
         await send({"type": "http.response.body", "body": b""})
 
 
-async def handle(st, scope, receive, send, path: str, need_model: bool) -> None:
+async def handle(st: DataPath, scope, receive, send, path: str, need_model: bool) -> None:
     """One routed request over plain ASGI: read, plan, forward (the whole data path)."""
     try:
         headers = client_headers(scope)
-        raw = await read_body(headers, receive, st.settings.max_body_bytes)
+        raw = await read_body(headers, receive, st.max_body_bytes)
         body: dict = {}
         model = None
         if need_model or raw:
@@ -460,14 +482,14 @@ FAST_ROUTES = {"/v1/chat/completions": True, "/v1/completions": True}
 class DataPlane:
     """ASGI middleware: the generation routes go straight to :func:`handle`; everything else to FastAPI."""
 
-    def __init__(self, app, state) -> None:
-        self.app, self.state = app, state
+    def __init__(self, app, dp: DataPath) -> None:
+        self.app, self.dp = app, dp
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             need = FAST_ROUTES.get(scope["path"])
             if need is not None:
-                await handle(self.state, scope, receive, send, scope["path"], need)
+                await handle(self.dp, scope, receive, send, scope["path"], need)
                 return
         await self.app(scope, receive, send)
 
@@ -476,8 +498,8 @@ def build_router() -> APIRouter:
     api = APIRouter()
 
     def routed(request: Request, path: str, *, need_model: bool) -> Response:
-        st = request.app.state.kv
-        return _ASGI(lambda scope, receive, send: handle(st, scope, receive, send, path, need_model))
+        dp = request.app.state.kv.datapath
+        return _ASGI(lambda scope, receive, send: handle(dp, scope, receive, send, path, need_model))
 
     @api.post("/v1/chat/completions", include_in_schema=True, summary="OpenAI chat completions (routed)")
     async def chat(request: Request) -> Response:

@@ -10,6 +10,7 @@ import logging
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from indexer.index.base import LookupResult, WorkerMatch
@@ -127,20 +128,24 @@ def kind_of(path: str) -> str:
 
 
 class Router:
-    """Plans requests against the registry, tokenizers, index, cost model and policy of a gateway."""
+    """Plans requests: the registry's candidates, the tokenizers, the index, the pending-block record, the
+    cost model and the live policy (``policy()``: the admin API can swap it at run time)."""
 
-    def __init__(self, state) -> None:
-        self.state = state
-        self.cost = CostModel(state.settings.routing)
+    def __init__(self, *, registry, tokenizers, index, pending, routing, index_timeout_s: float,
+                 policy: Callable[[], Policy]) -> None:
+        self.registry, self.tokenizers, self.index, self.pending = registry, tokenizers, index, pending
+        self.index_timeout_s = index_timeout_s
+        self._policy = policy
+        self.cost = CostModel(routing)
 
     @property
     def policy(self) -> Policy:
-        return self.state.policy
+        return self._policy()
 
     def check_model(self, model: str | None):
         """Healthy candidates for ``model`` (any model when None): 404 when nobody serves it, 503 when
         nobody healthy does."""
-        reg = self.state.registry
+        reg = self.registry
         if model is None:
             workers = [w for w in reg.workers() if w.routable]
             if not workers:
@@ -160,16 +165,16 @@ class Router:
         """Score every healthy candidate for this request and order them; sends nothing. ``view``: the chat
         form of another API's body (router/apis), tokenized instead; ``api``: that API, whose failed
         parity probe makes a worker cache-blind for it."""
-        st = self.state
+        reg = self.registry
         t0 = time.perf_counter()
         workers = self.check_model(model)
-        policy = policy or st.policy
+        policy = policy or self.policy
         headers = {k.lower(): v for k, v in (headers or {}).items()}
-        ns, lora = st.registry.namespace(model) if model else ("", None)
+        ns, lora = reg.namespace(model) if model else ("", None)
         d = Decision(request_id=request_id or headers.get("x-request-id") or uuid.uuid4().hex,
                      model=model or "", path=path, policy=policy.name, namespace=ns, lora_name=lora)
         kind = kind_of(path) if model else "other"
-        bs = st.registry.block_size(model) if model else 0
+        bs = reg.block_size(model) if model else 0
         d.block_size = bs
         salt = body.get("cache_salt")
         salt = salt if isinstance(salt, str) else None
@@ -179,7 +184,7 @@ class Router:
         res = None
         if kind != "other":
             tok_worker = min(workers, key=lambda w: w.inflight)
-            res = await st.tokenizers.tokenize(model, kind, tok_body, size=size or 0, namespace=ns,
+            res = await self.tokenizers.tokenize(model, kind, tok_body, size=size or 0, namespace=ns,
                                                worker_url=tok_worker.url, hashing=(bs, lora, salt))
             d.tokenizer, d.tokenize_error = res.source, res.error
             d.reused_bytes, d.new_bytes = res.reused_bytes, res.new_bytes
@@ -195,14 +200,14 @@ class Router:
         result = LookupResult(num_blocks=len(d.hashes))
         if d.hashes:
             try:
-                result = await asyncio.wait_for(st.index.lookup(ns, d.hashes, [w.name for w in workers]),
-                                                st.settings.index.timeout_s)
+                result = await asyncio.wait_for(self.index.lookup(ns, d.hashes, [w.name for w in workers]),
+                                                self.index_timeout_s)
             except Exception as e:  # an index outage degrades to load-only routing, never an error
                 d.index_error = f"{type(e).__name__}: {e}"
                 log.warning("index lookup failed: %s", d.index_error)
         t3 = time.perf_counter()
         d.g4_blocks = result.g4
-        pending = st.pending
+        pending = self.pending
 
         def match(w) -> WorkerMatch:
             # chat (and the APIs rendered as chat): also when only the chat probe failed, or the API's

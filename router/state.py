@@ -18,6 +18,7 @@ from router.parity import ParityChecker
 from router.pending import PendingBlocks
 from router.policies import Policy, create_policy
 from router.prefetch import Prefetcher, make_prefetcher
+from router.proxy import DataPath
 from router.registry import WorkerRegistry
 from router.routing import DecisionLog, Router
 from router.tokenize import Tokenizers
@@ -60,10 +61,16 @@ class GatewayState:
         self.decisions = DecisionLog(settings.routing.decisions_kept)
         self.pending = PendingBlocks(settings.routing.pending_ttl_s, settings.routing.pending_max_blocks)
         self.registry.on_cleared = self.pending.forget_worker
-        self.router = Router(self)
+        self.router = Router(registry=self.registry, tokenizers=self.tokenizers, index=self.index,
+                             pending=self.pending, routing=settings.routing,
+                             index_timeout_s=settings.index.timeout_s, policy=lambda: self.policy)
         self.registry.on_prefill = self.router.cost.observe_engine_prefill
         self.prefetcher: Prefetcher = prefetcher or make_prefetcher(settings)
         self._background: set[asyncio.Task] = set()
+        self.datapath = DataPath(registry=self.registry, upstream=self.upstream, router=self.router,
+                                 pending=self.pending, metrics=self.metrics, decisions=self.decisions,
+                                 prefetcher=self.prefetcher, spawn=self.spawn, routing=settings.routing,
+                                 max_body_bytes=settings.max_body_bytes)
         self.started = False
 
     def set_policy(self, name: str) -> Policy:

@@ -92,7 +92,7 @@ async def _serve(st, scope, receive, send, path: str, prepare, *, anthropic: boo
         if owner is not None:
             _pin(d, owner)
         st.metrics.observe_stages(d.timings_ms)
-        fwd = Forwarder(st, d, raw, path, method=scope["method"], query=scope.get("query_string", b"").decode(
+        fwd = Forwarder(st.datapath, d, raw, path, method=scope["method"], query=scope.get("query_string", b"").decode(
             "latin-1"), headers=headers, hooks=hooks(d) if hooks else None)
         st.decisions.add(d)
     except ClientGone:

@@ -125,7 +125,7 @@ async def test_prefetch_ordered_for_g4_plan(fleet, start_gateway, tokenizer_dir)
             orders.append((worker.name, model, list(hashes)))
             return True
 
-    gw.state.prefetcher = Recorder()
+    gw.state.prefetcher = gw.state.datapath.prefetcher = Recorder()
     body = chat_body(LONG)
     from router.config import TokenizerConfig
     from router.tokenize import LocalTokenizer
