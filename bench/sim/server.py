@@ -208,7 +208,7 @@ def create_worker_app(w: WorkerInfo, kv_event_sources: dict | None = None) -> Fa
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            tokens = tok.encode(prompt)
+            tokens = await tok.encode_off_loop(prompt) if len(prompt) > 4096 else tok.encode(prompt)
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                          for t in prompt):
             tokens = prompt
@@ -227,7 +227,8 @@ def create_worker_app(w: WorkerInfo, kv_event_sources: dict | None = None) -> Fa
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
             return _error(400, "messages must be a non-empty list of objects.", param="messages")
-        tokens = tok.encode_chat(msgs, bool(body.get("add_generation_prompt", True)))
+        text = tok.render_chat(msgs, bool(body.get("add_generation_prompt", True)))
+        tokens = await tok.encode_off_loop(text) if len(text) > 4096 else tok.encode(text)
         return await run(body, tokens, request_id(request, body), chat=True)
 
     @app.post("/tokenize")

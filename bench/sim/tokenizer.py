@@ -87,6 +87,16 @@ class SimTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    async def encode_off_loop(self, text: str) -> list[int]:
+        """``encode`` on a thread, without the GIL (``encode_batch`` releases it, ``encode`` does not): one
+        process hosts every simulated worker, and vLLM tokenizes in its API server, never in the engine
+        loop, so a long text prompt must not stall the other workers' simulated steps."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        enc = await loop.run_in_executor(None, lambda: self._tok.encode_batch([text], add_special_tokens=False))
+        return enc[0].ids
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
