@@ -115,6 +115,20 @@ class TokenizerConfig(BaseModel):
         return self
 
 
+class ResponsesConfig(BaseModel):
+    """The Responses API's response-id owners (indexer/index/owners.py), kept on the index's backend."""
+
+    owner_ttl_s: float = Field(7 * 24 * 3600.0, gt=0)
+    owner_max_entries: int = Field(1_000_000, ge=1)
+    # A record also keeps the messages its turn adds to the conversation (a follow-up is tokenized from
+    # its chain's turns); a larger turn keeps the owner only (the chain stays pinned, routed on load).
+    turn_max_bytes: int = Field(1024 * 1024, ge=0)
+    # Longest chain walked to rebuild a follow-up's conversation (a longer one is routed on load, pinned).
+    chain_max_depth: int = Field(1000, ge=1)
+    # Largest streamed final event (response.completed) read for usage and the conversation.
+    stream_event_max_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+
+
 class AdminConfig(BaseModel):
     token: str | None = None
     # Without a token the admin API answers loopback clients only, unless explicitly opened.
@@ -146,6 +160,7 @@ class Settings(BaseSettings):
     admin: AdminConfig = Field(default_factory=AdminConfig)
     g4: G4Config = Field(default_factory=G4Config)
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
     max_body_bytes: int = 16 * 1024 * 1024
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0

@@ -31,6 +31,12 @@ Different: chat ``cache-blind`` (``ParityResult.chat_cache_blind``, ``Worker.cha
 the first differing position and token of each side; the completions result is left as it is. No local
 chat template (chat is tokenized by the workers' ``/tokenize`` anyway), or a probe the worker or kvgate
 cannot render: chat ``unverified``.
+
+Other APIs render their bodies through their own conversion (router/apis): when the completion probe
+passes, each API in ``api_probes`` gets a probe of its own (a Responses input with instructions and a
+function call's output; an Anthropic conversation with a tool use and its tool result), compared the
+same way (through the KV events, since vLLM's ``/tokenize`` has no form for them). A mismatch there marks
+the worker cache-blind for that API only (``result.apis``).
 """
 
 from __future__ import annotations
@@ -99,6 +105,7 @@ class ParityResult:
     checked_at: float = field(default_factory=time.time)
     # The chat probe (module docstring): status, reason, token counts, first_mismatch; None: not run.
     chat: dict | None = None
+    apis: dict[str, dict] = field(default_factory=dict)  # per-API probe results (same keys, fewer)
 
     @property
     def cache_blind(self) -> bool:
@@ -122,6 +129,7 @@ class ParityResult:
             "elapsed_s": round(self.elapsed_s, 3),
             "checked_at": self.checked_at,
             "chat": self.chat,
+            "apis": dict(self.apis),
         }
 
 
@@ -140,6 +148,10 @@ class _Watch:
         self.seen.update(h for h in hashes if h in self.expected)
         if self.expected <= self.seen:
             self.done.set()
+
+
+# An API probe: (model, nonce) -> (path, body, kvgate's tokens, answer -> the worker's prompt token count).
+ApiProbe = Callable[[str, str], Awaitable[tuple[str, dict, "list[int] | None", Callable[[dict], "int | None"]]]]
 
 
 class ParityChecker:
@@ -167,6 +179,7 @@ class ParityChecker:
         attempts: int = 3,
         settle_s: float = 5.0,
         request_timeout_s: float = 60.0,
+        api_probes: dict[str, ApiProbe] | None = None,
     ) -> None:
         self.client = client
         self.tokenize = tokenize
@@ -179,6 +192,7 @@ class ParityChecker:
         self.attempts = attempts
         self.settle_s = settle_s
         self.request_timeout_s = request_timeout_s
+        self.api_probes = api_probes or {}
         self._watches: dict[str, list[_Watch]] = {}
         self.results: dict[str, ParityResult] = {}
 
@@ -202,12 +216,19 @@ class ParityChecker:
                 result.chat = await self._chat(url, model)
             except Exception as e:
                 result.chat = {"status": UNVERIFIED, "reason": f"chat probe failed: {type(e).__name__}: {e}"}
+        for api, probe in self.api_probes.items():
+            if result.status != OK:
+                result.apis[api] = {"status": UNVERIFIED, "reason": f"the completion probe was {result.status}"}
+                continue
+            try:
+                result.apis[api] = await self._run_api(result.worker, url, model, bs, probe)
+            except Exception as e:
+                result.apis[api] = {"status": UNVERIFIED, "reason": f"probe failed: {type(e).__name__}: {e}"}
         result.elapsed_s = time.monotonic() - t0
         self._record(result)
         return result
 
     async def _run(self, result: ParityResult, url: str, model: str, bs: int) -> None:
-        loop = asyncio.get_running_loop()
         for attempt in range(1, self.attempts + 1):
             result.attempts = attempt
             text = probe_prompt(uuid.uuid4().hex)
@@ -220,27 +241,12 @@ class ParityChecker:
             if not expected:
                 result.status, result.reason = UNVERIFIED, "probe shorter than one block"
                 return
-            watch = _Watch(loop, set(expected))
-            self._watches.setdefault(result.worker, []).append(watch)
-            try:
-                r = await self.client.post(
-                    f"{url}/v1/completions",
-                    timeout=self.request_timeout_s,
-                    json={"model": model, "prompt": text, "max_tokens": 1, "temperature": 0.0},
-                )
-                r.raise_for_status()
-                usage = (r.json() or {}).get("usage") or {}
-                result.worker_tokens = usage.get("prompt_tokens")
-                # BlockStored is published when the prompt is scheduled, before the answer: a short
-                # wait covers the trip through ZMQ and the ingestor.
-                try:
-                    await asyncio.wait_for(watch.done.wait(), self.settle_s)
-                except TimeoutError:
-                    pass
-            finally:
-                self._watches[result.worker].remove(watch)
-                if not self._watches[result.worker]:
-                    del self._watches[result.worker]
+            # BlockStored is published when the prompt is scheduled, before the answer: a short wait
+            # covers the trip through ZMQ and the ingestor.
+            watch, answer = await self._send_watched(
+                result.worker, url, "/v1/completions", {"model": model, "prompt": text, "max_tokens": 1,
+                                                        "temperature": 0.0}, expected)
+            result.worker_tokens = (answer.get("usage") or {}).get("prompt_tokens")
             result.matched_blocks = _leading(expected, watch.seen)
             if watch.done.is_set():
                 result.status, result.reason = OK, f"{len(expected)} probe blocks matched"
@@ -284,6 +290,44 @@ class ParityChecker:
                   "tokens): another chat template or message handling, so kvgate's block keys of chat "
                   "prompts miss this worker's cache (completions are checked separately)")
         return {"status": CACHE_BLIND, "reason": reason, "first_mismatch": first, **out}
+    async def _send_watched(self, worker: str, url: str, path: str, payload: dict,
+                            expected: list[int]) -> tuple[_Watch, dict]:
+        """Send a probe and collect the expected hashes the worker's events bring back (a few seconds)."""
+        watch = _Watch(asyncio.get_running_loop(), set(expected))
+        self._watches.setdefault(worker, []).append(watch)
+        try:
+            r = await self.client.post(f"{url}{path}", timeout=self.request_timeout_s, json=payload)
+            r.raise_for_status()
+            answer = r.json() or {}
+            try:
+                await asyncio.wait_for(watch.done.wait(), self.settle_s)
+            except TimeoutError:
+                pass
+        finally:
+            self._watches[worker].remove(watch)
+            if not self._watches[worker]:
+                del self._watches[worker]
+        return watch, answer if isinstance(answer, dict) else {}
+
+    async def _run_api(self, worker: str, url: str, model: str, bs: int, probe: ApiProbe) -> dict:
+        """One API's probe: ``probe(model, nonce)`` gives (path, body, kvgate's tokens, the worker's prompt
+        token count from its answer)."""
+        path, body, tokens, count = await probe(model, uuid.uuid4().hex)
+        if not tokens:
+            return {"status": UNVERIFIED, "reason": "kvgate cannot tokenize the probe for this API"}
+        expected = sequence_hashes(tokens, bs, max_blocks=routable_blocks(len(tokens), bs))
+        watch, answer = await self._send_watched(worker, url, path, body, expected)
+        out = {"kvgate_tokens": len(tokens), "worker_tokens": count(answer), "expected_blocks": len(expected),
+               "matched_blocks": _leading(expected, watch.seen)}
+        if watch.done.is_set():
+            return {"status": OK, "reason": f"{len(expected)} probe blocks matched", **out}
+        if not watch.events:
+            return {"status": UNVERIFIED, "reason": "no KV events during the probe", **out}
+        why = ("the worker counts another number of prompt tokens" if out["worker_tokens"] not in
+               (None, len(tokens)) else "same token count, other tokens")
+        log.warning("parity check of worker %s: CACHE-BLIND for %s: %s", worker, path, why)
+        return {"status": CACHE_BLIND, "reason": f"kvgate's rendering of {path} differs from the worker's: {why}",
+                **out}
 
     def _record(self, result: ParityResult) -> None:
         self.results[result.worker] = result

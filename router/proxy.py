@@ -27,6 +27,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from router.apis.routes import add_routes as add_api_routes
 from router.errors import APIError, error_body, error_response, sse_error_event
 from router.metrics import CONTENT_TYPE
 from router.policies import RouteRequest
@@ -249,10 +250,11 @@ class Forwarder:
     """Sends one planned request down the decision's candidate list and writes the response to ASGI ``send``."""
 
     def __init__(self, dp: DataPath, d: Decision, body: bytes, path: str, *, method: str, query: str,
-                 headers: dict[str, str]):
+                 headers: dict[str, str], hooks=None):
         self.st, self.d, self.body, self.path = dp, d, body, path
         self.method, self.query, self.headers = method, query, headers
         self.hashes = d.hashes
+        self.hooks = hooks  # router/apis/hooks.py: another API's usage, error events and response ids
         self._finished = False
 
     def finish(self, outcome: str, status: int | None, usage: dict | None = None) -> None:
@@ -332,7 +334,10 @@ class Forwarder:
                 raw = await resp.read()
                 lease.release()
                 ok = resp.status < 400
-                self.finish("ok" if ok else f"http_{resp.status}", resp.status, usage_from_body(raw) if ok else None)
+                if self.hooks is not None:
+                    raw = await self.hooks.on_body(resp.status, raw)
+                usage = (self.hooks.usage if self.hooks is not None else usage_from_body(raw)) if ok else None
+                self.finish("ok" if ok else f"http_{resp.status}", resp.status, usage)
                 hdrs = response_headers(resp, d)
                 hdrs.append((b"content-length", str(len(raw)).encode()))
                 await send({"type": "http.response.start", "status": resp.status, "headers": hdrs})
@@ -378,10 +383,15 @@ class Forwarder:
         await send({"type": "http.response.start", "status": resp.status, "headers": response_headers(resp, self.d)})
         tail = bytearray(first[-_TAIL_KEEP:])
         outcome = "ok"
+        hooks = self.hooks
         if first:
+            if hooks is not None:
+                await hooks.on_chunk(first)
             await send({"type": "http.response.body", "body": first, "more_body": True})
         try:
             async for chunk in it:
+                if hooks is not None:
+                    await hooks.on_chunk(chunk)
                 tail += chunk
                 if len(tail) > 2 * _TAIL_KEEP:
                     del tail[:-_TAIL_KEEP]
@@ -390,13 +400,15 @@ class Forwarder:
             outcome = "upstream_error_mid_stream"
             log.warning("worker %s failed mid-stream: %s", self.d.chosen, e)
             sep = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
+            msg = f"The worker failed during the response ({type(e).__name__})."
             await send({"type": "http.response.body", "more_body": True,
-                        "body": sep + sse_error_event(f"The worker failed during the response ({type(e).__name__}).")})
+                        "body": sep + (hooks.stream_error(msg) if hooks is not None else sse_error_event(msg))})
         except asyncio.CancelledError:
             self.finish("client_disconnected", 499)
             raise
         # recorded before the last byte: a client that has the whole stream finds the outcome in place
-        self.finish(outcome, resp.status, usage_from_sse_tail(bytes(tail)) if outcome == "ok" else None)
+        usage = (hooks.usage if hooks is not None else usage_from_sse_tail(bytes(tail))) if outcome == "ok" else None
+        self.finish(outcome, resp.status, usage)
         await send({"type": "http.response.body", "body": b""})
 
 
@@ -425,22 +437,30 @@ async def handle(st: DataPath, scope, receive, send, path: str, need_model: bool
     except APIError as e:
         await send_error(send, e)
         return
-    started = False
+    await forward(fwd, receive, send, path)
+
+
+async def forward(fwd: Forwarder, receive, send, path: str, send_err=send_error) -> int | None:
+    """Run a planned request; an error before the response started is answered with ``send_err`` (the
+    API's error shape). Returns the status sent (None: nothing was)."""
+    status = None
 
     async def tracked(msg):
-        nonlocal started
-        started = True
+        nonlocal status
+        if msg["type"] == "http.response.start":
+            status = msg["status"]
         await send(msg)
 
     try:
         await guarded(receive, fwd.run(tracked))
     except APIError as e:
-        if not started:
-            await send_error(send, e)
-    except Exception as e:  # a bug must still answer in the OpenAI shape, never a traceback
+        if status is None:
+            await send_err(send, e)
+    except Exception as e:  # a bug must still answer in the API's shape, never a traceback
         log.exception("unhandled error on %s: %s", path, e)
-        if not started:
-            await send_error(send, APIError(500, "internal gateway error", type_="api_error"))
+        if status is None:
+            await send_err(send, APIError(500, "internal gateway error", type_="api_error"))
+    return status
 
 
 class _ASGI(Response):
@@ -488,6 +508,8 @@ def build_router() -> APIRouter:
     @api.post("/v1/completions", summary="OpenAI completions (routed)")
     async def completions(request: Request) -> Response:
         return routed(request, "/v1/completions", need_model=True)
+
+    add_api_routes(api)  # /v1/responses, /v1/messages (router/apis/routes.py)
 
     @api.get("/v1/models", summary="The union of the fleet's models")
     async def models(request: Request) -> Response:

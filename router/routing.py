@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from indexer.index.base import LookupResult, WorkerMatch
+from router.apis import api_blind
 from router.cost import Candidate, CostModel
 from router.errors import APIError
 from router.policies import Policy, RouteRequest
@@ -159,8 +160,11 @@ class Router:
 
     async def plan(self, model: str | None, body: dict, headers: dict[str, str] | None = None,
                    path: str = "/v1/chat/completions", *, size: int | None = None,
-                   request_id: str | None = None, policy: Policy | None = None) -> Decision:
-        """Score every healthy candidate for this request and order them; sends nothing."""
+                   request_id: str | None = None, policy: Policy | None = None, view: dict | None = None,
+                   api: str | None = None) -> Decision:
+        """Score every healthy candidate for this request and order them; sends nothing. ``view``: the chat
+        form of another API's body (router/apis), tokenized instead; ``api``: that API, whose failed
+        parity probe makes a worker cache-blind for it."""
         reg = self.registry
         t0 = time.perf_counter()
         workers = self.check_model(model)
@@ -174,10 +178,13 @@ class Router:
         d.block_size = bs
         salt = body.get("cache_salt")
         salt = salt if isinstance(salt, str) else None
+        tok_body = body
+        if view is not None and model:
+            kind, tok_body = "chat", view
         res = None
         if kind != "other":
             tok_worker = min(workers, key=lambda w: w.inflight)
-            res = await self.tokenizers.tokenize(model, kind, body, size=size or 0, namespace=ns,
+            res = await self.tokenizers.tokenize(model, kind, tok_body, size=size or 0, namespace=ns,
                                                worker_url=tok_worker.url, hashing=(bs, lora, salt))
             d.tokenizer, d.tokenize_error = res.source, res.error
             d.reused_bytes, d.new_bytes = res.reused_bytes, res.new_bytes
@@ -203,7 +210,8 @@ class Router:
         pending = self.pending
 
         def match(w) -> WorkerMatch:
-            if w.blind_for(kind):  # chat: also when only the chat probe failed (router/parity.py)
+            # chat (and the APIs rendered as chat): also when only the chat probe failed, or the API's
+            if w.blind_for(kind) or api_blind(w, api):
                 return WorkerMatch()
             m = result.match(w.name)
             if d.hashes:

@@ -10,6 +10,8 @@ import httpx
 
 from indexer.events import EventIngestor
 from indexer.index import create_index
+from indexer.index.owners import create_owners
+from router.apis.probes import make_probes
 from router.config import Settings
 from router.metrics import GatewayMetrics
 from router.parity import ParityChecker
@@ -30,6 +32,10 @@ class GatewayState:
                  ingestor=None, with_events: bool = True) -> None:
         self.settings = settings
         self.index = index if index is not None else create_index(settings.index)
+        # Responses API: which worker created each response id (indexer/index/owners.py), on the index's
+        # backend so every gateway replica shares it.
+        self.owners = create_owners(settings.index, settings.responses.owner_ttl_s,
+                                    settings.responses.owner_max_entries)
         self.metrics = GatewayMetrics()
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.request_timeout_s, connect=settings.connect_timeout_s),
@@ -43,7 +49,7 @@ class GatewayState:
         self.parity = ParityChecker(self.client, self._tokenize_probe, self._block_size,
                                     events_seen=self._events_seen, indexed=self._indexed_blocks,
                                     metrics=self.metrics, tokenize_chat=self._tokenize_chat_probe,
-                                    decode=self._decode)
+                                    decode=self._decode, api_probes=make_probes(self))
         self.ingestor = ingestor if ingestor is not None or not with_events else EventIngestor(
             self.index, queue_size=10000, on_reset=self._on_events_reset, observer=self.parity.observe)
         if self.ingestor is not None and getattr(self.ingestor, "observer", False) is None:
@@ -156,8 +162,9 @@ class GatewayState:
             await closer()
         await self.upstream.close()
         self.tokenizers.close()
-        try:
-            await self.index.close()
-        except Exception:
-            pass
+        for store in (self.index, self.owners):
+            try:
+                await store.close()
+            except Exception:
+                pass
         self.started = False

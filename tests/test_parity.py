@@ -8,6 +8,7 @@ real vLLM, ZMQ, the ingestor -- is covered by tests/e2e/test_gateway_vllm.py.
 
 from __future__ import annotations
 
+import json
 import logging
 
 import httpx
@@ -73,6 +74,13 @@ def worker():
             return _error(w.status)
         toks = chars(w.render(body))
         return {"count": len(toks), "max_model_len": 4096, "tokens": toks, "token_strs": None}
+    @app.post("/v1/{api}")
+    async def other_api(api: str, request: Request):
+        """Another API's probe: the worker "renders" the body as the characters of its JSON."""
+        body = await request.json()
+        tokens = chars(json.dumps(body, sort_keys=True))
+        w.checker.observe("w", "GPU", sequence_hashes(tokens, w.block_size))
+        return {"usage": {"input_tokens": len(tokens)}}
 
     srv = ThreadServer(app).start()
     w.url = srv.url
@@ -91,7 +99,7 @@ def _error(status: int):
 
 async def run(
     worker: Worker, *, kvgate_tokenize=chars, block_size: int = 16, events_seen: bool = True, metrics=None,
-    indexed=None, kvgate_render=render,
+    indexed=None, kvgate_render=render, api_probes=None,
 ):
     async def tokenize(model: str, text: str):
         return kvgate_tokenize(text) if kvgate_tokenize else None
@@ -111,6 +119,7 @@ async def run(
             decode=lambda model, ids: "".join(map(chr, ids)),
             attempts=3,
             settle_s=0.5,
+            api_probes=api_probes,
         )
         worker.checker = checker
         return await checker.check("w", worker.url, "tiny")
@@ -263,3 +272,28 @@ def test_a_worker_is_blind_per_request_kind_by_its_last_parity_result():
     assert w.blind_for("chat") and w.blind_for("completion")
     w.parity = {"status": "ok", "chat": {"status": "unverified"}}
     assert not w.blind_for("chat")
+def api_probe(api: str, render):
+    """An API probe whose kvgate side renders the body with ``render`` (the worker renders its JSON)."""
+
+    async def probe(model: str, nonce: str):
+        body = {"model": model, "input": f"probe {nonce} " + "words " * 40}
+        return f"/v1/{api}", body, chars(render(body)), lambda answer: answer["usage"]["input_tokens"]
+
+    return probe
+
+
+async def test_api_probe_mismatch_marks_only_that_api(worker):
+    same = lambda body: json.dumps(body, sort_keys=True)  # noqa: E731
+    other = lambda body: json.dumps(body)  # noqa: E731  (key order differs: other tokens, same count)
+    r = await run(worker, api_probes={"responses": api_probe("responses", same),
+                                      "messages": api_probe("messages", other)})
+    assert r.status == OK and not r.cache_blind
+    assert r.apis["responses"]["status"] == OK
+    assert r.apis["messages"]["status"] == CACHE_BLIND and "same token count" in r.apis["messages"]["reason"]
+    assert r.to_dict()["apis"]["messages"]["status"] == CACHE_BLIND
+
+
+async def test_api_probes_wait_for_the_completion_probe(worker):
+    worker.tokenize = lambda text: [ord(c) for c in text.replace(" ", "")]
+    r = await run(worker, api_probes={"responses": api_probe("responses", str)})
+    assert r.status == CACHE_BLIND and r.apis["responses"]["status"] == UNVERIFIED

@@ -78,6 +78,10 @@ class ParityOut(_Open):
     attempts: int = 0
     elapsed_s: float = 0.0
     checked_at: float | None = None
+    apis: dict[str, dict] = Field(
+        default_factory=dict,
+        description="per-API probes (responses, messages): status ok | cache-blind (routing ignores the "
+                    "worker's cache for that API only) | unverified, with reason and token/block counts")
     chat: ChatParityOut | None = Field(None, description="the chat probe (None: not run)")
 
 

@@ -57,6 +57,10 @@ def vllm_fleet(tiny_model_dir) -> list[VllmServer]:
             omp_threads_bind=bind,
             max_model_len=E2E_MAX_MODEL_LEN,
             num_gpu_blocks=E2E_GPU_BLOCKS,
+            # The Responses API's store (previous_response_id chains, GET/cancel by id), and the render
+            # endpoints (/v1/responses/render, /v1/messages/render: vLLM's own tokens of a body).
+            extra_env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"},
+            extra_args=["--enable-scale-out"],
         )
         for i, bind in enumerate(binds)
     ]

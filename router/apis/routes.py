@@ -1,0 +1,240 @@
+"""Routes of the Responses and Messages APIs (mounted by ``router.proxy.build_router``).
+
+- ``POST /v1/responses``: tokenized like chat (``responses.chat_view``) and routed by the cache; with
+  ``previous_response_id`` it goes to the worker that created that response, and nowhere else;
+- ``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``, ``DELETE /v1/responses/{id}``: to the
+  response's owner;
+- ``POST /v1/messages``: validated, tokenized like chat (``messages.chat_view``) and routed by the cache;
+- ``POST /v1/messages/count_tokens``: to any healthy worker of the model, like other utility paths.
+
+An id the gateway has not seen (or whose record expired) is answered 404; an owner that left the fleet
+410; an owner that is down or draining 503: each in the OpenAI error shape, naming the id and the worker.
+Messages errors, the gateway's own and non-Anthropic ones from a worker, use Anthropic's shape.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from router.apis import MESSAGES, RESPONSES, fit_template, template_traits
+from router.apis import messages as msg_api
+from router.apis import responses as resp_api
+from router.apis.conversation import Unsupported
+from router.apis.hooks import MessagesHooks, ResponsesHooks
+from router.errors import APIError
+
+log = logging.getLogger("kvgate.apis")
+
+
+async def _owner(st, response_id: str, param: str, chain: bool = False) -> list[dict]:
+    """The owner record of ``response_id`` (with ``chain``: and its parents', newest first), or the
+    OpenAI-shaped error that says why not."""
+    try:
+        if chain:
+            recs = await asyncio.wait_for(st.owners.chain(response_id, st.settings.responses.chain_max_depth),
+                                          st.settings.index.timeout_s)
+        else:
+            one = await asyncio.wait_for(st.owners.get(response_id), st.settings.index.timeout_s)
+            recs = [one] if one is not None else []
+    except Exception as e:
+        raise APIError(503, f"The response store is unreachable ({type(e).__name__}); response "
+                            f"'{response_id}' cannot be located.", param=param,
+                       code="response_store_unavailable") from None
+    rec = recs[0] if recs else None
+    if rec is None or not isinstance(rec.get("worker"), str):
+        raise APIError(404, f"Response with id '{response_id}' not found.", param=param,
+                       code="response_not_found", type_="invalid_request_error")
+    w = st.registry.get(rec["worker"])
+    if w is None:
+        raise APIError(410, f"Response '{response_id}' was stored by worker `{rec['worker']}`, which is no "
+                            "longer in the fleet: the response is gone.", param=param,
+                       code="response_owner_gone", type_="invalid_request_error")
+    if not w.routable:
+        raise APIError(503, f"Response '{response_id}' is held by worker `{w.name}`, which is "
+                            f"{'draining' if w.draining else 'unavailable'}; try again later.", param=param,
+                       code="response_owner_unavailable")
+    return recs
+
+
+def _pin(d, worker: str) -> None:
+    d.candidates = [c for c in d.candidates if c.worker == worker]
+    if not d.candidates:
+        raise APIError(503, f"Worker `{worker}` holds this response but is not serving model `{d.model}`.",
+                       code="response_owner_unavailable")
+    d.chosen = worker
+
+
+async def _send_anthropic_error(send, err: APIError) -> None:
+    body = json.dumps(msg_api.error_body(err.status, err.message)).encode()
+    await send({"type": "http.response.start", "status": err.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _serve(st, scope, receive, send, path: str, prepare, *, anthropic: bool = False, after=None) -> None:
+    """One request of these APIs over plain ASGI (as ``router.proxy.handle`` serves chat): read the body,
+    ``prepare(headers, raw)`` -> (model, body, plan keywords, owner, hooks factory), plan, pin to the
+    owner, forward. Errors go out in the API's shape; ``after(status)`` runs once the answer is sent."""
+    from router.proxy import ClientGone, Forwarder, client_headers, forward, read_body, send_error
+
+    send_err = _send_anthropic_error if anthropic else send_error
+    try:
+        headers = client_headers(scope)
+        raw = await read_body(headers, receive, st.settings.max_body_bytes)
+        model, body, plan_kw, owner, hooks = await prepare(headers, raw)
+        rid = headers.get("x-request-id") or uuid.uuid4().hex
+        d = await st.router.plan(model, body, headers, path, size=len(raw), request_id=rid, **plan_kw)
+        if owner is not None:
+            _pin(d, owner)
+        st.metrics.observe_stages(d.timings_ms)
+        fwd = Forwarder(st.datapath, d, raw, path, method=scope["method"], query=scope.get("query_string", b"").decode(
+            "latin-1"), headers=headers, hooks=hooks(d) if hooks else None)
+        st.decisions.add(d)
+    except ClientGone:
+        return
+    except APIError as e:
+        await send_err(send, e)
+        return
+    status = await forward(fwd, receive, send, path, send_err)
+    if after is not None and status is not None:
+        await after(status)
+
+
+def _local(st, model: str):
+    ns, _ = st.registry.namespace(model) if st.registry.knows_model(model) else (model, None)
+    return st.tokenizers.for_model(model, ns)
+
+
+def _body(schema: dict) -> dict:
+    """An OpenAPI request body (the handlers read the raw body: it is forwarded byte for byte)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+_STR = {"type": "string", "minLength": 1}
+RESPONSES_BODY = {"type": "object", "required": ["model"], "properties": {
+    "model": _STR, "instructions": {"type": "string"}, "previous_response_id": _STR,
+    "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+    "stream": {"type": "boolean"}, "store": {"type": "boolean"}, "background": {"type": "boolean"},
+    "max_output_tokens": {"type": "integer", "minimum": 1}}}
+_CONTENT = {"oneOf": [{"type": "string"}, {"type": "array", "items": {
+    "type": "object", "required": ["type"], "properties": {"type": {"type": "string", "enum": sorted(msg_api.BLOCK_TYPES)},
+                                                            "text": {"type": "string"}}}}]}
+MESSAGES_BODY = {"type": "object", "required": ["model", "messages", "max_tokens"], "properties": {
+    "model": _STR, "max_tokens": {"type": "integer", "minimum": 1}, "system": _CONTENT,
+    "stream": {"type": "boolean"},
+    "messages": {"type": "array", "items": {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"type": "string", "enum": ["user", "assistant"]}, "content": _CONTENT}}}}}
+COUNT_BODY = {**MESSAGES_BODY, "required": ["model", "messages"]}
+
+
+def add_routes(api: APIRouter) -> None:
+    def asgi(request: Request, path: str, prepare, **kw) -> Response:
+        from router.proxy import _ASGI
+
+        st = request.app.state.kv
+        return _ASGI(lambda scope, receive, send: _serve(st, scope, receive, send, path, prepare(st), **kw))
+
+    @api.post("/v1/responses", summary="OpenAI Responses (routed by cache; chains go to their owner)",
+              openapi_extra=_body(RESPONSES_BODY))
+    async def create_response(request: Request) -> Response:
+        return asgi(request, "/v1/responses", _prepare_response)
+
+    def by_id(request: Request, response_id: str, path: str) -> Response:
+        st = request.app.state.kv
+
+        async def forget(status: int) -> None:
+            if request.method == "DELETE" and status == 200:
+                try:
+                    await asyncio.wait_for(st.owners.delete(response_id), st.settings.index.timeout_s)
+                except Exception as e:
+                    log.warning("could not forget response %s: %s", response_id, e)
+
+        def prepare(st):
+            async def go(headers, raw):
+                rec = (await _owner(st, response_id, "response_id"))[0]
+                return rec.get("model"), {}, {}, rec["worker"], None
+            return go
+
+        return asgi(request, path, prepare, after=forget)
+
+    @api.get("/v1/responses/{response_id}", summary="A stored response (from the worker that created it)")
+    async def get_response(request: Request, response_id: str) -> Response:
+        return by_id(request, response_id, f"/v1/responses/{response_id}")
+
+    @api.delete("/v1/responses/{response_id}", summary="Delete a stored response (on its worker)")
+    async def delete_response(request: Request, response_id: str) -> Response:
+        return by_id(request, response_id, f"/v1/responses/{response_id}")
+
+    @api.post("/v1/responses/{response_id}/cancel", summary="Cancel a background response (on its worker)")
+    async def cancel_response(request: Request, response_id: str) -> Response:
+        return by_id(request, response_id, f"/v1/responses/{response_id}/cancel")
+
+    @api.post("/v1/messages", summary="Anthropic Messages (routed by cache)", openapi_extra=_body(MESSAGES_BODY))
+    async def messages(request: Request) -> Response:
+        return asgi(request, "/v1/messages", lambda st: _prepare_messages(st, routed=True), anthropic=True)
+
+    @api.post("/v1/messages/count_tokens", summary="Anthropic token count (any healthy worker of the model)",
+              openapi_extra=_body(COUNT_BODY))
+    async def count_tokens(request: Request) -> Response:
+        return asgi(request, "/v1/messages/count_tokens", lambda st: _prepare_messages(st, routed=False),
+                    anthropic=True)
+
+
+def _prepare_response(st):
+    async def go(headers, raw):
+        from router.proxy import parse_json_object, require_model
+
+        body = parse_json_object(raw)
+        prev = body.get("previous_response_id")
+        owner = history = None
+        if prev is not None:
+            if not isinstance(prev, str) or not prev:
+                raise APIError(400, "`previous_response_id` must be a non-empty string.",
+                               param="previous_response_id", code="invalid_value")
+            recs = await _owner(st, prev, "previous_response_id", chain=True)
+            rec = recs[0]
+            owner, history = rec["worker"], resp_api.history_of(recs)
+            model = body.get("model") if isinstance(body.get("model"), str) and body["model"] else rec.get("model")
+        else:
+            model = require_model(body)
+        view = None
+        if prev is None or history is not None:
+            try:
+                view = fit_template(_local(st, model), resp_api.chat_view(body, history))
+            except Unsupported as e:
+                log.debug("responses body routed on load: %s", e)
+            except Exception as e:  # a body shape the conversion did not foresee: vLLM will judge it
+                log.warning("responses body routed on load (conversion failed: %s: %s)", type(e).__name__, e)
+        return model, body, {"view": view, "api": RESPONSES}, owner, lambda d: ResponsesHooks(st, d, body)
+    return go
+
+
+def _prepare_messages(st, routed: bool):
+    async def go(headers, raw):
+        from router.proxy import parse_json_object
+
+        body = parse_json_object(raw)
+        msg_api.validate(body) if routed else _require_model(body)
+        view = None
+        if routed:
+            local = _local(st, body["model"])
+            merge, effort = template_traits(local)
+            try:
+                view = fit_template(local, msg_api.chat_view(body, merge, effort))
+            except Unsupported as e:
+                log.debug("messages body routed on load: %s", e)
+            except Exception as e:  # a body shape the conversion did not foresee: vLLM will judge it
+                log.warning("messages body routed on load (conversion failed: %s: %s)", type(e).__name__, e)
+        plan_kw = {"view": view, "api": MESSAGES} if routed else {}
+        return body["model"], body, plan_kw, None, lambda d: MessagesHooks(st)
+    return go
+
+
+def _require_model(body: dict) -> None:
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise APIError(400, "`model` is required (a non-empty string).", param="model")

@@ -1,0 +1,157 @@
+"""The Responses and Messages routes' own answers: errors in each API's shape (never a 500), response
+owners that are unknown, gone or down, per-API cache blindness, and schemathesis over their OpenAPI
+description. The workers are the fake ones (tests/support/fake_worker.py: they do not serve these APIs,
+so what a worker would answer is not under test here; real vLLM is, in tests/e2e/test_apis_vllm.py):
+these cases are the gateway's, answered before or without a worker, and fuzzing them needs speed.
+"""
+from __future__ import annotations
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+
+from router.apis import MESSAGES, RESPONSES
+from tests.gateway.conftest import MODEL
+
+LONG = " ".join(f"the cache block prefix number {i} is long" for i in range(40))
+
+
+def openai_error(r: httpx.Response, status: int, code: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"] and "type" in err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+def anthropic_error(r: httpx.Response, status: int, type_: str) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["type"] == type_ and body["error"]["message"], body
+    return body["error"]
+
+
+def test_unknown_response_ids_are_404_in_openai_shape(fleet, start_gateway):
+    fleet.add("a")
+    gw = start_gateway(fleet)
+    with httpx.Client(base_url=gw.url, timeout=30) as c:
+        err = openai_error(c.post("/v1/responses", json={"model": MODEL, "input": "x",
+                                                         "previous_response_id": "resp_nope"}),
+                           404, "response_not_found")
+        assert "resp_nope" in err["message"] and err["param"] == "previous_response_id"
+        openai_error(c.get("/v1/responses/resp_nope"), 404, "response_not_found")
+        openai_error(c.post("/v1/responses/resp_nope/cancel"), 404, "response_not_found")
+        openai_error(c.delete("/v1/responses/resp_nope"), 404, "response_not_found")
+        openai_error(c.post("/v1/responses", json={"model": MODEL, "previous_response_id": 7}), 400)
+        openai_error(c.post("/v1/responses", content=b"{not json", headers={"content-type": "application/json"}),
+                     400, "invalid_json")
+        openai_error(c.post("/v1/responses", json={"input": "x"}), 400, "missing_model")
+    assert fleet.states[0].requests == []  # none of it reached a worker
+
+
+def test_owner_gone_is_410_and_owner_down_is_503(fleet, start_gateway):
+    fleet.add("a")
+    fleet.add("b")
+    gw = start_gateway(fleet)
+    gw.call(gw.state.owners.put("resp_ghost", {"worker": "ghost", "model": MODEL, "parent": None, "delta": None}))
+    gw.call(gw.state.owners.put("resp_b", {"worker": "b", "model": MODEL, "parent": None, "delta": None}))
+    gw.state.registry.get("b").healthy = False
+    with httpx.Client(base_url=gw.url, timeout=30) as c:
+        for r in (c.post("/v1/responses", json={"model": MODEL, "input": "x", "previous_response_id": "resp_ghost"}),
+                  c.get("/v1/responses/resp_ghost")):
+            err = openai_error(r, 410, "response_owner_gone")
+            assert "ghost" in err["message"] and "resp_ghost" in err["message"]
+        err = openai_error(c.post("/v1/responses", json={"model": MODEL, "input": "x", "previous_response_id": "resp_b"}),
+                           503, "response_owner_unavailable")
+        assert "`b`" in err["message"]
+    assert all(st.requests == [] for st in fleet.states)  # never sent to another worker
+
+
+def test_malformed_messages_are_400_in_anthropic_shape(fleet, start_gateway):
+    fleet.add("a")
+    gw = start_gateway(fleet, max_body_bytes=10_000)
+    ok = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.Client(base_url=gw.url, timeout=30) as c:
+        anthropic_error(c.post("/v1/messages", content=b"{oops", headers={"content-type": "application/json"}),
+                        400, "invalid_request_error")
+        for bad in ({**ok, "messages": "hi"}, {k: v for k, v in ok.items() if k != "max_tokens"},
+                    {**ok, "max_tokens": "4"}, {**ok, "messages": [{"role": "robot", "content": "x"}]},
+                    {**ok, "messages": [{"role": "user", "content": [{"type": "nope"}]}]},
+                    {**ok, "system": 3}, {**ok, "model": ""}, [ok]):
+            anthropic_error(c.post("/v1/messages", json=bad), 400, "invalid_request_error")
+        anthropic_error(c.post("/v1/messages", json={**ok, "model": "other"}), 404, "not_found_error")
+        anthropic_error(c.post("/v1/messages", json={**ok, "messages": [{"role": "user", "content": "x" * 20_000}]}),
+                        413, "request_too_large")
+        anthropic_error(c.post("/v1/messages/count_tokens", json={"messages": []}), 400, "invalid_request_error")
+    assert fleet.states[0].requests == []
+
+
+def test_a_worker_blind_for_one_api_keeps_its_cache_for_the_other(fleet, start_gateway):
+    """A failed Messages parity probe makes routing count no cached blocks on that worker for Messages;
+    Responses requests still see them."""
+    fleet.add("a")
+    gw = start_gateway(fleet, pending=True)
+    w = gw.state.registry.get("a")
+    from router.apis import messages as msg_api
+    from router.apis import responses as resp_api
+
+    body_r = {"model": MODEL, "input": LONG}
+    body_m = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": LONG}]}
+    views = {RESPONSES: resp_api.chat_view(body_r), MESSAGES: msg_api.chat_view(body_m)}
+    bodies = {RESPONSES: body_r, MESSAGES: body_m}
+
+    def plan(api):
+        return gw.call(gw.state.router.plan(MODEL, bodies[api], {}, f"/v1/{api}", view=views[api], api=api))
+
+    for api in (RESPONSES, MESSAGES):
+        d = plan(api)
+        gw.state.pending.record(d.namespace, d.hashes, "a")
+        assert d.num_blocks > 2 and plan(api).best.cached_tokens > 0
+    w.parity = {"status": "ok", "apis": {MESSAGES: {"status": "cache-blind"}, RESPONSES: {"status": "ok"}}}
+    assert plan(MESSAGES).best.cached_tokens == 0
+    assert plan(RESPONSES).best.cached_tokens > 0
+
+
+# schemathesis --------------------------------------------------------------------------------------------
+def error_shape(ctx, response, case):
+    """The gateway's own errors (no ``x-kvgate-worker``: nothing was forwarded) keep the API's shape."""
+    if response.status_code < 400 or "x-kvgate-worker" in response.headers:
+        return None
+    body = response.json()
+    if case.path.startswith("/v1/messages"):
+        assert body.get("type") == "error" and isinstance(body["error"]["message"], str), body
+    else:
+        assert isinstance(body["error"]["message"], str) and "code" in body["error"], body
+    return None
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+def test_schemathesis_never_a_server_error(fleet, start_gateway, mode):
+    """Bodies that fit the OpenAPI description of the Responses and Messages routes, and bodies that do
+    not: never a 500, and the gateway's own errors in each API's shape. (Through Hypothesis directly:
+    schemathesis' pytest plugin does not load under this pytest.)"""
+    fleet.add("a")
+    gw = start_gateway(fleet)
+    schema = schemathesis.openapi.from_url(gw.url + "/openapi.json").include(
+        path_regex=r"^/v1/(responses|messages)")
+    ops = [r.ok() for r in schema.get_all_operations()]
+    assert len(ops) == 6, [o.label for o in ops]
+    calls = 0
+
+    @settings(max_examples=60, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(data=st.data())
+    def run(data):
+        nonlocal calls
+        case = data.draw(st.sampled_from(ops).flatmap(lambda op: op.as_strategy(mode)))
+        response = case.call(base_url=gw.url, timeout=30)
+        calls += 1
+        case.validate_response(response, checks=[not_a_server_error, error_shape])
+
+    run()
+    assert calls >= 60
