@@ -101,6 +101,9 @@ class TokenizerConfig(BaseModel):
     # Threads the tokenizers library uses for one batch (None: one less than the cores, so the event loop
     # keeps one); it reads RAYON_NUM_THREADS once, so an explicit RAYON_NUM_THREADS in the environment wins.
     batch_threads: int | None = Field(None, ge=1)
+    # Nice increment of the tokenizer pool's threads (and the batch threads they start), so long prompts
+    # being tokenized yield the CPU to request handling; 0 keeps the normal priority.
+    pool_nice: int = Field(10, ge=0, le=19)
     # The prefix cache: bytes held (0 turns it off), anchor spacing and cut spacing (bytes of text).
     prefix_cache_bytes: int = Field(256 * 1024 * 1024, ge=0)
     prefix_chunk_bytes: int = Field(2048, ge=64)

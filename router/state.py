@@ -141,7 +141,7 @@ class GatewayState:
 
     async def start(self) -> None:
         """Load tokenizers (off the loop), start event ingestion and the registry's health loop."""
-        await asyncio.to_thread(self.tokenizers.load)
+        await self.tokenizers.load_async()
         if self.ingestor is not None:
             await self.ingestor.start()
         await self.registry.start()

@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -325,6 +326,16 @@ class LocalTokenizer:
             saved.clear()
 
 
+def _lower_priority(nice: int) -> None:
+    """Run this pool thread (and the threads it starts) at a lower CPU priority than the event loop, so
+    that tokenizing a long prompt yields the CPU to request handling (Linux: nice is per thread)."""
+    if nice:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except (AttributeError, OSError):  # not Linux, or not permitted: run at the normal priority
+            pass
+
+
 class Tokenizers:
     """Per-model tokenization: local tokenizers loaded by :meth:`load`, a worker's /tokenize otherwise."""
 
@@ -332,7 +343,8 @@ class Tokenizers:
         self.settings = settings
         self.client = client
         self.local: dict[str, LocalTokenizer] = {}
-        self._pool = ThreadPoolExecutor(max(1, settings.tokenizer.threads), thread_name_prefix="kvgate-tok")
+        self._pool = ThreadPoolExecutor(max(1, settings.tokenizer.threads), thread_name_prefix="kvgate-tok",
+                                        initializer=_lower_priority, initargs=(settings.tokenizer.pool_nice,))
         # The tokenizers library spreads a batch over its own thread pool, sized once, at first use, from
         # RAYON_NUM_THREADS: leave a core to the event loop (a batch on every core starves it).
         n = settings.tokenizer.batch_threads or max(1, (os.cpu_count() or 2) - 1)
@@ -433,6 +445,11 @@ class Tokenizers:
                           **({"hits": c.hits, "misses": c.misses, "bytes": c.bytes, "records": len(c),
                               "reused_bytes": c.reused_bytes, "encoded_bytes": c.encoded_bytes} if c else {})}
         return out
+
+    async def load_async(self) -> None:
+        """:meth:`load` on the tokenizer pool: the tokenizers library starts its batch threads on first use,
+        from the calling thread, whose lower priority they inherit."""
+        await asyncio.get_running_loop().run_in_executor(self._pool, self.load)
 
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
