@@ -140,6 +140,9 @@ class Settings(BaseSettings):
     max_connections: int = 1000
     max_keepalive_connections: int = 200
     refresh_interval_s: float = 30.0
+    # A worker that leaves discovery (Kubernetes readiness) is out of routing at once but removed, with
+    # its index entries, only after this long (0: at once).
+    lost_grace_s: float = 60.0
 
     @classmethod
     def settings_customise_sources(

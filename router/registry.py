@@ -4,8 +4,15 @@ health, and the subscription of their KV events.
 Per worker it reads ``/v1/models``, ``/kv_event_sources`` (unless the events endpoint is configured) and
 ``/metrics`` (``vllm:cache_config_info`` for the block size; running/waiting/KV usage gauges), and checks
 ``/health`` periodically. A worker that fails ``unhealthy_after`` checks in a row, or refuses a connection,
-leaves the candidate set; it returns when a check passes. A worker that comes back after failing is
-treated as restarted: its index entries are dropped (its KV cache is gone) and its events re-subscribed.
+leaves the candidate set; it returns when a check passes.
+
+Coming back is not evidence of a restart (a flap, a keep-alive race, a readiness blip): the worker's index
+entries stay and its event stream is asked to replay what it missed (``EventIngestor.resync``). Only
+evidence counts as a restart: vLLM's ``process_start_time_seconds`` on ``/metrics`` changing (then the
+entries are dropped and the events re-subscribed from scratch), or the event stream itself (its sequence
+going backwards, ``AllBlocksCleared``), which the ingestor handles in its apply order. A worker that
+leaves discovery (Kubernetes readiness) stops taking requests at once and is removed only after
+``lost_grace_s``; back within it, it keeps its entries.
 """
 from __future__ import annotations
 
@@ -37,6 +44,7 @@ class WorkerLoad:
     prefill_seconds: float = 0.0
     prefill_requests: float = 0.0
     prompt_tokens: float = 0.0  # vllm:request_prompt_tokens (sum): with prefill_tokens, the cached context
+    process_start: float | None = None  # process_start_time_seconds: changes when the server restarts
 
     def prefill_since(self, before: WorkerLoad) -> tuple[float, float, float, float] | None:
         """(computed tokens, seconds, requests, prompt tokens) of the requests finished between two
@@ -71,6 +79,7 @@ class Worker:
     mean_prompt_tokens: float = 0.0
     failures: int = 0
     restarts: int = 0
+    lost_at: float | None = None  # monotonic time it left discovery (removed after lost_grace_s)
     last_error: str | None = None
     last_check: float = 0.0
     added_at: float = field(default_factory=time.time)
@@ -88,7 +97,7 @@ class Worker:
 
     @property
     def routable(self) -> bool:
-        return self.healthy and not self.draining
+        return self.healthy and not self.draining and self.lost_at is None
 
     def base_model(self) -> str | None:
         for mid, info in self.models.items():
@@ -151,6 +160,9 @@ def parse_metrics(text: str) -> tuple[WorkerLoad, int | None]:
                     setattr(load, _PREFILL_HISTOGRAMS[name], getattr(load, _PREFILL_HISTOGRAMS[name]) + smp.value)
                 elif smp.name == name + "_count" and name == "vllm:request_prefill_time_seconds":
                     load.prefill_requests += smp.value
+        elif name == "process_start_time_seconds":
+            for s in fam.samples:
+                load.process_start = s.value
         elif name == "vllm:cache_config_info":
             for s in fam.samples:
                 bs = s.labels.get("block_size")
@@ -238,11 +250,26 @@ class WorkerRegistry:
         self._task = asyncio.create_task(self._loop(), name="kvgate-health")
 
     async def _on_discovered(self, cfg: WorkerConfig) -> None:
+        w = self._workers.get(worker_name(cfg))
+        if w is not None and w.lost_at is not None:
+            if w.url == cfg.url.rstrip("/") and w.config == cfg:
+                w.lost_at = None  # back within the grace period: a readiness flap, entries kept
+                log.info("worker %s back in discovery", w.name)
+                return
+            await self.remove(w.name)
         await self.add(cfg, probe=self._task is not None)
 
     async def _on_lost(self, name: str) -> None:
-        if name in self._workers:
+        """Out of routing now; removed (and its entries dropped) only if it stays away ``lost_grace_s``."""
+        w = self._workers.get(name)
+        if w is None:
+            return
+        if self.settings.lost_grace_s <= 0:
             await self.remove(name)
+        elif w.lost_at is None:
+            w.lost_at = time.monotonic()
+            log.info("worker %s left discovery; removed in %.0f s unless it returns", name,
+                     self.settings.lost_grace_s)
 
     async def stop(self) -> None:
         if self._discovery is not None:
@@ -296,12 +323,26 @@ class WorkerRegistry:
         w.healthy = False
         w.failures = max(w.failures, self.settings.unhealthy_after)
 
-    async def on_events_reset(self, worker: str) -> None:
-        """The worker's event sequence went backwards: it restarted, its cache is empty."""
+    async def on_events_reset(self, worker: str, reason: str = "restart") -> None:
+        """The ingestor reset the worker's entries (sequence went backwards: a restart; or an unfillable
+        gap). The ingestor already cleared the index in its apply order: clearing again here would race
+        with what it stores next, so only the gateway-side bookkeeping follows."""
         w = self._workers.get(worker)
-        if w is not None:
+        if w is None:
+            return
+        if reason == "restart":
             w.restarts += 1
-            await self._clear_index(w)
+        if self.on_cleared is not None:
+            self.on_cleared(w.name)
+
+    async def _restarted(self, w: Worker, reason: str) -> None:
+        """Evidence of a restart outside the event stream: drop the entries and subscribe afresh (the
+        new source replays what the new process's publisher already buffers)."""
+        log.info("worker %s restarted (%s): dropping its index entries", w.name, reason)
+        w.restarts += 1
+        await self._unsubscribe(w)
+        await self._clear_index(w)
+        await self._subscribe(w)
 
     # --- probing -------------------------------------------------------------------------------
     async def _loop(self) -> None:
@@ -311,9 +352,18 @@ class WorkerRegistry:
             now = time.monotonic()
             jobs = []
             for w in self.workers():
+                if w.lost_at is not None and now - w.lost_at >= self.settings.lost_grace_s:
+                    jobs.append(self._remove_lost(w.name))
+                    continue
                 full = now - self._last_refresh.get(w.name, 0.0) >= self.settings.refresh_interval_s
                 jobs.append(self._probe(w, full=full))
             await asyncio.gather(*jobs, return_exceptions=True)
+
+    async def _remove_lost(self, name: str) -> None:
+        w = self._workers.get(name)
+        if w is not None and w.lost_at is not None:
+            log.info("worker %s did not return to discovery: removed", name)
+            await self.remove(name)
 
     async def _get(self, w: Worker, path: str) -> httpx.Response:
         return await self.client.get(w.url + path, timeout=self.settings.health_timeout_s)
@@ -336,12 +386,9 @@ class WorkerRegistry:
             return
         returning = not w.healthy
         w.failures = 0
-        if returning and w.ever_healthy:
-            # It failed and came back: assume a restart, whose KV cache is empty.
-            w.restarts += 1
-            await self._unsubscribe(w)
-            await self._clear_index(w)
-            full = True
+        flapped = returning and w.ever_healthy
+        if flapped:
+            full = True  # refresh models and event sources; the scrape below tells a restart
         if full or not w.models:
             await self._refresh_models(w)
             self._last_refresh[w.name] = time.monotonic()
@@ -355,6 +402,10 @@ class WorkerRegistry:
             log.info("worker %s healthy (%s)", w.name, ", ".join(w.models))
         if full or returning:
             await self._subscribe(w)
+        if flapped and self.ingestor is not None and w.name in self._subscribed:
+            resync = getattr(self.ingestor, "resync", None)
+            if resync is not None:
+                resync(w.name)  # no restart seen: keep the entries, replay what may have been missed
         if returning and self.on_ready is not None:
             self.on_ready(w)
 
@@ -399,7 +450,10 @@ class WorkerRegistry:
             w.last_error = f"/metrics: {e}"
             return
         done = load.prefill_since(w.load) if w.load.updated_at else None  # not the first scrape
+        before = w.load.process_start
         w.load = load
+        if before is not None and load.process_start is not None and load.process_start != before:
+            await self._restarted(w, "process_start_time_seconds changed")
         if done is not None and self.on_prefill is not None:
             self.on_prefill(w, *done)
         if bs:

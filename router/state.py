@@ -132,9 +132,9 @@ class GatewayState:
         except KeyError:
             return False
 
-    def _on_events_reset(self, worker: str, *_args) -> None:
+    def _on_events_reset(self, worker: str, reason: str = "restart") -> None:
         try:
-            self.spawn(self.registry.on_events_reset(worker))
+            self.spawn(self.registry.on_events_reset(worker, reason))
         except RuntimeError:  # no running loop (called from a foreign thread)
             pass
 

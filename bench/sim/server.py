@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -24,6 +24,7 @@ class WorkerInfo:
     tokenizer: SimTokenizer
     default_max_tokens: int = 16
     topic: str = ""
+    started: float = field(default_factory=time.time)  # process_start_time_seconds (a restart changes it)
 
 
 def _error(status: int, message: str, type_: str = "BadRequestError", param: str | None = None) -> JSONResponse:
@@ -45,7 +46,8 @@ def render_metrics(w: WorkerInfo) -> str:
     e, c = w.engine, w.engine.cache
     lab = f'engine="0",model_name="{w.model}"'
     now = time.time()
-    out: list[str] = []
+    out: list[str] = ["# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.",
+                      "# TYPE process_start_time_seconds gauge", f"process_start_time_seconds {w.started}"]
 
     def gauge(name, value, help_, labels=lab):
         out.extend([f"# HELP {name} {help_}", f"# TYPE {name} gauge", f"{name}{{{labels}}} {float(value)}"])

@@ -102,6 +102,10 @@ class WorkerState:
     def __len__(self) -> int:
         return len(self._handles)
 
+    def held(self, tier: Tier) -> list[int]:
+        """kvgate hashes the worker holds on ``tier`` (what the index should hold for it)."""
+        return list(self._held[_TIERS.index(Tier(tier))])
+
     def reset(self) -> None:
         """Forget everything but the G4 handles (the worker restarted or the index was cleared)."""
         self._handles.clear()

@@ -24,6 +24,9 @@ class EventsStatus(_Open):
     applied: int = 0
     dropped: int = 0
     unknown_parent: int = 0
+    synced: bool = Field(True, description="false while an index outage keeps writes back; the exact state "
+                                           "is pushed back when the index answers")
+    resyncs: int = Field(0, description="replays asked for after a health flap (no restart seen)")
 
 
 class WorkerLoadOut(BaseModel):
