@@ -39,7 +39,15 @@ class IndexConfig(BaseModel):
     backend: Literal["memory", "redis"] = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "kvg"
-    timeout_s: float = 2.0
+    timeout_s: float = 2.0  # every Redis call's socket timeout (event writes, admin reads)
+    # The request path's lookup deadline: past it the request is routed load-aware, cache-blind.
+    lookup_timeout_s: float = Field(0.05, gt=0)
+    # Lookups failing in a row that open the circuit breaker, and how long it stays open (lookups then
+    # fail at once) before one is let through to try again.
+    breaker_failures: int = Field(3, ge=1)
+    breaker_open_s: float = Field(1.0, gt=0)
+    # Redis connections per gateway process (a bounded pool: a caller waits up to timeout_s for one).
+    max_connections: int = Field(32, ge=1)
 
 
 class ModelConfig(BaseModel):

@@ -6,7 +6,6 @@ record keeps each candidate's inputs and prediction, the stage timings, and late
 from __future__ import annotations
 
 import array
-import asyncio
 import logging
 import sys
 import time
@@ -18,6 +17,7 @@ import numpy as np
 
 from indexer.hashing import routable_blocks, sequence_hashes
 from indexer.index.base import LookupResult, WorkerMatch
+from router.index_guard import IndexUnavailable
 from router.cost import Candidate, CostModel
 from router.errors import APIError
 from router.policies import Policy, RouteRequest
@@ -199,12 +199,10 @@ class Router:
         t2 = time.perf_counter()
         result = LookupResult(num_blocks=len(d.hashes))
         if d.hashes:
-            try:
-                result = await asyncio.wait_for(st.index.lookup(ns, d.hashes, [w.name for w in workers]),
-                                                st.settings.index.timeout_s)
-            except Exception as e:  # an index outage degrades to load-only routing, never an error
-                d.index_error = f"{type(e).__name__}: {e}"
-                log.warning("index lookup failed: %s", d.index_error)
+            try:  # deadline, breaker, degraded counter and rate-limited log: router/index_guard.py
+                result = await st.index_guard.lookup(ns, d.hashes, [w.name for w in workers])
+            except IndexUnavailable as e:  # an index outage degrades to load-only routing, never an error
+                d.index_error = str(e)
         t3 = time.perf_counter()
         d.g4_blocks = result.g4
         pending_worker, pending_n = st.pending.leading(ns, d.hashes) if d.hashes else (None, 0)

@@ -9,6 +9,7 @@ import logging
 import httpx
 
 from router.config import Settings
+from router.index_guard import LookupGuard
 from router.metrics import GatewayMetrics
 from router.parity import ParityChecker
 from router.pending import PendingBlocks
@@ -56,6 +57,11 @@ class GatewayState:
         self.settings = settings
         self.index = index if index is not None else make_index(settings)
         self.metrics = GatewayMetrics()
+        ic = settings.index
+        self.index_guard = LookupGuard(
+            self.index, timeout_s=ic.lookup_timeout_s, breaker_failures=ic.breaker_failures,
+            breaker_open_s=ic.breaker_open_s,
+            on_degraded=lambda reason: self.metrics.child(self.metrics.routing_degraded, reason).inc())
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.request_timeout_s, connect=settings.connect_timeout_s),
             limits=httpx.Limits(max_connections=settings.max_connections,

@@ -307,13 +307,16 @@ def pack_hashes(hashes: Sequence[int], unique: bool = False) -> bytes:
 class RedisIndex(BlockIndex):
     name = "redis"
 
-    def __init__(self, url: str, key_prefix: str = "kvg", timeout_s: float = 2.0) -> None:
+    def __init__(self, url: str, key_prefix: str = "kvg", timeout_s: float = 2.0,
+                 max_connections: int = 32) -> None:
         self.url = url
         self.prefix = key_prefix
         self.timeout_s = timeout_s
-        self._r = aioredis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=False
-        )
+        # Bounded: past max_connections a caller waits (up to timeout_s) for a free connection.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=timeout_s, socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s, decode_responses=False)
+        self._r = aioredis.Redis.from_pool(pool)  # closes the pool with the client
         self._ids: dict[tuple[str, str], int] = {}
         self._known_models: set[str] = set()
         self._store = _Script(_STORE)
