@@ -45,6 +45,7 @@ log = logging.getLogger("kvgate.events")
 _COUNTERS = ("applied", "blocks_stored", "blocks_removed", "dropped", "gaps", "replays", "resets", "errors",
              "resyncs", "duplicates")
 _RESYNC = object()  # queue item: replay from last_seq + 1 now (a flap ended)
+_WAKE = object()  # queue item: look at the synced flag now (the index restarted)
 _PUSH_CHUNK = 50_000  # hashes per store call when the state is pushed back into the index
 
 
@@ -101,13 +102,21 @@ class EventIngestor:
         self.retry_s = retry_s  # how often an unsynced source tries to push its state back
         self._ctx: zmq.asyncio.Context | None = None
         self._sources: dict[str, _Source] = {}
+        self._epoch: str | None = None
+        self._watch: asyncio.Task | None = None
 
     # -- lifecycle --------------------------------------------------------------------------------------
     async def start(self) -> None:
         if self._ctx is None:
             self._ctx = zmq.asyncio.Context()
+        if self._watch is None:
+            self._watch = asyncio.create_task(self._watch_index(), name="kv-events-index-epoch")
 
     async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
+            self._watch = None
         for worker in list(self._sources):
             await self.remove_source(worker, clear=False)
         if self._ctx is not None:
@@ -192,6 +201,32 @@ class EventIngestor:
         return {w: self.status(w) for w in self._sources}
 
     # -- tasks ------------------------------------------------------------------------------------------
+    async def _watch_index(self) -> None:
+        """Every ``retry_s``: a new index epoch (Redis restarted, maybe empty) or an unreachable index marks
+        every source unsynced, so each pushes its exact state back once the index answers -- also the
+        sources that had nothing to write meanwhile."""
+        while True:
+            try:
+                epoch = await asyncio.wait_for(self.index.epoch(), max(self.retry_s, 0.05))
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                epoch = None
+                lost = True
+            else:
+                lost = self._epoch is not None and epoch != self._epoch
+                self._epoch = epoch
+            if lost:
+                for s in self._sources.values():
+                    if s.synced:
+                        s.synced = False
+                        s.retry_at = 0.0
+                        try:
+                            s.queue.put_nowait(_WAKE)
+                        except asyncio.QueueFull:
+                            pass  # messages are flowing: the apply loop sees the flag anyway
+            await asyncio.sleep(self.retry_s)
+
     async def _receive(self, s: _Source) -> None:
         while not s.closed:
             try:
@@ -217,7 +252,7 @@ class EventIngestor:
                     await self._push_state(s)
                 if item is _RESYNC:
                     await self._resync(s)
-                elif item is not None:
+                elif item is not None and item is not _WAKE:
                     await self.handle_message(s, item)
             except asyncio.CancelledError:
                 raise

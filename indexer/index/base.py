@@ -106,6 +106,11 @@ class BlockIndex(abc.ABC):
     async def stats(self, model: str | None = None) -> dict:
         """Counts per model: blocks per tier, G4 blocks, entries per worker (and backend memory)."""
 
+    async def epoch(self) -> str | None:
+        """Changes when the backend lost or may have lost its data (a Redis restart); None if it never does.
+        Writers that see it change push their state back."""
+        return None
+
     async def models(self) -> list[str]:
         """Models that have entries."""
         return []

@@ -42,7 +42,10 @@ from collections.abc import Collection, Sequence
 
 import numpy as np
 import redis.asyncio as aioredis
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
+from redis.asyncio.retry import Retry
 
 from indexer.index.base import BlockIndex, BlockLocation, LookupResult, Tier, WorkerMatch
 
@@ -78,10 +81,20 @@ local function join(bucket, hi)
 end
 """
 
+_LUA_OWNER = """
+-- the caller's cached worker id must still name this worker (Redis may have restarted, ids reassigned)
+local function owner_ok(base, m, name)
+  if name == '' then return true end
+  return call('HGET', base .. 'i', tostring(floor(tonumber(m) / 2))) == name
+end
+"""
+
 # Writes. KEYS[1] = counts hash, KEYS[2] = blocks hash; ARGV = key base "P:{M}:", member, packed hashes
-# (unique). Fields are read with one HMGET and written with one HSET/HDEL per chunk of 1000 blocks.
-_STORE = _LUA_SPLIT + """
+# (unique), worker name ("" for G4). Fields are read with one HMGET and written with one HSET/HDEL per
+# chunk of 1000 blocks. Returns -1 (nothing written) when the member's id no longer names the worker.
+_STORE = _LUA_SPLIT + _LUA_OWNER + """
 local base, m, packed = ARGV[1], ARGV[2], ARGV[3]
+if not owner_ok(base, m, ARGV[4]) then return -1 end
 local rpre, tok = base .. 'r:' .. m .. ':', ',' .. m .. ','
 local added = 0
 for start = 1, #packed, 8000 do
@@ -134,8 +147,9 @@ local function drop(blocks, fields, vals, tok)
 end
 """
 
-_REMOVE = _LUA_SPLIT + _LUA_DROP + """
+_REMOVE = _LUA_SPLIT + _LUA_DROP + _LUA_OWNER + """
 local base, m, packed = ARGV[1], ARGV[2], ARGV[3]
+if not owner_ok(base, m, ARGV[4]) then return -1 end
 local rpre, tok = base .. 'r:' .. m .. ':', ',' .. m .. ','
 local removed = 0
 for start = 1, #packed, 8000 do
@@ -155,9 +169,10 @@ if removed > 0 then call('HINCRBY', KEYS[1], m, -removed) end
 return removed
 """
 
-# ARGV = key base, member, first bucket, end bucket (exclusive)
-_CLEAR = _LUA_SPLIT + _LUA_DROP + """
+# ARGV = key base, member, first bucket, end bucket (exclusive), worker name ("" for G4)
+_CLEAR = _LUA_SPLIT + _LUA_DROP + _LUA_OWNER + """
 local base, m = ARGV[1], ARGV[2]
+if not owner_ok(base, m, ARGV[5]) then return -1 end
 local rpre, tok = base .. 'r:' .. m .. ':', ',' .. m .. ','
 local removed = 0
 for bucket = tonumber(ARGV[3]), tonumber(ARGV[4]) - 1 do
@@ -312,12 +327,15 @@ class RedisIndex(BlockIndex):
         self.url = url
         self.prefix = key_prefix
         self.timeout_s = timeout_s
-        # Bounded: past max_connections a caller waits (up to timeout_s) for a free connection.
+        # Bounded: past max_connections a caller waits (up to timeout_s) for a free connection. One retry
+        # on a connection error: after a Redis restart every pooled connection is stale.
         pool = aioredis.BlockingConnectionPool.from_url(
             url, max_connections=max_connections, timeout=timeout_s, socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s, decode_responses=False)
+            socket_connect_timeout=timeout_s, decode_responses=False,
+            retry=Retry(NoBackoff(), 1), retry_on_error=[RedisConnectionError])
         self._r = aioredis.Redis.from_pool(pool)  # closes the pool with the client
         self._ids: dict[tuple[str, str], int] = {}
+        self._run_id: str | None = None
         self._known_models: set[str] = set()
         self._store = _Script(_STORE)
         self._remove = _Script(_REMOVE)
@@ -359,25 +377,47 @@ class RedisIndex(BlockIndex):
         return wid
 
     # -- writes -----------------------------------------------------------------------------------------
-    async def _write(self, script: _Script, model: str, member: int, hashes: Sequence[int]) -> int:
+    class _StaleId(Exception):
+        """A cached worker id no longer names the worker in Redis (it restarted): ids are looked up again."""
+
+    def _forget_ids(self) -> None:
+        self._ids.clear()
+        self._known_models.clear()
+
+    async def _write(self, script: _Script, model: str, member: int, hashes: Sequence[int],
+                     worker: str = "") -> int:
         if len(hashes) == 0:
             return 0
         b = self.base(model)
         packed = pack_hashes(hashes, unique=True)  # the write scripts expect each field once
-        return int(await script(self._r, [b + "n", b + "blocks"], [b, member, packed]))
+        n = int(await script(self._r, [b + "n", b + "blocks"], [b, member, packed, worker]))
+        if n < 0:
+            self._forget_ids()
+            raise self._StaleId(worker)
+        return n
+
+    async def _member_write(self, script: _Script, model: str, worker: str, tier: Tier, hashes,
+                            create: bool) -> None:
+        for attempt in (0, 1):
+            wid = await (self._worker_id(model, worker) if create else self._known_worker_id(model, worker))
+            if wid is None:
+                return
+            try:
+                await self._write(script, model, wid * 2 + _TIER_CODE[Tier(tier)], hashes, worker)
+                return
+            except self._StaleId:
+                if attempt:
+                    raise
 
     async def store(self, model: str, worker: str, tier: Tier, hashes: Sequence[int]) -> None:
         if len(hashes) == 0:
             return
-        wid = await self._worker_id(model, worker)
-        await self._write(self._store, model, wid * 2 + _TIER_CODE[Tier(tier)], hashes)
+        await self._member_write(self._store, model, worker, tier, hashes, create=True)
 
     async def remove(self, model: str, worker: str, tier: Tier, hashes: Sequence[int]) -> None:
         if len(hashes) == 0:
             return
-        wid = await self._known_worker_id(model, worker)
-        if wid is not None:
-            await self._write(self._remove, model, wid * 2 + _TIER_CODE[Tier(tier)], hashes)
+        await self._member_write(self._remove, model, worker, tier, hashes, create=False)
 
     async def store_g4(self, model: str, hashes: Sequence[int]) -> None:
         if len(hashes) == 0:
@@ -390,24 +430,33 @@ class RedisIndex(BlockIndex):
     async def remove_g4(self, model: str, hashes: Sequence[int]) -> None:
         await self._write(self._remove, model, G4_MEMBER, hashes)
 
-    async def _clear_member(self, model: str, member: int) -> int:
+    async def _clear_member(self, model: str, member: int, worker: str = "") -> int:
         b = self.base(model)
         removed = 0
         for start in range(0, BUCKETS, _CLEAR_CHUNK):
-            removed += int(
-                await self._clear(self._r, [b + "n", b + "blocks"], [b, member, start, start + _CLEAR_CHUNK])
-            )
+            n = int(await self._clear(self._r, [b + "n", b + "blocks"],
+                                      [b, member, start, start + _CLEAR_CHUNK, worker]))
+            if n < 0:
+                self._forget_ids()
+                raise self._StaleId(worker)
+            removed += n
         return removed
 
     async def clear_worker(self, model: str, worker: str, tier: Tier | None = None) -> int:
-        wid = await self._known_worker_id(model, worker)
-        if wid is None:
-            return 0
         tiers = (Tier(tier),) if tier is not None else (Tier.GPU, Tier.CPU)
-        removed = 0
-        for t in tiers:
-            removed += await self._clear_member(model, wid * 2 + _TIER_CODE[t])
-        return removed
+        for attempt in (0, 1):
+            wid = await self._known_worker_id(model, worker)
+            if wid is None:
+                return 0
+            try:
+                removed = 0
+                for t in tiers:
+                    removed += await self._clear_member(model, wid * 2 + _TIER_CODE[t], worker)
+                return removed
+            except self._StaleId:
+                if attempt:
+                    raise
+        return 0
 
     async def clear_model(self, model: str) -> int:
         b = self.base(model)
@@ -498,6 +547,17 @@ class RedisIndex(BlockIndex):
 
     async def models(self) -> list[str]:
         return sorted(m.decode() for m in await self._r.smembers(self.models_key))
+
+    async def epoch(self) -> str | None:
+        """The server's ``run_id`` (new at every start): entries may be gone, whatever the persistence, and
+        cached worker ids may name other workers now (they are dropped)."""
+        info = await self._r.info("server")
+        run_id = str(info.get("run_id"))
+        if run_id != self._run_id:
+            if self._run_id is not None:
+                self._forget_ids()
+            self._run_id = run_id
+        return run_id
 
     async def ping(self) -> float:
         """Round-trip time of a bare PING, in seconds (the benchmark's baseline)."""
