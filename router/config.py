@@ -48,6 +48,13 @@ class IndexConfig(BaseModel):
     breaker_open_s: float = Field(1.0, gt=0)
     # Redis connections per gateway process (a bounded pool: a caller waits up to timeout_s for one).
     max_connections: int = Field(32, ge=1)
+    # One gateway writes each worker's entries (a lease with fencing); the others follow its stream and
+    # take over when the lease expires.
+    lease_ttl_s: float = Field(10.0, gt=0)
+    # Handles (vLLM blocks) one worker's state may reach before it is taken for corrupt (lost removals)
+    # and rebuilt; and how long a worker's entries stay without any gateway writing for it.
+    max_handles_per_worker: int = Field(2_000_000, ge=1)
+    sweep_idle_s: float = Field(600.0, gt=0)
 
 
 class ModelConfig(BaseModel):

@@ -339,10 +339,10 @@ class WorkerRegistry:
         """Evidence of a restart outside the event stream: drop the entries and subscribe afresh (the
         new source replays what the new process's publisher already buffers)."""
         log.info("worker %s restarted (%s): dropping its index entries", w.name, reason)
-        w.restarts += 1
         await self._unsubscribe(w)
         await self._clear_index(w)
         await self._subscribe(w)
+        w.restarts += 1
 
     # --- probing -------------------------------------------------------------------------------
     async def _loop(self) -> None:

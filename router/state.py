@@ -41,14 +41,18 @@ def make_index(settings: Settings):
     return MemoryIndex()
 
 
-def make_ingestor(index, on_reset, observer=None):
+def make_ingestor(index, on_reset, observer=None, index_settings=None):
     """The KV event ingestor, or None when the events part is not installed."""
     try:
         from indexer.events import EventIngestor
     except ImportError:
         log.warning("indexer.events is not available: KV events are not ingested")
         return None
-    return EventIngestor(index, queue_size=10000, on_reset=on_reset, observer=observer)
+    kw = {}
+    if index_settings is not None:
+        kw = dict(lease_ttl_s=index_settings.lease_ttl_s, max_handles=index_settings.max_handles_per_worker,
+                  sweep_idle_s=index_settings.sweep_idle_s)
+    return EventIngestor(index, queue_size=10000, on_reset=on_reset, observer=observer, **kw)
 
 
 class GatewayState:
@@ -75,7 +79,7 @@ class GatewayState:
                                     events_seen=self._events_seen, indexed=self._indexed_blocks,
                                     metrics=self.metrics)
         self.ingestor = ingestor if ingestor is not None or not with_events else make_ingestor(
-            self.index, self._on_events_reset, self.parity.observe)
+            self.index, self._on_events_reset, self.parity.observe, settings.index)
         if self.ingestor is not None and getattr(self.ingestor, "observer", False) is None:
             self.ingestor.observer = self.parity.observe  # an ingestor passed in by the caller
         self.registry = WorkerRegistry(settings, self.client, self.index, self.ingestor, self.metrics)

@@ -28,6 +28,7 @@ import asyncio
 import inspect
 import logging
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,12 +39,12 @@ import zmq.asyncio
 from indexer.events.state import G4, WorkerState
 from indexer.events.subscriber import ReplayError, Subscriber, resolve_endpoint
 from indexer.events.wire import DecodeError, decode_batch, decode_seq
-from indexer.index.base import BlockIndex, Tier
+from indexer.index.base import BlockIndex, LeaseLost, Tier
 
 log = logging.getLogger("kvgate.events")
 
 _COUNTERS = ("applied", "blocks_stored", "blocks_removed", "dropped", "gaps", "replays", "resets", "errors",
-             "resyncs", "duplicates")
+             "resyncs", "duplicates", "capped", "takeovers")
 _RESYNC = object()  # queue item: replay from last_seq + 1 now (a flap ended)
 _WAKE = object()  # queue item: look at the synced flag now (the index restarted)
 _PUSH_CHUNK = 50_000  # hashes per store call when the state is pushed back into the index
@@ -79,6 +80,8 @@ class _Source:
         # Sequence numbers applied ahead of the live stream by a resync replay: their live copies are
         # duplicates, not a restart.
         self.ahead: tuple[int, int] | None = None
+        self.writer = False  # holds the worker's lease: the only gateway that writes its entries
+        self.lease_at = 0.0  # when to renew it
         self.closed = False
         self.tasks: list[asyncio.Task] = []
 
@@ -93,6 +96,11 @@ class EventIngestor:
         observer: Callable[[str, str, list[int]], object] | None = None,
         replay_timeout_s: float = 5.0,
         retry_s: float = 1.0,
+        owner: str | None = None,
+        lease_ttl_s: float = 10.0,
+        max_handles: int = 2_000_000,
+        sweep_idle_s: float = 600.0,
+        sweep_interval_s: float = 60.0,
     ) -> None:
         self.index = index
         self.queue_size = queue_size
@@ -100,6 +108,12 @@ class EventIngestor:
         self.observer = observer
         self.replay_timeout_s = replay_timeout_s
         self.retry_s = retry_s  # how often an unsynced source tries to push its state back
+        self.owner = owner or uuid.uuid4().hex  # this gateway process, as lease holder
+        self.lease_ttl_s = lease_ttl_s
+        self.max_handles = max_handles  # per source: past it the state is suspect (lost removals): reset
+        self.sweep_idle_s = sweep_idle_s
+        self.sweep_interval_s = sweep_interval_s
+        self._last_sweep = time.monotonic()
         self._ctx: zmq.asyncio.Context | None = None
         self._sources: dict[str, _Source] = {}
         self._epoch: str | None = None
@@ -133,6 +147,8 @@ class EventIngestor:
         sub = Subscriber(self._ctx, endpoint, src.topic, replay, timeout_s=self.replay_timeout_s)
         s = _Source(src, sub, self.queue_size)
         self._sources[src.worker] = s
+        await self._adopt(s)
+        await self._take_lease(s)
         s.tasks = [
             asyncio.create_task(self._receive(s), name=f"kv-events-recv-{src.worker}"),
             asyncio.create_task(self._apply_loop(s), name=f"kv-events-apply-{src.worker}"),
@@ -153,8 +169,12 @@ class EventIngestor:
                 t.cancel()
             await asyncio.wait(pending, timeout=0.1)
         s.sub.close()
-        if clear:
-            await self.index.clear_worker(s.src.model, worker)
+        if s.writer:  # a follower never touches the index: the writer (another gateway) still serves it
+            try:
+                if clear:
+                    await self.index.clear_worker(s.src.model, worker)
+            finally:
+                await self.index.release_lease(s.src.model, worker, self.owner)
 
     def sources(self) -> list[EventSource]:
         return [s.src for s in self._sources.values()]
@@ -188,6 +208,7 @@ class EventIngestor:
             "connected": s.sub.connected,
             "last_seq": s.last_seq,
             "synced": s.synced,
+            "writer": s.writer,
             **s.counters,
             "unknown_parent": st["unknown_parent"],
             "size_mismatch": st["size_mismatch"],
@@ -218,14 +239,77 @@ class EventIngestor:
                 self._epoch = epoch
             if lost:
                 for s in self._sources.values():
-                    if s.synced:
-                        s.synced = False
-                        s.retry_at = 0.0
-                        try:
-                            s.queue.put_nowait(_WAKE)
-                        except asyncio.QueueFull:
-                            pass  # messages are flowing: the apply loop sees the flag anyway
+                    if s.synced and s.writer:
+                        self._unsync(s)
+            now = time.monotonic()
+            for s in list(self._sources.values()):
+                if now >= s.lease_at:
+                    await self._take_lease(s)
+            if now - self._last_sweep >= self.sweep_interval_s:
+                self._last_sweep = now
+                await self._sweep()
             await asyncio.sleep(self.retry_s)
+
+    def _unsync(self, s: _Source) -> None:
+        s.synced = False
+        s.retry_at = 0.0
+        try:
+            s.queue.put_nowait(_WAKE)
+        except asyncio.QueueFull:
+            pass  # messages are flowing: the apply loop sees the flag anyway
+
+    async def _take_lease(self, s: _Source) -> None:
+        """Take or renew the worker's lease. A new writer resynchronizes: its state (adopted from the index
+        at subscription, then kept by every event since) is pushed back -- clear and rebuild."""
+        s.lease_at = time.monotonic() + self.lease_ttl_s / 3
+        try:
+            ok = await asyncio.wait_for(
+                self.index.acquire_lease(s.src.model, s.src.worker, self.owner, self.lease_ttl_s),
+                self.lease_ttl_s / 3)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.debug("%s: lease: %s", s.src.worker, e)
+            return  # the index is out: the epoch watch and the writes handle it
+        if ok and not s.writer:
+            s.writer = True
+            s.counters["takeovers"] += 1
+            log.info("%s: this gateway writes its entries now", s.src.worker)
+            self._unsync(s)
+        elif not ok and s.writer:
+            s.writer = False
+            log.info("%s: another gateway writes its entries now", s.src.worker)
+
+    async def _adopt(self, s: _Source) -> None:
+        """Start from the handle map and sequence the worker's writer saved in the index, so this process
+        can apply a BlockRemoved for a block stored before it started."""
+        try:
+            handles, seq = await asyncio.wait_for(self.index.load_handles(s.src.model, s.src.worker),
+                                                  max(self.replay_timeout_s, 1.0))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("%s: loading its handle map: %s", s.src.worker, e)
+            return
+        if seq is None and not handles:
+            return
+        s.state.adopt(handles)
+        s.last_seq = seq
+        if seq is not None:
+            s.ahead = (0, seq)  # live messages the writer had already applied are not a restart
+        log.info("%s: adopted %d handles up to seq %s", s.src.worker, len(handles), seq)
+
+    async def _sweep(self) -> None:
+        """Drop the entries of workers no gateway has held a lease for in ``sweep_idle_s``."""
+        try:
+            for model in await self.index.models():
+                gone = await self.index.sweep(model, self.sweep_idle_s)
+                if gone:
+                    log.info("swept the entries of %s (%s): no gateway writes for them", ", ".join(gone), model)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.debug("sweep: %s", e)
 
     async def _receive(self, s: _Source) -> None:
         while not s.closed:
@@ -337,7 +421,8 @@ class EventIngestor:
         s.state.reset()
         s.last_seq = None
         s.ahead = None
-        await self._index_call(s, self.index.clear_worker(s.src.model, s.src.worker))
+        if s.writer:
+            await self._index_call(s, self.index.clear_worker(s.src.model, s.src.worker))
         log.info("%s: cleared (%s)", s.src.worker, reason)
         if self.on_reset is not None:
             r = self.on_reset(s.src.worker, reason)
@@ -346,7 +431,7 @@ class EventIngestor:
 
     async def _index_call(self, s: _Source, coro) -> bool:
         """Run one index write; on an error mark the source unsynced (never reset it)."""
-        if not s.synced:
+        if not s.synced or not s.writer:
             coro.close()
             return False
         try:
@@ -354,6 +439,10 @@ class EventIngestor:
             return True
         except asyncio.CancelledError:
             raise
+        except LeaseLost:
+            s.writer = False
+            log.info("%s: fenced off, another gateway writes its entries now", s.src.worker)
+            return False
         except Exception as e:
             s.counters["errors"] += 1
             s.synced = False
@@ -364,6 +453,10 @@ class EventIngestor:
 
     async def _push_state(self, s: _Source) -> None:
         """Index back: rebuild the worker's entries from the state (exact) and replay the G4 backlog."""
+        if not s.writer:  # a follower keeps its state and leaves the index to the writer
+            s.synced = True
+            s.g4_backlog.clear()
+            return
         now = time.monotonic()
         if now < s.retry_at:
             return
@@ -375,12 +468,16 @@ class EventIngestor:
                 held = s.state.held(tier)
                 for i in range(0, len(held), _PUSH_CHUNK):
                     await self.index.store(model, worker, tier, held[i:i + _PUSH_CHUNK])
+            await self.index.save_handles(model, worker, s.state.export(), [], s.last_seq)
             while s.g4_backlog:
                 op, hashes = s.g4_backlog[0]
                 await (self.index.store_g4 if op == "g4" else self.index.remove_g4)(model, hashes)
                 s.g4_backlog.popleft()
         except asyncio.CancelledError:
             raise
+        except LeaseLost:
+            s.writer, s.synced = False, True
+            return
         except Exception as e:
             log.debug("%s: index still failing: %s", worker, e)
             return
@@ -400,8 +497,14 @@ class EventIngestor:
             s.counters["dropped"] += batch.malformed + s.state.counters["malformed"] - malformed_before
             s.counters["applied"] += len(batch.events)
             await self._write(s, ops.items)
+            ups, dels = s.state.take_changes()
+            if s.writer and s.synced and (ups or dels or ops.items):
+                await self._index_call(s, self.index.save_handles(s.src.model, s.src.worker, ups, dels, seq))
         finally:
             s.last_seq = seq
+        if len(s.state) > self.max_handles:  # more than a worker can hold: removals were lost
+            s.counters["capped"] += 1
+            await self._reset(s, f"over {self.max_handles} handles")
 
     async def _write(self, s: _Source, items) -> None:
         model, worker = s.src.model, s.src.worker
@@ -409,6 +512,8 @@ class EventIngestor:
             if op in ("g4", "g4_remove"):
                 if op == "g4":
                     self._observe(worker, G4, hashes)
+                if not s.writer:
+                    continue
                 if s.synced:
                     fn = self.index.store_g4 if op == "g4" else self.index.remove_g4
                     if not await self._index_call(s, fn(model, hashes)):
@@ -421,7 +526,7 @@ class EventIngestor:
                 self._observe(worker, tier.value, hashes)
             elif op == "remove":
                 s.counters["blocks_removed"] += len(hashes)
-            if not s.synced:
+            if not s.synced or not s.writer:
                 continue  # the state has it; pushed back with everything else when the index returns
             if op == "store":
                 await self._index_call(s, self.index.store(model, worker, tier, hashes))

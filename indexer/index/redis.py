@@ -47,7 +47,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 from redis.asyncio.retry import Retry
 
-from indexer.index.base import BlockIndex, BlockLocation, LookupResult, Tier, WorkerMatch
+from indexer.index.base import (
+    BlockIndex, BlockLocation, Handle, HandleKey, LeaseLost, LookupResult, Tier, WorkerMatch,
+)
 
 G4_MEMBER = -1
 BUCKETS = 2048  # fixed: members are hash >> 11, which must fit a double's 53 bits
@@ -82,19 +84,30 @@ end
 """
 
 _LUA_OWNER = """
--- the caller's cached worker id must still name this worker (Redis may have restarted, ids reassigned)
-local function owner_ok(base, m, name)
-  if name == '' then return true end
-  return call('HGET', base .. 'i', tostring(floor(tonumber(m) / 2))) == name
+-- the caller's cached worker id must still name this worker (Redis may have restarted, ids reassigned): -1;
+-- its fencing token, when it holds the worker's lease, must still be current: -2. Token '!free': only
+-- while nobody holds the lease (the sweep).
+local function fence_ok(base, name, token)
+  if token == '' then return true end
+  if token == '!free' then return call('EXISTS', base .. 'lease:' .. name) == 0 end
+  return call('GET', base .. 'fence:' .. name) == token
+end
+local function owner_check(base, m, name, token)
+  if name == '' then return 0 end
+  if call('HGET', base .. 'i', tostring(floor(tonumber(m) / 2))) ~= name then return -1 end
+  if not fence_ok(base, name, token) then return -2 end
+  return 0
 end
 """
 
 # Writes. KEYS[1] = counts hash, KEYS[2] = blocks hash; ARGV = key base "P:{M}:", member, packed hashes
-# (unique), worker name ("" for G4). Fields are read with one HMGET and written with one HSET/HDEL per
-# chunk of 1000 blocks. Returns -1 (nothing written) when the member's id no longer names the worker.
+# (unique), worker name ("" for G4), fencing token ("" without a lease). Fields are read with one HMGET and
+# written with one HSET/HDEL per chunk of 1000 blocks. Returns -1 (nothing written) when the member's id no
+# longer names the worker, -2 when the token is stale.
 _STORE = _LUA_SPLIT + _LUA_OWNER + """
 local base, m, packed = ARGV[1], ARGV[2], ARGV[3]
-if not owner_ok(base, m, ARGV[4]) then return -1 end
+local bad = owner_check(base, m, ARGV[4], ARGV[5])
+if bad < 0 then return bad end
 local rpre, tok = base .. 'r:' .. m .. ':', ',' .. m .. ','
 local added = 0
 for start = 1, #packed, 8000 do
@@ -149,7 +162,8 @@ end
 
 _REMOVE = _LUA_SPLIT + _LUA_DROP + _LUA_OWNER + """
 local base, m, packed = ARGV[1], ARGV[2], ARGV[3]
-if not owner_ok(base, m, ARGV[4]) then return -1 end
+local bad = owner_check(base, m, ARGV[4], ARGV[5])
+if bad < 0 then return bad end
 local rpre, tok = base .. 'r:' .. m .. ':', ',' .. m .. ','
 local removed = 0
 for start = 1, #packed, 8000 do
@@ -169,10 +183,11 @@ if removed > 0 then call('HINCRBY', KEYS[1], m, -removed) end
 return removed
 """
 
-# ARGV = key base, member, first bucket, end bucket (exclusive), worker name ("" for G4)
+# ARGV = key base, member, first bucket, end bucket (exclusive), worker name ("" for G4), fencing token
 _CLEAR = _LUA_SPLIT + _LUA_DROP + _LUA_OWNER + """
 local base, m = ARGV[1], ARGV[2]
-if not owner_ok(base, m, ARGV[5]) then return -1 end
+local bad = owner_check(base, m, ARGV[5], ARGV[6])
+if bad < 0 then return bad end
 local rpre, tok = base .. 'r:' .. m .. ':', ',' .. m .. ','
 local removed = 0
 for bucket = tonumber(ARGV[3]), tonumber(ARGV[4]) - 1 do
@@ -281,6 +296,46 @@ end
 return out
 """
 
+# KEYS[1] = the worker's handle map, KEYS[2] = last sequence per worker; ARGV = key base, name, token,
+# seq ("" = none), deletes (12-byte keys), upserts (12-byte key + 16-byte value each). -2 when fenced.
+_SAVE_HANDLES = _LUA_LOCALS + _LUA_OWNER + """
+local base, name, token, seq, dels, ups = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+if not fence_ok(base, name, token) then return -2 end
+for start = 1, #dels, 12000 do
+  local f = {}
+  for off = start, min(#dels, start + 11999), 12 do f[#f + 1] = sub(dels, off, off + 11) end
+  call('HDEL', KEYS[1], unpack(f))
+end
+for start = 1, #ups, 28000 do
+  local f = {}
+  for off = start, min(#ups, start + 27999), 28 do
+    f[#f + 1] = sub(ups, off, off + 11)
+    f[#f + 1] = sub(ups, off + 12, off + 27)
+  end
+  call('HSET', KEYS[1], unpack(f))
+end
+if seq ~= '' then call('HSET', KEYS[2], name, seq) end
+return 0
+"""
+
+# KEYS[1] = lease, KEYS[2] = fencing counter, KEYS[3] = last renewal per worker (ms); ARGV = owner, ttl ms,
+# name. Returns the owner's fencing token, or nil while another owner holds the lease.
+_LEASE = _LUA_LOCALS + """
+local cur = call('GET', KEYS[1])
+local t = call('TIME')
+local now = t[1] * 1000 + floor(t[2] / 1000)
+if cur == ARGV[1] then
+  call('PEXPIRE', KEYS[1], ARGV[2])
+  call('HSET', KEYS[3], ARGV[3], now)
+  return call('GET', KEYS[2])
+end
+if cur then return false end
+call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+local token = call('INCR', KEYS[2])
+call('HSET', KEYS[3], ARGV[3], now)
+return tostring(token)
+"""
+
 # KEYS[1] = name->id, KEYS[2] = id->name, KEYS[3] = id counter; ARGV[1] = name
 _WORKER_ID = _LUA_LOCALS + """
 local id = call('HGET', KEYS[1], ARGV[1])
@@ -306,6 +361,12 @@ class _Script:
             return await client.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
             return await client.eval(self.source, len(keys), *keys, *args)
+
+
+_LOST = "!lost"  # the fencing token of an index that lost a lease: matches nothing, every write is refused
+_HKEY = np.dtype([("g", ">u4"), ("e", ">u8")])  # a handle map field: (group, engine hash)
+_HVAL = np.dtype([("r", ">u8"), ("gpu", ">u4"), ("cpu", ">u4")])  # its value: (kvgate hash, counts)
+_HREC = np.dtype([("k", _HKEY), ("v", _HVAL)])
 
 
 def pack_hashes(hashes: Sequence[int], unique: bool = False) -> bytes:
@@ -336,12 +397,15 @@ class RedisIndex(BlockIndex):
         self._r = aioredis.Redis.from_pool(pool)  # closes the pool with the client
         self._ids: dict[tuple[str, str], int] = {}
         self._run_id: str | None = None
+        self._fences: dict[tuple[str, str], str] = {}  # (model, worker) -> our fencing token (lease held)
         self._known_models: set[str] = set()
         self._store = _Script(_STORE)
         self._remove = _Script(_REMOVE)
         self._clear = _Script(_CLEAR)
         self._lookup = _Script(_LOOKUP)
         self._wid = _Script(_WORKER_ID)
+        self._save_h = _Script(_SAVE_HANDLES)
+        self._lease = _Script(_LEASE)
 
     # -- keys -------------------------------------------------------------------------------------------
     def base(self, model: str) -> str:
@@ -390,10 +454,17 @@ class RedisIndex(BlockIndex):
             return 0
         b = self.base(model)
         packed = pack_hashes(hashes, unique=True)  # the write scripts expect each field once
-        n = int(await script(self._r, [b + "n", b + "blocks"], [b, member, packed, worker]))
-        if n < 0:
+        token = self._fences.get((model, worker), "") if worker else ""
+        return self._checked(int(await script(self._r, [b + "n", b + "blocks"], [b, member, packed, worker, token])),
+                             model, worker)
+
+    def _checked(self, n: int, model: str, worker: str) -> int:
+        if n == -1:
             self._forget_ids()
             raise self._StaleId(worker)
+        if n == -2:
+            self._fences[(model, worker)] = _LOST  # fenced until this index takes the lease again
+            raise LeaseLost(f"{worker}: another gateway holds its lease")
         return n
 
     async def _member_write(self, script: _Script, model: str, worker: str, tier: Tier, hashes,
@@ -430,33 +501,110 @@ class RedisIndex(BlockIndex):
     async def remove_g4(self, model: str, hashes: Sequence[int]) -> None:
         await self._write(self._remove, model, G4_MEMBER, hashes)
 
-    async def _clear_member(self, model: str, member: int, worker: str = "") -> int:
+    async def _clear_member(self, model: str, member: int, worker: str = "", token: str | None = None) -> int:
         b = self.base(model)
+        if token is None:
+            token = self._fences.get((model, worker), "") if worker else ""
         removed = 0
         for start in range(0, BUCKETS, _CLEAR_CHUNK):
             n = int(await self._clear(self._r, [b + "n", b + "blocks"],
-                                      [b, member, start, start + _CLEAR_CHUNK, worker]))
-            if n < 0:
-                self._forget_ids()
-                raise self._StaleId(worker)
-            removed += n
+                                      [b, member, start, start + _CLEAR_CHUNK, worker, token]))
+            removed += self._checked(n, model, worker)
         return removed
 
-    async def clear_worker(self, model: str, worker: str, tier: Tier | None = None) -> int:
+    async def clear_worker(self, model: str, worker: str, tier: Tier | None = None, *,
+                           _token: str | None = None) -> int:
         tiers = (Tier(tier),) if tier is not None else (Tier.GPU, Tier.CPU)
+        removed = 0
         for attempt in (0, 1):
             wid = await self._known_worker_id(model, worker)
             if wid is None:
-                return 0
+                break
             try:
-                removed = 0
                 for t in tiers:
-                    removed += await self._clear_member(model, wid * 2 + _TIER_CODE[t], worker)
-                return removed
+                    removed += await self._clear_member(model, wid * 2 + _TIER_CODE[t], worker, _token)
+                break
             except self._StaleId:
                 if attempt:
                     raise
-        return 0
+        if tier is None:
+            await self._drop_handles(model, worker)
+        return removed
+
+    # -- handle maps, leases, sweep ---------------------------------------------------------------------
+    def _hkeys(self, model: str, worker: str) -> tuple[str, str]:
+        b = self.base(model)
+        return b + "h:" + worker, b + "hseq"
+
+    async def save_handles(self, model: str, worker: str, upserts: dict[HandleKey, Handle],
+                           deletes, seq: int | None) -> None:
+        dels = np.array([k for k in deletes if k not in upserts], dtype=_HKEY).tobytes() if deletes else b""
+        ups = b""
+        if upserts:
+            rec = np.empty(len(upserts), dtype=_HREC)
+            rec["k"] = list(upserts)
+            rec["v"] = list(upserts.values())
+            ups = rec.tobytes()
+        token = self._fences.get((model, worker), "")
+        n = await self._save_h(self._r, list(self._hkeys(model, worker)),
+                               [self.base(model), worker, token, "" if seq is None else seq, dels, ups])
+        self._checked(int(n), model, worker)
+
+    async def load_handles(self, model: str, worker: str) -> tuple[dict[HandleKey, Handle], int | None]:
+        hkey, seqkey = self._hkeys(model, worker)
+        out: dict[HandleKey, Handle] = {}
+        cursor = 0
+        while True:
+            cursor, chunk = await self._r.hscan(hkey, cursor, count=10_000)
+            if chunk:
+                ks = np.frombuffer(b"".join(chunk.keys()), dtype=_HKEY)
+                vs = np.frombuffer(b"".join(chunk.values()), dtype=_HVAL)
+                out.update(zip(map(tuple, ks.tolist()), map(tuple, vs.tolist())))
+            if cursor == 0:
+                break
+        raw = await self._r.hget(seqkey, worker)
+        return out, (int(raw) if raw is not None else None)
+
+    async def _drop_handles(self, model: str, worker: str) -> None:
+        hkey, seqkey = self._hkeys(model, worker)
+        await self._r.unlink(hkey)
+        await self._r.hdel(seqkey, worker)
+
+    async def acquire_lease(self, model: str, worker: str, owner: str, ttl_s: float) -> bool:
+        b = self.base(model)
+        token = await self._lease(self._r, [b + "lease:" + worker, b + "fence:" + worker, b + "seen"],
+                                  [owner, max(1, int(ttl_s * 1000)), worker])
+        if token is None:
+            if (model, worker) in self._fences:
+                self._fences[(model, worker)] = _LOST
+            return False
+        self._fences[(model, worker)] = token.decode() if isinstance(token, bytes) else str(token)
+        return True
+
+    async def release_lease(self, model: str, worker: str, owner: str) -> None:
+        b = self.base(model)
+        key = b + "lease:" + worker
+        if await self._r.get(key) == owner.encode():
+            await self._r.delete(key)
+        self._fences.pop((model, worker), None)
+
+    async def sweep(self, model: str, idle_s: float) -> list[str]:
+        b = self.base(model)
+        seen = await self._r.hgetall(b + "seen")
+        now_s, now_us = await self._r.time()
+        now_ms = now_s * 1000 + now_us // 1000
+        gone = []
+        for raw, at in seen.items():
+            name = raw.decode()
+            if now_ms - int(at) < idle_s * 1000 or await self._r.exists(b + "lease:" + name):
+                continue
+            try:
+                await self.clear_worker(model, name, _token="!free")
+            except LeaseLost:  # a writer took it meanwhile
+                continue
+            await self._r.hdel(b + "seen", name)
+            gone.append(name)
+        return gone
 
     async def clear_model(self, model: str) -> int:
         b = self.base(model)
@@ -467,6 +615,10 @@ class RedisIndex(BlockIndex):
         for raw in counts:
             rpre = f"{b}r:{raw.decode()}:"
             await self._r.unlink(*(rpre + str(k) for k in range(BUCKETS)))
+        names = [n.decode() for n in await self._r.hkeys(b + "w")]
+        if names:
+            await self._r.unlink(*(b + "h:" + n for n in names))
+        await self._r.unlink(b + "hseq")
         # Worker ids stay (other gateways may hold them in their caches); the registry entry goes.
         await self._r.srem(self.models_key, model)
         self._known_models.discard(model)

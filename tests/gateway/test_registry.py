@@ -76,7 +76,7 @@ async def test_discovery_events_restart_and_runtime_changes(fleet, start_gateway
     assert gw.call(gw.state.index.lookup(MODEL, hashes)).match("a").local == 2
     # A new process_start_time_seconds is a restart: entries dropped, events subscribed afresh.
     fleet.states[0].started += 100
-    await wait_until(lambda: a.restarts == 1)
+    await wait_until(lambda: a.restarts == 1 and len(rec.added) == 2)
     assert gw.call(gw.state.index.lookup(MODEL, hashes)).match("a").local == 0
     assert rec.removed and rec.removed[0][0] == "a" and len(rec.added) == 2
     # The ingestor's own reset (sequence went backwards) counts a restart without a second clear.
