@@ -14,6 +14,8 @@ its own tokenizer and block size, and waits for those hashes to come back throug
   worker still serves traffic, but routing ignores its index entries (its predicted hit is 0), a warning
   names the cause, and ``kvgate_worker_cache_blind{worker}`` is 1;
 - kvgate cannot tokenize for the model (no tokenizer at all): ``unverified`` (nothing to compare);
+- the worker has no KV event source: ``no-events`` at once, no probe sent (nothing can come back; its
+  cache is invisible to routing, which the reason says);
 - no new events because the worker already had the probe cached (a tokenizer that maps the nonce to an
   unknown-word token repeats an earlier probe): ``ok`` when the index already holds every probe block for
   that worker -- the keys matched when those blocks were announced.
@@ -41,6 +43,7 @@ log = logging.getLogger("kvgate.parity")
 OK = "ok"
 CACHE_BLIND = "cache-blind"
 UNVERIFIED = "unverified"
+NO_EVENTS = "no-events"
 
 # Plain words, so any tokenizer produces many tokens from them; the nonce makes the prompt new.
 _WORDS = (
@@ -122,6 +125,7 @@ class ParityChecker:
         block_size: Callable[[str], int],
         *,
         events_seen: Callable[[str], bool] | None = None,
+        has_events: Callable[[str], bool] | None = None,
         indexed: Callable[[str, str, list[int]], Awaitable[int]] | None = None,
         metrics=None,
         attempts: int = 3,
@@ -132,6 +136,7 @@ class ParityChecker:
         self.tokenize = tokenize
         self.block_size = block_size
         self.events_seen = events_seen or (lambda worker: True)
+        self.has_events = has_events or (lambda worker: True)  # an event source is subscribed
         self.indexed = indexed
         self.metrics = metrics
         self.attempts = attempts
@@ -146,22 +151,36 @@ class ParityChecker:
             w.loop.call_soon_threadsafe(w.add, list(hashes))
 
     # -- the check --------------------------------------------------------------------------------------
-    async def check(self, worker: str, url: str, model: str) -> ParityResult:
-        """Probe ``worker`` (serving ``model`` at ``url``); record, log and export the outcome."""
+    async def check(self, worker: str, url: str, model: str, timeout_s: float | None = None) -> ParityResult:
+        """Probe ``worker`` (serving ``model`` at ``url``); record, log and export the outcome. With
+        ``timeout_s`` the whole check (probe request, event wait, retries) takes at most that long."""
         t0 = time.monotonic()
         bs = self.block_size(model)
         result = ParityResult(worker=worker, status=UNVERIFIED, reason="", model=model, block_size=bs)
         try:
-            await self._run(result, url, model, bs)
+            if not self.has_events(worker):
+                result.status = NO_EVENTS
+                result.reason = "the worker publishes no KV events: nothing to compare, routing cannot see its cache"
+            elif timeout_s is None:
+                await self._run(result, url, model, bs)
+            else:  # the event wait shrinks to fit; wait_for is the hard stop (a probe that hangs)
+                deadline = time.monotonic() + timeout_s * 0.9
+                await asyncio.wait_for(self._run(result, url, model, bs, deadline), timeout_s)
+        except TimeoutError:
+            result.status, result.reason = UNVERIFIED, f"no answer within {timeout_s:g} s"
         except Exception as e:  # a failed probe must never break registration
             result.status, result.reason = UNVERIFIED, f"probe failed: {type(e).__name__}: {e}"
         result.elapsed_s = time.monotonic() - t0
         self._record(result)
         return result
 
-    async def _run(self, result: ParityResult, url: str, model: str, bs: int) -> None:
+    async def _run(self, result: ParityResult, url: str, model: str, bs: int,
+                   deadline: float | None = None) -> None:
         loop = asyncio.get_running_loop()
         for attempt in range(1, self.attempts + 1):
+            if deadline is not None and attempt > 1 and time.monotonic() >= deadline:
+                result.attempts = attempt - 1
+                break
             result.attempts = attempt
             text = probe_prompt(uuid.uuid4().hex)
             tokens = await self.tokenize(model, text)
@@ -186,8 +205,10 @@ class ParityChecker:
                 result.worker_tokens = usage.get("prompt_tokens")
                 # BlockStored is published when the prompt is scheduled, before the answer: a short
                 # wait covers the trip through ZMQ and the ingestor.
+                settle = self.settle_s if deadline is None else max(0.0, min(self.settle_s,
+                                                                                 deadline - time.monotonic()))
                 try:
-                    await asyncio.wait_for(watch.done.wait(), self.settle_s)
+                    await asyncio.wait_for(watch.done.wait(), settle)
                 except TimeoutError:
                     pass
             finally:
@@ -207,8 +228,12 @@ class ParityChecker:
                 result.status = CACHE_BLIND
                 result.reason = _mismatch_reason(result, bool(watch.events))
                 return
+        if result.attempts < self.attempts:  # the time budget ended the retries: too early to tell
+            result.status = UNVERIFIED
+            result.reason = f"no KV events from the worker within the time budget ({result.attempts} probe(s))"
+            return
         result.status = CACHE_BLIND
-        result.reason = f"no KV events from the worker after {self.attempts} probes"
+        result.reason = f"no KV events from the worker after {result.attempts} probes"
 
     def _record(self, result: ParityResult) -> None:
         self.results[result.worker] = result

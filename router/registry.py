@@ -173,6 +173,14 @@ def parse_metrics(text: str) -> tuple[WorkerLoad, int | None]:
     return load, block_size
 
 
+class DuplicateWorker(ValueError):
+    """A worker name or URL that is registered already; ``param`` says which."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class WorkerRegistry:
     """Workers by name. ``add``/``remove``/``drain`` work at run time (the admin API calls them)."""
 
@@ -289,7 +297,13 @@ class WorkerRegistry:
     async def add(self, cfg: WorkerConfig, *, probe: bool = True) -> Worker:
         name = worker_name(cfg)
         if name in self._workers:
-            raise ValueError(f"worker {name!r} already exists")
+            raise DuplicateWorker(f"worker {name!r} already exists", "name")
+        url = cfg.url.rstrip("/")
+        same = next((o for o in self._workers.values() if o.url == url), None)
+        if same is not None and same.lost_at is not None:
+            await self.remove(same.name)  # a pod gone from discovery whose IP a new pod reuses
+        elif same is not None:  # one server counted twice would get twice its share
+            raise DuplicateWorker(f"worker {same.name!r} already has the URL {url}", "url")
         w = Worker(name=name, url=cfg.url.rstrip("/"), config=cfg,
                    mean_prompt_tokens=float(self.settings.routing.queued_request_tokens))
         self._workers[name] = w

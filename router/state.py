@@ -76,7 +76,8 @@ class GatewayState:
         # Parity check at registration (router/parity.py): fed by the ingestor's observer, run by the
         # registry's on_ready hook each time a worker becomes routable.
         self.parity = ParityChecker(self.client, self._tokenize_probe, self._block_size,
-                                    events_seen=self._events_seen, indexed=self._indexed_blocks,
+                                    events_seen=self._events_seen, has_events=self._has_events,
+                                    indexed=self._indexed_blocks,
                                     metrics=self.metrics)
         self.ingestor = ingestor if ingestor is not None or not with_events else make_ingestor(
             self.index, self._on_events_reset, self.parity.observe, settings.index)
@@ -139,6 +140,12 @@ class GatewayState:
     def _events_seen(self, worker: str) -> bool:
         try:
             return self.ingestor is not None and self.ingestor.status(worker).get("last_seq") is not None
+        except KeyError:
+            return False
+
+    def _has_events(self, worker: str) -> bool:
+        try:
+            return self.ingestor is not None and self.ingestor.status(worker) is not None
         except KeyError:
             return False
 

@@ -68,7 +68,8 @@ class ParityOut(_Open):
     """The gateway's parity check of a worker (router/parity.py): do kvgate's block keys of a probe
     prompt come back in the worker's KV events?"""
 
-    status: str = Field(..., description="ok | cache-blind (routing ignores its cache) | unverified")
+    status: str = Field(..., description="ok | cache-blind (routing ignores its cache) | unverified | "
+                                         "no-events (the worker has no KV event source)")
     reason: str = ""
     model: str | None = None
     block_size: int = 0
