@@ -44,7 +44,7 @@ from indexer.index.base import BlockIndex, LeaseLost, Tier
 log = logging.getLogger("kvgate.events")
 
 _COUNTERS = ("applied", "blocks_stored", "blocks_removed", "dropped", "gaps", "replays", "resets", "errors",
-             "resyncs", "duplicates", "capped", "takeovers")
+             "resyncs", "duplicates", "capped", "takeovers", "pushes")
 _RESYNC = object()  # queue item: replay from last_seq + 1 now (a flap ended)
 _WAKE = object()  # queue item: look at the synced flag now (the index restarted)
 _PUSH_CHUNK = 50_000  # hashes per store call when the state is pushed back into the index
@@ -223,24 +223,24 @@ class EventIngestor:
 
     # -- tasks ------------------------------------------------------------------------------------------
     async def _watch_index(self) -> None:
-        """Every ``retry_s``: a new index epoch (Redis restarted, maybe empty) or an unreachable index marks
-        every source unsynced, so each pushes its exact state back once the index answers -- also the
-        sources that had nothing to write meanwhile."""
+        """Every ``retry_s``: a new index epoch (Redis restarted, maybe empty) marks every writer unsynced,
+        so each pushes its exact state back -- also the sources that had nothing to write meanwhile. An
+        unreachable index changes nothing here (failed writes unsync their own source); renews leases and
+        sweeps idle workers too."""
         while True:
             try:
-                epoch = await asyncio.wait_for(self.index.epoch(), max(self.retry_s, 0.05))
+                epoch = await asyncio.wait_for(self.index.epoch(), 5.0)
             except asyncio.CancelledError:
                 raise
             except Exception:
                 epoch = None
-                lost = True
-            else:
-                lost = self._epoch is not None and epoch != self._epoch
+            if epoch is not None:
+                if self._epoch is not None and epoch != self._epoch:
+                    log.info("the index restarted: pushing every worker's state back")
+                    for s in self._sources.values():
+                        if s.writer:
+                            self._unsync(s)
                 self._epoch = epoch
-            if lost:
-                for s in self._sources.values():
-                    if s.synced and s.writer:
-                        self._unsync(s)
             now = time.monotonic()
             for s in list(self._sources.values()):
                 if now >= s.lease_at:
@@ -482,7 +482,8 @@ class EventIngestor:
             log.debug("%s: index still failing: %s", worker, e)
             return
         s.synced = True
-        log.info("%s: index back, state pushed (%d handles)", worker, len(s.state))
+        s.counters["pushes"] += 1
+        log.info("%s: state pushed to the index (%d handles)", worker, len(s.state))
 
     async def _apply_payload(self, s: _Source, seq: int, payload: bytes) -> None:
         # last_seq moves once the batch is in the state (the index follows, or is rebuilt from the state)

@@ -32,9 +32,10 @@ it stops as soon as no worker and not G4 can extend its run, and returns only th
 round trip, an early exit, work proportional to the runs (not blocks x workers), an atomic snapshot.
 Writes are scripts too: one EVALSHA per event batch whatever its number of blocks, the hashes packed into
 one binary argument (Python's work per block is a numpy byte copy), one HMGET + one HSET per 1000 blocks.
-Scripts run with EVALSHA and fall back to EVAL when the server answers NOSCRIPT (after a restart or a
-SCRIPT FLUSH). Keys other than the declared ones are built inside the scripts from the same hash-tagged
-base, so they live in the declared keys' slot on Redis Cluster.
+The scripts are package resources (``indexer/index/lua/*.lua``, loaded by ``indexer/index/scripts.py``)
+registered with redis-py's ``register_script``: EVALSHA, and on NOSCRIPT (after a restart or a SCRIPT
+FLUSH) they are loaded and run again. Keys other than the declared ones are built inside the scripts from
+the same hash-tagged base, so they live in the declared keys' slot on Redis Cluster.
 """
 from __future__ import annotations
 
@@ -42,326 +43,20 @@ from collections.abc import Collection, Sequence
 
 import numpy as np
 import redis.asyncio as aioredis
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError
 from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from indexer.index.base import (
     BlockIndex, BlockLocation, Handle, HandleKey, LeaseLost, LookupResult, Tier, WorkerMatch,
 )
+from indexer.index.scripts import source
 
 G4_MEMBER = -1
 BUCKETS = 2048  # fixed: members are hash >> 11, which must fit a double's 53 bits
 _TIER_CODE = {Tier.GPU: 0, Tier.CPU: 1}
 _CLEAR_CHUNK = 128  # buckets per clear script call: bounds how long one call blocks Redis
-
-_LUA_LOCALS = """
-local call, find, sub, byte, char = redis.call, string.find, string.sub, string.byte, string.char
-local format, floor, gmatch, min = string.format, math.floor, string.gmatch, math.min
-local ipairs, unpack, tonumber, tostring = ipairs, unpack, tonumber, tostring
-"""
-
-# Globals are slow in Redis's sandbox (each access goes through a protected table): scripts use locals.
-_LUA_SPLIT = _LUA_LOCALS + """
-local function split(h8)
-  local b1, b2, b3, b4, b5, b6, b7, b8 = byte(h8, 1, 8)
-  local bucket = (b7 % 8) * 256 + b8
-  local hi = ((((b1 * 256 + b2) * 256 + b3) * 256 + b4) * 256 + b5) * 256 + b6
-  return bucket, format('%.0f', hi * 32 + floor(b7 / 8))
-end
-local function join(bucket, hi)
-  local low5 = hi % 32
-  local rest = (hi - low5) / 32
-  local b = {}
-  for i = 6, 1, -1 do
-    local x = rest % 256
-    b[i] = x
-    rest = (rest - x) / 256
-  end
-  return char(b[1], b[2], b[3], b[4], b[5], b[6], low5 * 8 + floor(bucket / 256), bucket % 256)
-end
-"""
-
-_LUA_OWNER = """
--- the caller's cached worker id must still name this worker (Redis may have restarted, ids reassigned): -1;
--- its fencing token, when it holds the worker's lease, must still be current: -2. Token '!free': only
--- while nobody holds the lease (the sweep).
-local function fence_ok(base, name, token)
-  if token == '' then return true end
-  if token == '!free' then return call('EXISTS', base .. 'lease:' .. name) == 0 end
-  return call('GET', base .. 'fence:' .. name) == token
-end
-local function owner_check(base, m, name, token)
-  if name == '' then return 0 end
-  if call('HGET', base .. 'i', tostring(floor(tonumber(m) / 2))) ~= name then return -1 end
-  if not fence_ok(base, name, token) then return -2 end
-  return 0
-end
-"""
-
-# Writes. KEYS[1] = counts hash, KEYS[2] = blocks hash; ARGV = key base "P:{M}:", member, packed hashes
-# (unique), worker name ("" for G4), fencing token ("" without a lease). Fields are read with one HMGET and
-# written with one HSET/HDEL per chunk of 1000 blocks. Returns -1 (nothing written) when the member's id no
-# longer names the worker, -2 when the token is stale.
-_STORE = _LUA_SPLIT + _LUA_OWNER + """
-local base, m, packed = ARGV[1], ARGV[2], ARGV[3]
-local bad = owner_check(base, m, ARGV[4], ARGV[5])
-if bad < 0 then return bad end
-local rpre, tok = base .. 'r:' .. m .. ':', ',' .. m .. ','
-local added = 0
-for start = 1, #packed, 8000 do
-  local fields = {}
-  for off = start, min(#packed, start + 7999), 8 do fields[#fields + 1] = sub(packed, off, off + 7) end
-  local vals = call('HMGET', KEYS[2], unpack(fields))
-  local sets = {}
-  for i, f in ipairs(fields) do
-    local v = vals[i]
-    local nv = nil
-    if not v then nv = tok elseif not find(v, tok, 1, true) then nv = v .. m .. ',' end
-    if nv then
-      sets[#sets + 1] = f
-      sets[#sets + 1] = nv
-      local bucket, hi = split(f)
-      call('SADD', rpre .. bucket, hi)
-    end
-  end
-  if #sets > 0 then
-    call('HSET', KEYS[2], unpack(sets))
-    added = added + #sets / 2
-  end
-end
-if added > 0 then call('HINCRBY', KEYS[1], m, added) end
-return added
-"""
-
-_LUA_DROP = """
--- drop member token tok from the given fields; returns the number of fields that held it
-local function drop(blocks, fields, vals, tok)
-  local sets, dels = {}, {}
-  for i, f in ipairs(fields) do
-    local v = vals[i]
-    if v then
-      local s, e = find(v, tok, 1, true)
-      if s then
-        local nv = sub(v, 1, s) .. sub(v, e + 1)
-        if nv == ',' then
-          dels[#dels + 1] = f
-        else
-          sets[#sets + 1] = f
-          sets[#sets + 1] = nv
-        end
-      end
-    end
-  end
-  if #sets > 0 then call('HSET', blocks, unpack(sets)) end
-  if #dels > 0 then call('HDEL', blocks, unpack(dels)) end
-  return #sets / 2 + #dels
-end
-"""
-
-_REMOVE = _LUA_SPLIT + _LUA_DROP + _LUA_OWNER + """
-local base, m, packed = ARGV[1], ARGV[2], ARGV[3]
-local bad = owner_check(base, m, ARGV[4], ARGV[5])
-if bad < 0 then return bad end
-local rpre, tok = base .. 'r:' .. m .. ':', ',' .. m .. ','
-local removed = 0
-for start = 1, #packed, 8000 do
-  local fields = {}
-  for off = start, min(#packed, start + 7999), 8 do fields[#fields + 1] = sub(packed, off, off + 7) end
-  local vals = call('HMGET', KEYS[2], unpack(fields))
-  for i, f in ipairs(fields) do
-    local v = vals[i]
-    if v and find(v, tok, 1, true) then
-      local bucket, hi = split(f)
-      call('SREM', rpre .. bucket, hi)
-    end
-  end
-  removed = removed + drop(KEYS[2], fields, vals, tok)
-end
-if removed > 0 then call('HINCRBY', KEYS[1], m, -removed) end
-return removed
-"""
-
-# ARGV = key base, member, first bucket, end bucket (exclusive), worker name ("" for G4), fencing token
-_CLEAR = _LUA_SPLIT + _LUA_DROP + _LUA_OWNER + """
-local base, m = ARGV[1], ARGV[2]
-local bad = owner_check(base, m, ARGV[5], ARGV[6])
-if bad < 0 then return bad end
-local rpre, tok = base .. 'r:' .. m .. ':', ',' .. m .. ','
-local removed = 0
-for bucket = tonumber(ARGV[3]), tonumber(ARGV[4]) - 1 do
-  local rkey = rpre .. bucket
-  local his = call('SMEMBERS', rkey)
-  for start = 1, #his, 1000 do
-    local fields = {}
-    for i = start, min(#his, start + 999) do fields[#fields + 1] = join(bucket, tonumber(his[i])) end
-    removed = removed + drop(KEYS[2], fields, call('HMGET', KEYS[2], unpack(fields)), tok)
-  end
-  if #his > 0 then call('DEL', rkey) end
-end
-if removed > 0 then call('HINCRBY', KEYS[1], m, -removed) end
-return removed
-"""
-
-# KEYS[1] = id->name hash, KEYS[2] = name->id hash, KEYS[3] = blocks hash; ARGV = packed hashes,
-# "1" when only the names that follow are allowed (else "0"), [allowed names...].
-# Returns {g4_run, name, gpu, cpu, local, name, ...} for workers that hold block 0.
-_LOOKUP = _LUA_LOCALS + """
-local packed = ARGV[1]
-local allowed = nil
-if ARGV[2] == '1' then
-  allowed = {}
-  for i = 3, #ARGV do
-    local id = call('HGET', KEYS[2], ARGV[i])
-    if id then allowed[tonumber(id)] = true end
-  end
-end
-local n = #packed / 8
-local v0 = call('HGET', KEYS[3], sub(packed, 1, 8))
-if not v0 then return {0} end
--- block 0: who holds it; runs[wid] = {gpu, cpu, local, gpu alive, cpu alive, gpu token, cpu token}
-local wids, runs = {}, {}
-local g4, g4_alive = 0, false
-for s in gmatch(v0, '-?%d+') do
-  local m = tonumber(s)
-  if m < 0 then
-    g4, g4_alive = 1, true
-  else
-    local wid = floor(m / 2)
-    if allowed == nil or allowed[wid] then
-      local r = runs[wid]
-      if r == nil then
-        r = {0, 0, 1, false, false, ',' .. (wid * 2) .. ',', ',' .. (wid * 2 + 1) .. ','}
-        runs[wid] = r
-        wids[#wids + 1] = wid
-      end
-      if m % 2 == 0 then r[1], r[4] = 1, true else r[2], r[5] = 1, true end
-    end
-  end
-end
--- later blocks, fetched in growing chunks (early exit stays cheap); only live runs are checked
-local alive, na = {}, #wids
-for i, wid in ipairs(wids) do alive[i] = runs[wid] end
-local pos, chunk = 2, 16
-while pos <= n and (na > 0 or g4_alive) do
-  local last = min(n, pos + chunk - 1)
-  local fields = {}
-  for i = pos, last do fields[i - pos + 1] = sub(packed, i * 8 - 7, i * 8) end
-  local vals = call('HMGET', KEYS[3], unpack(fields))
-  for j = 1, #fields do
-    local v = vals[j]
-    if not v then
-      na, g4_alive = 0, false
-      break
-    end
-    local died = false
-    for k = 1, na do
-      local r = alive[k]
-      local g = find(v, r[6], 1, true)
-      local c = (r[5] or not g) and find(v, r[7], 1, true)
-      if g or c then
-        r[3] = r[3] + 1
-        if r[4] then if g then r[1] = r[1] + 1 else r[4] = false end end
-        if r[5] then if c then r[2] = r[2] + 1 else r[5] = false end end
-      else
-        r[8] = true
-        died = true
-      end
-    end
-    if died then
-      local keep = {}
-      for k = 1, na do if not alive[k][8] then keep[#keep + 1] = alive[k] end end
-      alive, na = keep, #keep
-    end
-    if g4_alive then
-      if find(v, ',-1,', 1, true) then g4 = g4 + 1 else g4_alive = false end
-    end
-    if na == 0 and not g4_alive then break end
-  end
-  pos = last + 1
-  chunk = min(chunk * 4, 1024)
-end
-local out = {g4}
-for _, wid in ipairs(wids) do
-  local r = runs[wid]
-  local name = call('HGET', KEYS[1], tostring(wid))
-  if name then
-    out[#out + 1] = name
-    out[#out + 1] = r[1]
-    out[#out + 1] = r[2]
-    out[#out + 1] = r[3]
-  end
-end
-return out
-"""
-
-# KEYS[1] = the worker's handle map, KEYS[2] = last sequence per worker; ARGV = key base, name, token,
-# seq ("" = none), deletes (12-byte keys), upserts (12-byte key + 16-byte value each). -2 when fenced.
-_SAVE_HANDLES = _LUA_LOCALS + _LUA_OWNER + """
-local base, name, token, seq, dels, ups = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
-if not fence_ok(base, name, token) then return -2 end
-for start = 1, #dels, 12000 do
-  local f = {}
-  for off = start, min(#dels, start + 11999), 12 do f[#f + 1] = sub(dels, off, off + 11) end
-  call('HDEL', KEYS[1], unpack(f))
-end
-for start = 1, #ups, 28000 do
-  local f = {}
-  for off = start, min(#ups, start + 27999), 28 do
-    f[#f + 1] = sub(ups, off, off + 11)
-    f[#f + 1] = sub(ups, off + 12, off + 27)
-  end
-  call('HSET', KEYS[1], unpack(f))
-end
-if seq ~= '' then call('HSET', KEYS[2], name, seq) end
-return 0
-"""
-
-# KEYS[1] = lease, KEYS[2] = fencing counter, KEYS[3] = last renewal per worker (ms); ARGV = owner, ttl ms,
-# name. Returns the owner's fencing token, or nil while another owner holds the lease.
-_LEASE = _LUA_LOCALS + """
-local cur = call('GET', KEYS[1])
-local t = call('TIME')
-local now = t[1] * 1000 + floor(t[2] / 1000)
-if cur == ARGV[1] then
-  call('PEXPIRE', KEYS[1], ARGV[2])
-  call('HSET', KEYS[3], ARGV[3], now)
-  return call('GET', KEYS[2])
-end
-if cur then return false end
-call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-local token = call('INCR', KEYS[2])
-call('HSET', KEYS[3], ARGV[3], now)
-return tostring(token)
-"""
-
-# KEYS[1] = name->id, KEYS[2] = id->name, KEYS[3] = id counter; ARGV[1] = name
-_WORKER_ID = _LUA_LOCALS + """
-local id = call('HGET', KEYS[1], ARGV[1])
-if id then return tonumber(id) end
-id = call('INCR', KEYS[3]) - 1
-call('HSET', KEYS[1], ARGV[1], id)
-call('HSET', KEYS[2], id, ARGV[1])
-return id
-"""
-
-
-class _Script:
-    """EVALSHA, falling back to EVAL (which also caches the script) when the server answers NOSCRIPT."""
-
-    def __init__(self, source: str) -> None:
-        import hashlib
-
-        self.source = source
-        self.sha = hashlib.sha1(source.encode()).hexdigest()
-
-    async def __call__(self, client: aioredis.Redis, keys: Sequence, args: Sequence):
-        try:
-            return await client.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            return await client.eval(self.source, len(keys), *keys, *args)
-
 
 _LOST = "!lost"  # the fencing token of an index that lost a lease: matches nothing, every write is refused
 _HKEY = np.dtype([("g", ">u4"), ("e", ">u8")])  # a handle map field: (group, engine hash)
@@ -399,13 +94,11 @@ class RedisIndex(BlockIndex):
         self._run_id: str | None = None
         self._fences: dict[tuple[str, str], str] = {}  # (model, worker) -> our fencing token (lease held)
         self._known_models: set[str] = set()
-        self._store = _Script(_STORE)
-        self._remove = _Script(_REMOVE)
-        self._clear = _Script(_CLEAR)
-        self._lookup = _Script(_LOOKUP)
-        self._wid = _Script(_WORKER_ID)
-        self._save_h = _Script(_SAVE_HANDLES)
-        self._lease = _Script(_LEASE)
+        # redis-py's Script: EVALSHA, and on NOSCRIPT (a restarted server, SCRIPT FLUSH) load and retry.
+        reg = self._r.register_script
+        self._store, self._remove, self._clear = reg(source("store")), reg(source("remove")), reg(source("clear"))
+        self._lookup, self._wid = reg(source("lookup")), reg(source("worker_id"))
+        self._save_h, self._lease = reg(source("save_handles")), reg(source("lease"))
 
     # -- keys -------------------------------------------------------------------------------------------
     def base(self, model: str) -> str:
@@ -424,7 +117,7 @@ class RedisIndex(BlockIndex):
         wid = self._ids.get((model, worker))
         if wid is None:
             b = self.base(model)
-            wid = int(await self._wid(self._r, [b + "w", b + "i", b + "seq"], [worker]))
+            wid = int(await self._wid([b + "w", b + "i", b + "seq"], [worker]))
             self._ids[(model, worker)] = wid
         if model not in self._known_models:
             await self._r.sadd(self.models_key, model)
@@ -448,14 +141,14 @@ class RedisIndex(BlockIndex):
         self._ids.clear()
         self._known_models.clear()
 
-    async def _write(self, script: _Script, model: str, member: int, hashes: Sequence[int],
+    async def _write(self, script: AsyncScript, model: str, member: int, hashes: Sequence[int],
                      worker: str = "") -> int:
         if len(hashes) == 0:
             return 0
         b = self.base(model)
         packed = pack_hashes(hashes, unique=True)  # the write scripts expect each field once
         token = self._fences.get((model, worker), "") if worker else ""
-        return self._checked(int(await script(self._r, [b + "n", b + "blocks"], [b, member, packed, worker, token])),
+        return self._checked(int(await script([b + "n", b + "blocks"], [b, member, packed, worker, token])),
                              model, worker)
 
     def _checked(self, n: int, model: str, worker: str) -> int:
@@ -467,7 +160,7 @@ class RedisIndex(BlockIndex):
             raise LeaseLost(f"{worker}: another gateway holds its lease")
         return n
 
-    async def _member_write(self, script: _Script, model: str, worker: str, tier: Tier, hashes,
+    async def _member_write(self, script: AsyncScript, model: str, worker: str, tier: Tier, hashes,
                             create: bool) -> None:
         for attempt in (0, 1):
             wid = await (self._worker_id(model, worker) if create else self._known_worker_id(model, worker))
@@ -507,7 +200,7 @@ class RedisIndex(BlockIndex):
             token = self._fences.get((model, worker), "") if worker else ""
         removed = 0
         for start in range(0, BUCKETS, _CLEAR_CHUNK):
-            n = int(await self._clear(self._r, [b + "n", b + "blocks"],
+            n = int(await self._clear([b + "n", b + "blocks"],
                                       [b, member, start, start + _CLEAR_CHUNK, worker, token]))
             removed += self._checked(n, model, worker)
         return removed
@@ -546,7 +239,7 @@ class RedisIndex(BlockIndex):
             rec["v"] = list(upserts.values())
             ups = rec.tobytes()
         token = self._fences.get((model, worker), "")
-        n = await self._save_h(self._r, list(self._hkeys(model, worker)),
+        n = await self._save_h(list(self._hkeys(model, worker)),
                                [self.base(model), worker, token, "" if seq is None else seq, dels, ups])
         self._checked(int(n), model, worker)
 
@@ -572,7 +265,7 @@ class RedisIndex(BlockIndex):
 
     async def acquire_lease(self, model: str, worker: str, owner: str, ttl_s: float) -> bool:
         b = self.base(model)
-        token = await self._lease(self._r, [b + "lease:" + worker, b + "fence:" + worker, b + "seen"],
+        token = await self._lease([b + "lease:" + worker, b + "fence:" + worker, b + "seen"],
                                   [owner, max(1, int(ttl_s * 1000)), worker])
         if token is None:
             if (model, worker) in self._fences:
@@ -635,7 +328,7 @@ class RedisIndex(BlockIndex):
         args: list = [pack_hashes(hashes), "0" if workers is None else "1"]
         if workers is not None:
             args.extend(workers)
-        out = await self._lookup(self._r, [b + "i", b + "w", b + "blocks"], args)
+        out = await self._lookup([b + "i", b + "w", b + "blocks"], args)
         found = {}
         for j in range(1, len(out), 4):
             name = out[j].decode()

@@ -20,13 +20,15 @@ async def test_redis_restart_pushes_the_exact_state_back(persistence, writes_dur
             r.pub.publish([blk(0, 4)])
             await r.wait_seq(0)
             assert await r.gpu_run() == 4
+            pushes = r.ing.status("w1")["pushes"]
             redis.kill()
             if writes_during_outage:
                 r.pub.publish([removed(3), blk(3, 1), blk(4, 2)])  # applied to the state only
                 await until(lambda: not r.ing.status("w1")["synced"], what="unsynced")
                 await r.wait_seq(1)
             redis.start()
-            await until(lambda: r.ing.status("w1")["synced"], what="synced")
+            await until(lambda: r.ing.status("w1")["synced"] and r.ing.status("w1")["pushes"] > pushes,
+                        what="state pushed back")
             want = 6 if writes_during_outage else 4
             await until(r.gpu_run, what="entries back")
             assert await r.gpu_run() == want
