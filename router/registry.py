@@ -7,7 +7,9 @@ Per worker it reads ``/v1/models``, ``/kv_event_sources`` (unless the events end
 leaves the candidate set; it returns when a check passes.
 
 Coming back is not evidence of a restart (a flap, a keep-alive race, a readiness blip): the worker's index
-entries stay and its event stream is asked to replay what it missed (``EventIngestor.resync``). Only
+entries stay and its event stream is asked to replay what it missed (``EventIngestor.resync``). A worker
+whose port refuses ``unhealthy_after`` health checks in a row is down (the process is gone, and its KV
+cache with it): its entries are dropped then. Only
 evidence counts as a restart: vLLM's ``process_start_time_seconds`` on ``/metrics`` changing (then the
 entries are dropped and the events re-subscribed from scratch), or the event stream itself (its sequence
 going backwards, ``AllBlocksCleared``), which the ingestor handles in its apply order. A worker that
@@ -80,6 +82,8 @@ class Worker:
     failures: int = 0
     restarts: int = 0
     lost_at: float | None = None  # monotonic time it left discovery (removed after lost_grace_s)
+    down: bool = False  # refused connections check after check: entries dropped (router/registry.py _down)
+    refused: int = 0  # health checks in a row that found nothing listening
     last_error: str | None = None
     last_check: float = 0.0
     added_at: float = field(default_factory=time.time)
@@ -349,6 +353,17 @@ class WorkerRegistry:
         if self.on_cleared is not None:
             self.on_cleared(w.name)
 
+    async def _down(self, w: Worker) -> None:
+        """Nothing listens on the worker's port any more, check after check: the process is gone and its
+        KV cache with it. Drop the entries now (not only when a new process shows up) and stay subscribed
+        for the one that comes back; its first scrape is not compared with the old process's start."""
+        log.info("worker %s is down (connection refused): dropping its index entries", w.name)
+        w.down = True
+        await self._unsubscribe(w)
+        await self._clear_index(w)
+        await self._subscribe(w)
+        w.load.process_start = None
+
     async def _restarted(self, w: Worker, reason: str) -> None:
         """Evidence of a restart outside the event stream: drop the entries and subscribe afresh (the
         new source replays what the new process's publisher already buffers)."""
@@ -391,15 +406,24 @@ class WorkerRegistry:
             reason = None if ok else f"/health answered {r.status_code}"
         except httpx.HTTPError as e:
             ok, reason = False, f"/health: {type(e).__name__}: {e}"
+            refused = isinstance(e, httpx.ConnectError)
+        else:
+            refused = False
         if not ok:
             w.failures += 1
             w.last_error = reason
             if w.healthy and w.failures >= self.settings.unhealthy_after:
                 log.warning("worker %s unhealthy: %s", w.name, reason)
                 w.healthy = False
+            w.refused = w.refused + 1 if refused else 0
+            if w.refused >= self.settings.unhealthy_after and w.ever_healthy and not w.down:
+                await self._down(w)
             return
         returning = not w.healthy
-        w.failures = 0
+        if w.down:
+            w.restarts += 1  # nothing listened, now something does: a new process
+        w.failures = w.refused = 0
+        w.down = False
         flapped = returning and w.ever_healthy
         if flapped:
             full = True  # refresh models and event sources; the scrape below tells a restart

@@ -270,9 +270,28 @@ def create_worker_app(w: WorkerInfo, kv_event_sources: dict | None = None) -> Fa
                             "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
                             "organization": "*", "group": None, "is_blocking": False}]}]}
 
+    fault = {"health": 200}
+
     @app.get("/health")
     async def health():
-        return Response(status_code=200)
+        return Response(status_code=fault["health"])
+
+    # Test hooks (not vLLM's surface): fault injection and the engine's cache as vLLM holds it.
+    @app.post("/sim/fault")
+    async def sim_fault(request: Request):
+        body = await read_json(request)
+        if isinstance(body, JSONResponse):
+            return body
+        if "health" in body:
+            fault["health"] = int(body["health"])
+        if "drop_events" in body and engine.publisher is not None:
+            engine.publisher.drop_next = int(body["drop_events"])
+        return {"health": fault["health"]}
+
+    @app.get("/sim/cached")
+    async def sim_cached():
+        """Engine block hashes the prefix cache holds (what the index must reflect)."""
+        return {"hashes": sorted(engine.cache.cached_hashes())}
 
     @app.api_route("/ping", methods=["GET", "POST"])
     async def ping():
