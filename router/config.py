@@ -39,6 +39,7 @@ class IndexConfig(BaseModel):
     backend: Literal["memory", "redis"] = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "kvg"
+    cluster: bool = False  # redis_url names one node of a Redis Cluster (every model's keys share a slot)
     timeout_s: float = 2.0  # every Redis call's socket timeout (event writes, admin reads)
     # The request path's lookup deadline: past it the request is routed load-aware, cache-blind.
     lookup_timeout_s: float = Field(0.05, gt=0)

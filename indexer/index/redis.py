@@ -43,6 +43,7 @@ from collections.abc import Collection, Sequence
 
 import numpy as np
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
@@ -79,17 +80,23 @@ class RedisIndex(BlockIndex):
     name = "redis"
 
     def __init__(self, url: str, key_prefix: str = "kvg", timeout_s: float = 2.0,
-                 max_connections: int = 32) -> None:
+                 max_connections: int = 32, cluster: bool = False) -> None:
         self.url = url
         self.prefix = key_prefix
         self.timeout_s = timeout_s
-        # Bounded: past max_connections a caller waits (up to timeout_s) for a free connection. One retry
-        # on a connection error: after a Redis restart every pooled connection is stale.
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=timeout_s, socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s, decode_responses=False,
-            retry=Retry(NoBackoff(), 1), retry_on_error=[RedisConnectionError])
-        self._r = aioredis.Redis.from_pool(pool)  # closes the pool with the client
+        self.cluster = cluster
+        if cluster:  # every key of a model is in one slot ({M}); the client follows MOVED and failovers
+            self._r = RedisCluster.from_url(
+                url, max_connections=max_connections, socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s, decode_responses=False)
+        else:
+            # Bounded: past max_connections a caller waits (up to timeout_s) for a free connection. One
+            # retry on a connection error: after a Redis restart every pooled connection is stale.
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url, max_connections=max_connections, timeout=timeout_s, socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s, decode_responses=False,
+                retry=Retry(NoBackoff(), 1), retry_on_error=[RedisConnectionError])
+            self._r = aioredis.Redis.from_pool(pool)  # closes the pool with the client
         self._ids: dict[tuple[str, str], int] = {}
         self._run_id: str | None = None
         self._fences: dict[tuple[str, str], str] = {}  # (model, worker) -> our fencing token (lease held)
@@ -396,8 +403,11 @@ class RedisIndex(BlockIndex):
     async def epoch(self) -> str | None:
         """The server's ``run_id`` (new at every start): entries may be gone, whatever the persistence, and
         cached worker ids may name other workers now (they are dropped)."""
-        info = await self._r.info("server")
-        run_id = str(info.get("run_id"))
+        if self.cluster:  # a failover or a restarted primary changes the set
+            infos = await self._r.info("server", target_nodes=RedisCluster.PRIMARIES)
+            run_id = ",".join(sorted(str(i.get("run_id")) for i in infos.values()))
+        else:
+            run_id = str((await self._r.info("server")).get("run_id"))
         if run_id != self._run_id:
             if self._run_id is not None:
                 self._forget_ids()

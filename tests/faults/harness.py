@@ -19,27 +19,12 @@ import httpx
 
 from router.app import create_app
 from router.config import IndexConfig, ModelConfig, Settings, WorkerConfig
-from tests.support.procs import free_port
+from tests.support.procs import free_port, free_port_pair
 from tests.support.servers import ThreadServer
 
 MODEL = "sim-model"
 BLOCK = 16
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _two_free_ports() -> int:
-    """A port p with p and p + 1 free (the simulator binds PUB on p, replay on p + 1)."""
-    for _ in range(50):
-        p = free_port()
-        try:
-            import socket
-
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports")
 
 
 class SimProc:
@@ -48,7 +33,7 @@ class SimProc:
     def __init__(self, name: str) -> None:
         self.name = name
         self.port = free_port()
-        self.event_port = _two_free_ports()
+        self.event_port = free_port_pair(1)  # PUB on it, replay on the next
         self.dir = Path(tempfile.mkdtemp(prefix=f"kvgate-sim-{name}-"))
         self.proc: subprocess.Popen | None = None
         self.desc: dict = {}
