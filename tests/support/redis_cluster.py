@@ -22,6 +22,13 @@ class RedisCluster:
         return f"redis://127.0.0.1:{self.ports[0]}/0"
 
     def start(self, timeout: float = 60.0) -> RedisCluster:
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.close()  # never leave nodes behind
+            raise
+
+    def _start(self, timeout: float) -> RedisCluster:
         exe, cli = shutil.which("redis-server"), shutil.which("redis-cli")
         assert exe and cli, "redis-server and redis-cli are needed (make test installs them)"
         for port in self.ports:
