@@ -123,6 +123,9 @@ class EventIngestor:
     async def start(self) -> None:
         if self._ctx is None:
             self._ctx = zmq.asyncio.Context()
+            # Every socket of this context (SUB, DEALER, the SUB's monitor PAIR) lingers 0: terminating the
+            # context never waits, also when a context is collected without stop() (a loop that died).
+            self._ctx.setsockopt(zmq.LINGER, 0)
         if self._watch is None:
             self._watch = asyncio.create_task(self._watch_index(), name="kv-events-index-epoch")
 
@@ -134,7 +137,7 @@ class EventIngestor:
         for worker in list(self._sources):
             await self.remove_source(worker, clear=False)
         if self._ctx is not None:
-            self._ctx.term()
+            self._ctx.destroy(linger=0)
             self._ctx = None
 
     async def add_source(self, src: EventSource) -> None:
