@@ -41,7 +41,23 @@ class IndexConfig(BaseModel):
     backend: Literal["memory", "redis"] = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "kvg"
-    timeout_s: float = 2.0
+    cluster: bool = False  # redis_url names one node of a Redis Cluster (every model's keys share a slot)
+    timeout_s: float = 2.0  # every Redis call's socket timeout (event writes, admin reads)
+    # The request path's lookup deadline: past it the request is routed load-aware, cache-blind.
+    lookup_timeout_s: float = Field(0.05, gt=0)
+    # Lookups failing in a row that open the circuit breaker, and how long it stays open (lookups then
+    # fail at once) before one is let through to try again.
+    breaker_failures: int = Field(3, ge=1)
+    breaker_open_s: float = Field(1.0, gt=0)
+    # Redis connections per gateway process (a bounded pool: a caller waits up to timeout_s for one).
+    max_connections: int = Field(32, ge=1)
+    # One gateway writes each worker's entries (a lease with fencing); the others follow its stream and
+    # take over when the lease expires.
+    lease_ttl_s: float = Field(10.0, gt=0)
+    # Handles (vLLM blocks) one worker's state may reach before it is taken for corrupt (lost removals)
+    # and rebuilt; and how long a worker's entries stay without any gateway writing for it.
+    max_handles_per_worker: int = Field(2_000_000, ge=1)
+    sweep_idle_s: float = Field(600.0, gt=0)
 
 
 class ModelConfig(BaseModel):
@@ -174,6 +190,9 @@ class Settings(BaseSettings):
     max_connections: int = 1000
     max_keepalive_connections: int = 200
     refresh_interval_s: float = 30.0
+    # A worker that leaves discovery (Kubernetes readiness) is out of routing at once but removed, with
+    # its index entries, only after this long (0: at once).
+    lost_grace_s: float = 60.0
 
     @classmethod
     def settings_customise_sources(

@@ -99,6 +99,9 @@ class GatewayMetrics:
                                       ["worker"], registry=r)
         self.parity_checks = Counter("kvgate_parity_checks", "Parity checks by worker and result",
                                      ["worker", "result"], registry=r)
+        self.routing_degraded = Counter(
+            "kvgate_routing_degraded", "Requests routed load-aware and cache-blind because the index lookup "
+            "failed (error, timeout, or circuit breaker open)", ["reason"], registry=r)
         self.snapshot = _Snapshot()
         r.register(self.snapshot)
 

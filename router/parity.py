@@ -14,6 +14,8 @@ its own tokenizer and block size, and waits for those hashes to come back throug
   worker still serves traffic, but routing ignores its index entries (its predicted hit is 0), a warning
   names the cause, and ``kvgate_worker_cache_blind{worker}`` is 1;
 - kvgate cannot tokenize for the model (no tokenizer at all): ``unverified`` (nothing to compare);
+- the worker has no KV event source: ``no-events`` at once, no probe sent (nothing can come back; its
+  cache is invisible to routing, which the reason says);
 - no new events because the worker already had the probe cached (a tokenizer that maps the nonce to an
   unknown-word token repeats an earlier probe): ``ok`` when the index already holds every probe block for
   that worker -- the keys matched when those blocks were announced.
@@ -57,6 +59,7 @@ log = logging.getLogger("kvgate.parity")
 OK = "ok"
 CACHE_BLIND = "cache-blind"
 UNVERIFIED = "unverified"
+NO_EVENTS = "no-events"
 
 # Plain words, so any tokenizer produces many tokens from them; the nonce makes the prompt new.
 _WORDS = (
@@ -172,6 +175,7 @@ class ParityChecker:
         block_size: Callable[[str], int],
         *,
         events_seen: Callable[[str], bool] | None = None,
+        has_events: Callable[[str], bool] | None = None,
         indexed: Callable[[str, str, list[int]], Awaitable[int]] | None = None,
         metrics=None,
         tokenize_chat: Callable[[str, dict], Awaitable[tuple[list[int] | None, str]]] | None = None,
@@ -185,6 +189,7 @@ class ParityChecker:
         self.tokenize = tokenize
         self.block_size = block_size
         self.events_seen = events_seen or (lambda worker: True)
+        self.has_events = has_events or (lambda worker: True)  # an event source is subscribed
         self.indexed = indexed
         self.metrics = metrics
         self.tokenize_chat = tokenize_chat
@@ -202,13 +207,23 @@ class ParityChecker:
             w.loop.call_soon_threadsafe(w.add, list(hashes))
 
     # -- the check --------------------------------------------------------------------------------------
-    async def check(self, worker: str, url: str, model: str) -> ParityResult:
-        """Probe ``worker`` (serving ``model`` at ``url``); record, log and export the outcome."""
+    async def check(self, worker: str, url: str, model: str, timeout_s: float | None = None) -> ParityResult:
+        """Probe ``worker`` (serving ``model`` at ``url``); record, log and export the outcome. With
+        ``timeout_s`` the whole check (probe request, event wait, retries) takes at most that long."""
         t0 = time.monotonic()
         bs = self.block_size(model)
         result = ParityResult(worker=worker, status=UNVERIFIED, reason="", model=model, block_size=bs)
         try:
-            await self._run(result, url, model, bs)
+            if not self.has_events(worker):
+                result.status = NO_EVENTS
+                result.reason = "the worker publishes no KV events: nothing to compare, routing cannot see its cache"
+            elif timeout_s is None:
+                await self._run(result, url, model, bs)
+            else:  # the event wait shrinks to fit; wait_for is the hard stop (a probe that hangs)
+                deadline = time.monotonic() + timeout_s * 0.9
+                await asyncio.wait_for(self._run(result, url, model, bs, deadline), timeout_s)
+        except TimeoutError:
+            result.status, result.reason = UNVERIFIED, f"no answer within {timeout_s:g} s"
         except Exception as e:  # a failed probe must never break registration
             result.status, result.reason = UNVERIFIED, f"probe failed: {type(e).__name__}: {e}"
         if self.tokenize_chat is not None:
@@ -228,8 +243,12 @@ class ParityChecker:
         self._record(result)
         return result
 
-    async def _run(self, result: ParityResult, url: str, model: str, bs: int) -> None:
+    async def _run(self, result: ParityResult, url: str, model: str, bs: int,
+                   deadline: float | None = None) -> None:
         for attempt in range(1, self.attempts + 1):
+            if deadline is not None and attempt > 1 and time.monotonic() >= deadline:
+                result.attempts = attempt - 1
+                break
             result.attempts = attempt
             text = probe_prompt(uuid.uuid4().hex)
             tokens = await self.tokenize(model, text)
@@ -242,10 +261,11 @@ class ParityChecker:
                 result.status, result.reason = UNVERIFIED, "probe shorter than one block"
                 return
             # BlockStored is published when the prompt is scheduled, before the answer: a short wait
-            # covers the trip through ZMQ and the ingestor.
+            # covers the trip through ZMQ and the ingestor (shrunk to fit the time budget).
+            settle = self.settle_s if deadline is None else max(0.0, min(self.settle_s, deadline - time.monotonic()))
             watch, answer = await self._send_watched(
                 result.worker, url, "/v1/completions", {"model": model, "prompt": text, "max_tokens": 1,
-                                                        "temperature": 0.0}, expected)
+                                                        "temperature": 0.0}, expected, settle)
             result.worker_tokens = (answer.get("usage") or {}).get("prompt_tokens")
             result.matched_blocks = _leading(expected, watch.seen)
             if watch.done.is_set():
@@ -260,8 +280,12 @@ class ParityChecker:
                 result.status = CACHE_BLIND
                 result.reason = _mismatch_reason(result, bool(watch.events))
                 return
+        if result.attempts < self.attempts:  # the time budget ended the retries: too early to tell
+            result.status = UNVERIFIED
+            result.reason = f"no KV events from the worker within the time budget ({result.attempts} probe(s))"
+            return
         result.status = CACHE_BLIND
-        result.reason = f"no KV events from the worker after {self.attempts} probes"
+        result.reason = f"no KV events from the worker after {result.attempts} probes"
 
     async def _chat(self, url: str, model: str) -> dict:
         """kvgate's token ids of the chat probe against the worker's ``/tokenize`` of the same messages."""
@@ -290,8 +314,9 @@ class ParityChecker:
                   "tokens): another chat template or message handling, so kvgate's block keys of chat "
                   "prompts miss this worker's cache (completions are checked separately)")
         return {"status": CACHE_BLIND, "reason": reason, "first_mismatch": first, **out}
+
     async def _send_watched(self, worker: str, url: str, path: str, payload: dict,
-                            expected: list[int]) -> tuple[_Watch, dict]:
+                            expected: list[int], settle: float | None = None) -> tuple[_Watch, dict]:
         """Send a probe and collect the expected hashes the worker's events bring back (a few seconds)."""
         watch = _Watch(asyncio.get_running_loop(), set(expected))
         self._watches.setdefault(worker, []).append(watch)
@@ -300,7 +325,7 @@ class ParityChecker:
             r.raise_for_status()
             answer = r.json() or {}
             try:
-                await asyncio.wait_for(watch.done.wait(), self.settle_s)
+                await asyncio.wait_for(watch.done.wait(), self.settle_s if settle is None else settle)
             except TimeoutError:
                 pass
         finally:

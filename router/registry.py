@@ -4,8 +4,17 @@ health, and the subscription of their KV events.
 Per worker it reads ``/v1/models``, ``/kv_event_sources`` (unless the events endpoint is configured) and
 ``/metrics`` (``vllm:cache_config_info`` for the block size; running/waiting/KV usage gauges), and checks
 ``/health`` periodically. A worker that fails ``unhealthy_after`` checks in a row, or refuses a connection,
-leaves the candidate set; it returns when a check passes. A worker that comes back after failing is
-treated as restarted: its index entries are dropped (its KV cache is gone) and its events re-subscribed.
+leaves the candidate set; it returns when a check passes.
+
+Coming back is not evidence of a restart (a flap, a keep-alive race, a readiness blip): the worker's index
+entries stay and its event stream is asked to replay what it missed (``EventIngestor.resync``). A worker
+whose port refuses ``unhealthy_after`` health checks in a row is down (the process is gone, and its KV
+cache with it): its entries are dropped then. Only
+evidence counts as a restart: vLLM's ``process_start_time_seconds`` on ``/metrics`` changing (then the
+entries are dropped and the events re-subscribed from scratch), or the event stream itself (its sequence
+going backwards, ``AllBlocksCleared``), which the ingestor handles in its apply order. A worker that
+leaves discovery (Kubernetes readiness) stops taking requests at once and is removed only after
+``lost_grace_s``; back within it, it keeps its entries.
 """
 from __future__ import annotations
 
@@ -38,6 +47,7 @@ class WorkerLoad:
     prefill_seconds: float = 0.0
     prefill_requests: float = 0.0
     prompt_tokens: float = 0.0  # vllm:request_prompt_tokens (sum): with prefill_tokens, the cached context
+    process_start: float | None = None  # process_start_time_seconds: changes when the server restarts
 
     def prefill_since(self, before: WorkerLoad) -> tuple[float, float, float, float] | None:
         """(computed tokens, seconds, requests, prompt tokens) of the requests finished between two
@@ -72,6 +82,9 @@ class Worker:
     mean_prompt_tokens: float = 0.0
     failures: int = 0
     restarts: int = 0
+    lost_at: float | None = None  # monotonic time it left discovery (removed after lost_grace_s)
+    down: bool = False  # refused connections check after check: entries dropped (router/registry.py _down)
+    refused: int = 0  # health checks in a row that found nothing listening
     last_error: str | None = None
     last_check: float = 0.0
     added_at: float = field(default_factory=time.time)
@@ -99,7 +112,7 @@ class Worker:
 
     @property
     def routable(self) -> bool:
-        return self.healthy and not self.draining
+        return self.healthy and not self.draining and self.lost_at is None
 
     def base_model(self) -> str | None:
         for mid, info in self.models.items():
@@ -153,6 +166,9 @@ def parse_metrics(text: str) -> tuple[WorkerLoad, int | None]:
                     setattr(load, _PREFILL_HISTOGRAMS[name], getattr(load, _PREFILL_HISTOGRAMS[name]) + smp.value)
                 elif smp.name == name + "_count" and name == "vllm:request_prefill_time_seconds":
                     load.prefill_requests += smp.value
+        elif name == "process_start_time_seconds":
+            for s in fam.samples:
+                load.process_start = s.value
         elif name == "vllm:cache_config_info":
             for s in fam.samples:
                 bs = s.labels.get("block_size")
@@ -161,6 +177,14 @@ def parse_metrics(text: str) -> tuple[WorkerLoad, int | None]:
     if usage:
         load.kv_usage = max(usage)
     return load, block_size
+
+
+class DuplicateWorker(ValueError):
+    """A worker name or URL that is registered already; ``param`` says which."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class WorkerRegistry:
@@ -240,11 +264,26 @@ class WorkerRegistry:
         self._task = asyncio.create_task(self._loop(), name="kvgate-health")
 
     async def _on_discovered(self, cfg: WorkerConfig) -> None:
+        w = self._workers.get(worker_name(cfg))
+        if w is not None and w.lost_at is not None:
+            if w.url == cfg.url.rstrip("/") and w.config == cfg:
+                w.lost_at = None  # back within the grace period: a readiness flap, entries kept
+                log.info("worker %s back in discovery", w.name)
+                return
+            await self.remove(w.name)
         await self.add(cfg, probe=self._task is not None)
 
     async def _on_lost(self, name: str) -> None:
-        if name in self._workers:
+        """Out of routing now; removed (and its entries dropped) only if it stays away ``lost_grace_s``."""
+        w = self._workers.get(name)
+        if w is None:
+            return
+        if self.settings.lost_grace_s <= 0:
             await self.remove(name)
+        elif w.lost_at is None:
+            w.lost_at = time.monotonic()
+            log.info("worker %s left discovery; removed in %.0f s unless it returns", name,
+                     self.settings.lost_grace_s)
 
     async def stop(self) -> None:
         if self._discovery is not None:
@@ -264,7 +303,13 @@ class WorkerRegistry:
     async def add(self, cfg: WorkerConfig, *, probe: bool = True) -> Worker:
         name = worker_name(cfg)
         if name in self._workers:
-            raise ValueError(f"worker {name!r} already exists")
+            raise DuplicateWorker(f"worker {name!r} already exists", "name")
+        url = cfg.url.rstrip("/")
+        same = next((o for o in self._workers.values() if o.url == url), None)
+        if same is not None and same.lost_at is not None:
+            await self.remove(same.name)  # a pod gone from discovery whose IP a new pod reuses
+        elif same is not None:  # one server counted twice would get twice its share
+            raise DuplicateWorker(f"worker {same.name!r} already has the URL {url}", "url")
         w = Worker(name=name, url=cfg.url.rstrip("/"), config=cfg,
                    mean_prompt_tokens=float(self.settings.routing.queued_request_tokens))
         self._workers[name] = w
@@ -298,12 +343,37 @@ class WorkerRegistry:
         w.healthy = False
         w.failures = max(w.failures, self.settings.unhealthy_after)
 
-    async def on_events_reset(self, worker: str) -> None:
-        """The worker's event sequence went backwards: it restarted, its cache is empty."""
+    async def on_events_reset(self, worker: str, reason: str = "restart") -> None:
+        """The ingestor reset the worker's entries (sequence went backwards: a restart; or an unfillable
+        gap). The ingestor already cleared the index in its apply order: clearing again here would race
+        with what it stores next, so only the gateway-side bookkeeping follows."""
         w = self._workers.get(worker)
-        if w is not None:
+        if w is None:
+            return
+        if reason == "restart":
             w.restarts += 1
-            await self._clear_index(w)
+        if self.on_cleared is not None:
+            self.on_cleared(w.name)
+
+    async def _down(self, w: Worker) -> None:
+        """Nothing listens on the worker's port any more, check after check: the process is gone and its
+        KV cache with it. Drop the entries now (not only when a new process shows up) and stay subscribed
+        for the one that comes back; its first scrape is not compared with the old process's start."""
+        log.info("worker %s is down (connection refused): dropping its index entries", w.name)
+        w.down = True
+        await self._unsubscribe(w)
+        await self._clear_index(w)
+        await self._subscribe(w)
+        w.load.process_start = None
+
+    async def _restarted(self, w: Worker, reason: str) -> None:
+        """Evidence of a restart outside the event stream: drop the entries and subscribe afresh (the
+        new source replays what the new process's publisher already buffers)."""
+        log.info("worker %s restarted (%s): dropping its index entries", w.name, reason)
+        await self._unsubscribe(w)
+        await self._clear_index(w)
+        await self._subscribe(w)
+        w.restarts += 1
 
     # --- probing -------------------------------------------------------------------------------
     async def _loop(self) -> None:
@@ -313,9 +383,18 @@ class WorkerRegistry:
             now = time.monotonic()
             jobs = []
             for w in self.workers():
+                if w.lost_at is not None and now - w.lost_at >= self.settings.lost_grace_s:
+                    jobs.append(self._remove_lost(w.name))
+                    continue
                 full = now - self._last_refresh.get(w.name, 0.0) >= self.settings.refresh_interval_s
                 jobs.append(self._probe(w, full=full))
             await asyncio.gather(*jobs, return_exceptions=True)
+
+    async def _remove_lost(self, name: str) -> None:
+        w = self._workers.get(name)
+        if w is not None and w.lost_at is not None:
+            log.info("worker %s did not return to discovery: removed", name)
+            await self.remove(name)
 
     async def _get(self, w: Worker, path: str) -> httpx.Response:
         return await self.client.get(w.url + path, timeout=self.settings.health_timeout_s)
@@ -329,21 +408,27 @@ class WorkerRegistry:
             reason = None if ok else f"/health answered {r.status_code}"
         except httpx.HTTPError as e:
             ok, reason = False, f"/health: {type(e).__name__}: {e}"
+            refused = isinstance(e, httpx.ConnectError)
+        else:
+            refused = False
         if not ok:
             w.failures += 1
             w.last_error = reason
             if w.healthy and w.failures >= self.settings.unhealthy_after:
                 log.warning("worker %s unhealthy: %s", w.name, reason)
                 w.healthy = False
+            w.refused = w.refused + 1 if refused else 0
+            if w.refused >= self.settings.unhealthy_after and w.ever_healthy and not w.down:
+                await self._down(w)
             return
         returning = not w.healthy
-        w.failures = 0
-        if returning and w.ever_healthy:
-            # It failed and came back: assume a restart, whose KV cache is empty.
-            w.restarts += 1
-            await self._unsubscribe(w)
-            await self._clear_index(w)
-            full = True
+        if w.down:
+            w.restarts += 1  # nothing listened, now something does: a new process
+        w.failures = w.refused = 0
+        w.down = False
+        flapped = returning and w.ever_healthy
+        if flapped:
+            full = True  # refresh models and event sources; the scrape below tells a restart
         if full or not w.models:
             await self._refresh_models(w)
             self._last_refresh[w.name] = time.monotonic()
@@ -357,6 +442,10 @@ class WorkerRegistry:
             log.info("worker %s healthy (%s)", w.name, ", ".join(w.models))
         if full or returning:
             await self._subscribe(w)
+        if flapped and self.ingestor is not None and w.name in self._subscribed:
+            resync = getattr(self.ingestor, "resync", None)
+            if resync is not None:
+                resync(w.name)  # no restart seen: keep the entries, replay what may have been missed
         if returning and self.on_ready is not None:
             self.on_ready(w)
 
@@ -401,7 +490,10 @@ class WorkerRegistry:
             w.last_error = f"/metrics: {e}"
             return
         done = load.prefill_since(w.load) if w.load.updated_at else None  # not the first scrape
+        before = w.load.process_start
         w.load = load
+        if before is not None and load.process_start is not None and load.process_start != before:
+            await self._restarted(w, "process_start_time_seconds changed")
         if done is not None and self.on_prefill is not None:
             self.on_prefill(w, *done)
         if bs:

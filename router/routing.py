@@ -5,7 +5,6 @@ record keeps each candidate's inputs and prediction, the stage timings, and late
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -17,6 +16,7 @@ from indexer.index.base import LookupResult, WorkerMatch
 from router.apis import api_blind
 from router.cost import Candidate, CostModel
 from router.errors import APIError
+from router.index_guard import IndexUnavailable
 from router.policies import Policy, RouteRequest
 
 log = logging.getLogger("kvgate.routing")
@@ -131,10 +131,10 @@ class Router:
     """Plans requests: the registry's candidates, the tokenizers, the index, the pending-block record, the
     cost model and the live policy (``policy()``: the admin API can swap it at run time)."""
 
-    def __init__(self, *, registry, tokenizers, index, pending, routing, index_timeout_s: float,
+    def __init__(self, *, registry, tokenizers, index_guard, pending, routing,
                  policy: Callable[[], Policy]) -> None:
-        self.registry, self.tokenizers, self.index, self.pending = registry, tokenizers, index, pending
-        self.index_timeout_s = index_timeout_s
+        self.registry, self.tokenizers, self.pending = registry, tokenizers, pending
+        self.index_guard = index_guard  # the index behind a deadline and a circuit breaker
         self._policy = policy
         self.cost = CostModel(routing)
 
@@ -199,12 +199,10 @@ class Router:
         t2 = time.perf_counter()
         result = LookupResult(num_blocks=len(d.hashes))
         if d.hashes:
-            try:
-                result = await asyncio.wait_for(self.index.lookup(ns, d.hashes, [w.name for w in workers]),
-                                                self.index_timeout_s)
-            except Exception as e:  # an index outage degrades to load-only routing, never an error
-                d.index_error = f"{type(e).__name__}: {e}"
-                log.warning("index lookup failed: %s", d.index_error)
+            try:  # deadline, breaker, degraded counter and rate-limited log: router/index_guard.py
+                result = await self.index_guard.lookup(ns, d.hashes, [w.name for w in workers])
+            except IndexUnavailable as e:  # an index outage degrades to load-only routing, never an error
+                d.index_error = str(e)
         t3 = time.perf_counter()
         d.g4_blocks = result.g4
         pending = self.pending

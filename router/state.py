@@ -13,6 +13,7 @@ from indexer.index import create_index
 from indexer.index.owners import create_owners
 from router.apis.probes import make_probes
 from router.config import Settings
+from router.index_guard import LookupGuard
 from router.metrics import GatewayMetrics
 from router.parity import ParityChecker
 from router.pending import PendingBlocks
@@ -37,6 +38,11 @@ class GatewayState:
         self.owners = create_owners(settings.index, settings.responses.owner_ttl_s,
                                     settings.responses.owner_max_entries)
         self.metrics = GatewayMetrics()
+        ic = settings.index
+        self.index_guard = LookupGuard(
+            self.index, timeout_s=ic.lookup_timeout_s, breaker_failures=ic.breaker_failures,
+            breaker_open_s=ic.breaker_open_s,
+            on_degraded=lambda reason: self.metrics.child(self.metrics.routing_degraded, reason).inc())
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.request_timeout_s, connect=settings.connect_timeout_s),
             limits=httpx.Limits(max_connections=settings.max_connections,
@@ -47,11 +53,14 @@ class GatewayState:
         # Parity check at registration (router/parity.py): fed by the ingestor's observer, run by the
         # registry's on_ready hook each time a worker becomes routable.
         self.parity = ParityChecker(self.client, self._tokenize_probe, self._block_size,
-                                    events_seen=self._events_seen, indexed=self._indexed_blocks,
+                                    events_seen=self._events_seen, has_events=self._has_events,
+                                    indexed=self._indexed_blocks,
                                     metrics=self.metrics, tokenize_chat=self._tokenize_chat_probe,
                                     decode=self._decode, api_probes=make_probes(self))
+        ic = settings.index
         self.ingestor = ingestor if ingestor is not None or not with_events else EventIngestor(
-            self.index, queue_size=10000, on_reset=self._on_events_reset, observer=self.parity.observe)
+            self.index, queue_size=10000, on_reset=self._on_events_reset, observer=self.parity.observe,
+            lease_ttl_s=ic.lease_ttl_s, max_handles=ic.max_handles_per_worker, sweep_idle_s=ic.sweep_idle_s)
         if self.ingestor is not None and getattr(self.ingestor, "observer", False) is None:
             self.ingestor.observer = self.parity.observe  # an ingestor passed in by the caller
         self.registry = WorkerRegistry(settings, self.client, self.index, self.ingestor, self.metrics)
@@ -61,9 +70,8 @@ class GatewayState:
         self.decisions = DecisionLog(settings.routing.decisions_kept)
         self.pending = PendingBlocks(settings.routing.pending_ttl_s, settings.routing.pending_max_blocks)
         self.registry.on_cleared = self.pending.forget_worker
-        self.router = Router(registry=self.registry, tokenizers=self.tokenizers, index=self.index,
-                             pending=self.pending, routing=settings.routing,
-                             index_timeout_s=settings.index.timeout_s, policy=lambda: self.policy)
+        self.router = Router(registry=self.registry, tokenizers=self.tokenizers, index_guard=self.index_guard,
+                             pending=self.pending, routing=settings.routing, policy=lambda: self.policy)
         self.registry.on_prefill = self.router.cost.observe_engine_prefill
         self.prefetcher: Prefetcher = prefetcher or make_prefetcher(settings)
         self._background: set[asyncio.Task] = set()
@@ -133,9 +141,15 @@ class GatewayState:
         except KeyError:
             return False
 
-    def _on_events_reset(self, worker: str, *_args) -> None:
+    def _has_events(self, worker: str) -> bool:
         try:
-            self.spawn(self.registry.on_events_reset(worker))
+            return self.ingestor is not None and self.ingestor.status(worker) is not None
+        except KeyError:
+            return False
+
+    def _on_events_reset(self, worker: str, reason: str = "restart") -> None:
+        try:
+            self.spawn(self.registry.on_events_reset(worker, reason))
         except RuntimeError:  # no running loop (called from a foreign thread)
             pass
 

@@ -31,6 +31,16 @@ def redis_server():
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """A real Redis Cluster (3 primaries, 3 replicas) for this test session, started on first use."""
+    from tests.support.redis_cluster import RedisCluster
+
+    c = RedisCluster().start()
+    yield c
+    c.close()
+
+
 @pytest.fixture
 async def redis_url(redis_server):
     """The session's Redis, flushed before each test that asks for it."""

@@ -55,6 +55,7 @@ class ZmqPublisher:
         self.endpoint = ""
         self.replay_endpoint: str | None = None
         self.published = 0
+        self.drop_next = 0  # fault injection (POST /sim/fault): batches kept in the ring but not sent
 
     def _bind(self, sock: zmq.Socket, port: int) -> str:
         if port:
@@ -80,10 +81,13 @@ class ZmqPublisher:
         seq = next(self._seq)
         self._buffer.append((seq, payload))
         frames = [self.topic.encode(), seq.to_bytes(8, "big"), payload]
-        try:
-            self._pub.send_multipart(frames, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            pass
+        if self.drop_next > 0:  # lost on the way, as past the HWM: only the replay ring has it
+            self.drop_next -= 1
+        else:
+            try:
+                self._pub.send_multipart(frames, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass
         self.published += 1
         return seq
 

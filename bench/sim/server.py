@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -24,6 +24,7 @@ class WorkerInfo:
     tokenizer: SimTokenizer
     default_max_tokens: int = 16
     topic: str = ""
+    started: float = field(default_factory=time.time)  # process_start_time_seconds (a restart changes it)
 
 
 def _error(status: int, message: str, type_: str = "BadRequestError", param: str | None = None) -> JSONResponse:
@@ -45,7 +46,8 @@ def render_metrics(w: WorkerInfo) -> str:
     e, c = w.engine, w.engine.cache
     lab = f'engine="0",model_name="{w.model}"'
     now = time.time()
-    out: list[str] = []
+    out: list[str] = ["# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.",
+                      "# TYPE process_start_time_seconds gauge", f"process_start_time_seconds {w.started}"]
 
     def gauge(name, value, help_, labels=lab):
         out.extend([f"# HELP {name} {help_}", f"# TYPE {name} gauge", f"{name}{{{labels}}} {float(value)}"])
@@ -269,9 +271,28 @@ def create_worker_app(w: WorkerInfo, kv_event_sources: dict | None = None) -> Fa
                             "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
                             "organization": "*", "group": None, "is_blocking": False}]}]}
 
+    fault = {"health": 200}
+
     @app.get("/health")
     async def health():
-        return Response(status_code=200)
+        return Response(status_code=fault["health"])
+
+    # Test hooks (not vLLM's surface): fault injection and the engine's cache as vLLM holds it.
+    @app.post("/sim/fault")
+    async def sim_fault(request: Request):
+        body = await read_json(request)
+        if isinstance(body, JSONResponse):
+            return body
+        if "health" in body:
+            fault["health"] = int(body["health"])
+        if "drop_events" in body and engine.publisher is not None:
+            engine.publisher.drop_next = int(body["drop_events"])
+        return {"health": fault["health"]}
+
+    @app.get("/sim/cached")
+    async def sim_cached():
+        """Engine block hashes the prefix cache holds (what the index must reflect)."""
+        return {"hashes": sorted(engine.cache.cached_hashes())}
 
     @app.api_route("/ping", methods=["GET", "POST"])
     async def ping():

@@ -9,11 +9,18 @@ Sequence numbers (vllm-interface.md 1.2, 1.7):
 - ``seq > last + 1`` (lost messages): ask the replay endpoint for ``last + 1 ..`` and apply the missing
   batches first; if it cannot fill the gap (no endpoint, timeout, ring already past it), reset;
 - ``seq <= last`` (vLLM restarted: its counter starts at 0 again): reset.
-Reset = drop the worker's local-tier index entries and its state, call ``on_reset(worker)``, and rebuild
-from the events that follow. On the first message of a source with ``seq > 0`` the ingestor replays what
-the publisher still buffers, best effort (no reset if it cannot).
-Malformed messages are counted (``dropped``) and skipped; an index error marks the source dirty and the
-next message resets it, so the index never keeps entries the state has forgotten.
+Reset = drop the worker's local-tier index entries and its state, call ``on_reset(worker, reason)``, and
+rebuild from the events that follow. The reset is the only clear: ``on_reset`` must not clear the index
+again (a second clear, scheduled later, would wipe what the apply loop stored after the reset). On the
+first message of a source with ``seq > 0`` the ingestor replays what the publisher still buffers, best
+effort (no reset if it cannot). ``resync(worker)`` (a health flap ended) asks for a replay from
+``last + 1`` without waiting for the next live message.
+
+Index errors (a Redis outage) never reset a source: the state is exact whatever the index does, so the
+source is marked *unsynced*, events keep updating the state (writes skipped), and once the index answers
+again the worker's entries are rebuilt from the state (clear, then store what the state holds; the G4
+writes missed meanwhile are kept in a bounded backlog and replayed).
+Malformed messages are counted (``dropped``) and skipped.
 """
 from __future__ import annotations
 
@@ -21,6 +28,8 @@ import asyncio
 import inspect
 import logging
 import time
+import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,12 +39,16 @@ import zmq.asyncio
 from indexer.events.state import G4, WorkerState
 from indexer.events.subscriber import ReplayError, Subscriber, resolve_endpoint
 from indexer.events.wire import DecodeError, decode_batch, decode_seq
-from indexer.index.base import BlockIndex
+from indexer.index.base import BlockIndex, LeaseLost, Tier
 
 log = logging.getLogger("kvgate.events")
 YIELD_EVERY_S = 0.0005
 
-_COUNTERS = ("applied", "blocks_stored", "blocks_removed", "dropped", "gaps", "replays", "resets", "errors")
+_COUNTERS = ("applied", "blocks_stored", "blocks_removed", "dropped", "gaps", "replays", "resets", "errors",
+             "resyncs", "duplicates", "capped", "takeovers", "pushes")
+_RESYNC = object()  # queue item: replay from last_seq + 1 now (a flap ended)
+_WAKE = object()  # queue item: look at the synced flag now (the index restarted)
+_PUSH_CHUNK = 50_000  # hashes per store call when the state is pushed back into the index
 
 
 @dataclass
@@ -60,7 +73,16 @@ class _Source:
         self.state = WorkerState(block_size=src.block_size)
         self.counters = dict.fromkeys(_COUNTERS, 0)
         self.last_seq: int | None = None
-        self.dirty = False
+        # False while the index may disagree with the state (an index error): writes are skipped and the
+        # state is pushed back once the index answers.
+        self.synced = True
+        self.retry_at = 0.0
+        self.g4_backlog: deque = deque(maxlen=10_000)  # G4 writes missed while unsynced, in order
+        # Sequence numbers applied ahead of the live stream by a resync replay: their live copies are
+        # duplicates, not a restart.
+        self.ahead: tuple[int, int] | None = None
+        self.writer = False  # holds the worker's lease: the only gateway that writes its entries
+        self.lease_at = 0.0  # when to renew it
         self.closed = False
         self.tasks: list[asyncio.Task] = []
 
@@ -74,26 +96,50 @@ class EventIngestor:
         on_reset: Callable[[str], object] | None = None,
         observer: Callable[[str, str, list[int]], object] | None = None,
         replay_timeout_s: float = 5.0,
+        retry_s: float = 1.0,
+        owner: str | None = None,
+        lease_ttl_s: float = 10.0,
+        max_handles: int = 2_000_000,
+        sweep_idle_s: float = 600.0,
+        sweep_interval_s: float = 60.0,
     ) -> None:
         self.index = index
         self.queue_size = queue_size
         self.on_reset = on_reset
         self.observer = observer
         self.replay_timeout_s = replay_timeout_s
+        self.retry_s = retry_s  # how often an unsynced source tries to push its state back
+        self.owner = owner or uuid.uuid4().hex  # this gateway process, as lease holder
+        self.lease_ttl_s = lease_ttl_s
+        self.max_handles = max_handles  # per source: past it the state is suspect (lost removals): reset
+        self.sweep_idle_s = sweep_idle_s
+        self.sweep_interval_s = sweep_interval_s
+        self._last_sweep = time.monotonic()
         self._ctx: zmq.asyncio.Context | None = None
         self._sources: dict[str, _Source] = {}
         self._last_yield = 0.0
+        self._epoch: str | None = None
+        self._watch: asyncio.Task | None = None
 
     # -- lifecycle --------------------------------------------------------------------------------------
     async def start(self) -> None:
         if self._ctx is None:
             self._ctx = zmq.asyncio.Context()
+            # Every socket of this context (SUB, DEALER, the SUB's monitor PAIR) lingers 0: terminating the
+            # context never waits, also when a context is collected without stop() (a loop that died).
+            self._ctx.setsockopt(zmq.LINGER, 0)
+        if self._watch is None:
+            self._watch = asyncio.create_task(self._watch_index(), name="kv-events-index-epoch")
 
     async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
+            self._watch = None
         for worker in list(self._sources):
             await self.remove_source(worker, clear=False)
         if self._ctx is not None:
-            self._ctx.term()
+            self._ctx.destroy(linger=0)
             self._ctx = None
 
     async def add_source(self, src: EventSource) -> None:
@@ -106,6 +152,8 @@ class EventIngestor:
         sub = Subscriber(self._ctx, endpoint, src.topic, replay, timeout_s=self.replay_timeout_s)
         s = _Source(src, sub, self.queue_size)
         self._sources[src.worker] = s
+        await self._adopt(s)
+        await self._take_lease(s)
         s.tasks = [
             asyncio.create_task(self._receive(s), name=f"kv-events-recv-{src.worker}"),
             asyncio.create_task(self._apply_loop(s), name=f"kv-events-apply-{src.worker}"),
@@ -126,11 +174,32 @@ class EventIngestor:
                 t.cancel()
             await asyncio.wait(pending, timeout=0.1)
         s.sub.close()
-        if clear:
-            await self.index.clear_worker(s.src.model, worker)
+        if s.writer:  # a follower never touches the index: the writer (another gateway) still serves it
+            try:
+                if clear:
+                    await self.index.clear_worker(s.src.model, worker)
+            finally:
+                await self.index.release_lease(s.src.model, worker, self.owner)
 
     def sources(self) -> list[EventSource]:
         return [s.src for s in self._sources.values()]
+
+    def resync(self, worker: str) -> bool:
+        """Ask for a replay from ``last_seq + 1`` (the worker was unreachable for a while but did not
+        restart: what it published meanwhile may be lost). Runs in the source's apply order."""
+        s = self._sources.get(worker)
+        if s is None:
+            return False
+        try:
+            s.queue.put_nowait(_RESYNC)
+        except asyncio.QueueFull:  # messages are flowing: a lost one shows up as a gap anyway
+            return False
+        return True
+
+    def held(self, worker: str) -> dict[str, list[int]]:
+        """What the state says the worker holds, per tier (GPU, CPU): the index should hold exactly this."""
+        s = self._sources[worker]
+        return {t.value: s.state.held(t) for t in (Tier.GPU, Tier.CPU)}
 
     # -- status -----------------------------------------------------------------------------------------
     def status(self, worker: str) -> dict:
@@ -143,6 +212,8 @@ class EventIngestor:
             "endpoint": s.sub.endpoint,
             "connected": s.sub.connected,
             "last_seq": s.last_seq,
+            "synced": s.synced,
+            "writer": s.writer,
             **s.counters,
             "unknown_parent": st["unknown_parent"],
             "size_mismatch": st["size_mismatch"],
@@ -156,6 +227,95 @@ class EventIngestor:
         return {w: self.status(w) for w in self._sources}
 
     # -- tasks ------------------------------------------------------------------------------------------
+    async def _watch_index(self) -> None:
+        """Every ``retry_s``: a new index epoch (Redis restarted, maybe empty) marks every writer unsynced,
+        so each pushes its exact state back -- also the sources that had nothing to write meanwhile. An
+        unreachable index changes nothing here (failed writes unsync their own source); renews leases and
+        sweeps idle workers too."""
+        while True:
+            try:
+                epoch = await asyncio.wait_for(self.index.epoch(), 5.0)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                epoch = None
+            if epoch is not None:
+                if self._epoch is not None and epoch != self._epoch:
+                    log.info("the index restarted: pushing every worker's state back")
+                    for s in self._sources.values():
+                        if s.writer:
+                            self._unsync(s)
+                self._epoch = epoch
+            now = time.monotonic()
+            for s in list(self._sources.values()):
+                if now >= s.lease_at:
+                    await self._take_lease(s)
+            if now - self._last_sweep >= self.sweep_interval_s:
+                self._last_sweep = now
+                await self._sweep()
+            await asyncio.sleep(self.retry_s)
+
+    def _unsync(self, s: _Source) -> None:
+        s.synced = False
+        s.retry_at = 0.0
+        try:
+            s.queue.put_nowait(_WAKE)
+        except asyncio.QueueFull:
+            pass  # messages are flowing: the apply loop sees the flag anyway
+
+    async def _take_lease(self, s: _Source) -> None:
+        """Take or renew the worker's lease. A new writer resynchronizes: its state (adopted from the index
+        at subscription, then kept by every event since) is pushed back -- clear and rebuild."""
+        s.lease_at = time.monotonic() + self.lease_ttl_s / 3
+        try:
+            ok = await asyncio.wait_for(
+                self.index.acquire_lease(s.src.model, s.src.worker, self.owner, self.lease_ttl_s),
+                self.lease_ttl_s / 3)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.debug("%s: lease: %s", s.src.worker, e)
+            return  # the index is out: the epoch watch and the writes handle it
+        if ok and not s.writer:
+            s.writer = True
+            s.counters["takeovers"] += 1
+            log.info("%s: this gateway writes its entries now", s.src.worker)
+            self._unsync(s)
+        elif not ok and s.writer:
+            s.writer = False
+            log.info("%s: another gateway writes its entries now", s.src.worker)
+
+    async def _adopt(self, s: _Source) -> None:
+        """Start from the handle map and sequence the worker's writer saved in the index, so this process
+        can apply a BlockRemoved for a block stored before it started."""
+        try:
+            handles, seq = await asyncio.wait_for(self.index.load_handles(s.src.model, s.src.worker),
+                                                  max(self.replay_timeout_s, 1.0))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("%s: loading its handle map: %s", s.src.worker, e)
+            return
+        if seq is None and not handles:
+            return
+        s.state.adopt(handles)
+        s.last_seq = seq
+        if seq is not None:
+            s.ahead = (0, seq)  # live messages the writer had already applied are not a restart
+        log.info("%s: adopted %d handles up to seq %s", s.src.worker, len(handles), seq)
+
+    async def _sweep(self) -> None:
+        """Drop the entries of workers no gateway has held a lease for in ``sweep_idle_s``."""
+        try:
+            for model in await self.index.models():
+                gone = await self.index.sweep(model, self.sweep_idle_s)
+                if gone:
+                    log.info("swept the entries of %s (%s): no gateway writes for them", ", ".join(gone), model)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.debug("sweep: %s", e)
+
     async def _receive(self, s: _Source) -> None:
         while not s.closed:
             try:
@@ -169,15 +329,25 @@ class EventIngestor:
 
     async def _apply_loop(self, s: _Source) -> None:
         while not s.closed:
-            frames = await s.queue.get()
+            if s.synced:
+                item = await s.queue.get()
+            else:
+                try:
+                    item = await asyncio.wait_for(s.queue.get(), self.retry_s)
+                except TimeoutError:
+                    item = None
             try:
-                await self.handle_message(s, frames)
+                if not s.synced:
+                    await self._push_state(s)
+                if item is _RESYNC:
+                    await self._resync(s)
+                elif item is not None and item is not _WAKE:
+                    await self.handle_message(s, item)
                 await self._yield()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # an index error: never fatal, but the index may have diverged
+            except Exception:  # an event bug, never an index error (those are caught in _write)
                 s.counters["errors"] += 1
-                s.dirty = True
                 log.exception("applying events from %s failed", s.src.worker)
 
     async def handle_message(self, s: _Source, frames: list[bytes]) -> None:
@@ -194,9 +364,14 @@ class EventIngestor:
         except DecodeError:
             s.counters["dropped"] += 1
             return
-        if s.dirty:
-            await self._reset(s, "index error")
-        elif s.last_seq is None:
+        if s.ahead is not None:
+            lo, hi = s.ahead
+            if lo <= seq <= hi:  # already applied by a resync replay
+                s.counters["duplicates"] += 1
+                return
+            if seq > hi:
+                s.ahead = None
+        if s.last_seq is None:
             if seq > 0 and s.sub.replay_endpoint:
                 await self._fill(s, 0, seq, first=True)
         elif seq <= s.last_seq:
@@ -210,8 +385,9 @@ class EventIngestor:
                 await self._reset(s, "unfillable gap")
         await self._apply_payload(s, seq, payload)
 
-    async def _fill(self, s: _Source, start: int, upto: int, first: bool = False) -> bool:
-        """Replay ``start .. upto-1``; True when all of it was applied."""
+    async def _fill(self, s: _Source, start: int, upto: int | None, first: bool = False) -> bool:
+        """Replay ``start .. upto-1`` (``upto`` None: all the publisher buffers); True when all of it
+        was applied."""
         if not s.sub.replay_endpoint:
             return False
         try:
@@ -219,9 +395,12 @@ class EventIngestor:
         except ReplayError as e:
             log.warning("%s: %s", s.src.worker, e)
             return False
-        batches = [(q, p) for q, p in got if start <= q < upto]
+        batches = [(q, p) for q, p in got if start <= q and (upto is None or q < upto)]
+        if upto is None and not batches:
+            return True  # nothing was published meanwhile
         seqs = [q for q, _ in batches]
-        if not batches or seqs != list(range(seqs[0], upto)):
+        end = upto if upto is not None else (seqs[-1] + 1 if seqs else start)
+        if not batches or seqs != list(range(seqs[0], end)):
             return False
         if seqs[0] != start and not first:
             return False
@@ -239,21 +418,90 @@ class EventIngestor:
             await asyncio.sleep(0)
             self._last_yield = time.perf_counter()
 
+    async def _resync(self, s: _Source) -> None:
+        """Catch up after a flap: replay what came after ``last_seq``; reset if it cannot be filled."""
+        if s.last_seq is None or not s.sub.replay_endpoint:
+            return
+        s.counters["resyncs"] += 1
+        before = s.last_seq
+        if await self._fill(s, before + 1, None):
+            if s.last_seq > before:
+                s.ahead = (before + 1, s.last_seq)
+        else:
+            s.counters["gaps"] += 1
+            await self._reset(s, "unfillable gap")
+
     async def _reset(self, s: _Source, reason: str) -> None:
         s.counters["resets"] += 1
         s.state.reset()
         s.last_seq = None
-        s.dirty = True
-        await self.index.clear_worker(s.src.model, s.src.worker)
-        s.dirty = False
+        s.ahead = None
+        if s.writer:
+            await self._index_call(s, self.index.clear_worker(s.src.model, s.src.worker))
         log.info("%s: cleared (%s)", s.src.worker, reason)
         if self.on_reset is not None:
-            r = self.on_reset(s.src.worker)
+            r = self.on_reset(s.src.worker, reason)
             if inspect.isawaitable(r):
                 await r
 
+    async def _index_call(self, s: _Source, coro) -> bool:
+        """Run one index write; on an error mark the source unsynced (never reset it)."""
+        if not s.synced or not s.writer:
+            coro.close()
+            return False
+        try:
+            await coro
+            return True
+        except asyncio.CancelledError:
+            raise
+        except LeaseLost:
+            s.writer = False
+            log.info("%s: fenced off, another gateway writes its entries now", s.src.worker)
+            return False
+        except Exception as e:
+            s.counters["errors"] += 1
+            s.synced = False
+            s.retry_at = time.monotonic() + self.retry_s
+            log.warning("%s: index write failed (%s: %s); keeping the state, will push it back",
+                        s.src.worker, type(e).__name__, e)
+            return False
+
+    async def _push_state(self, s: _Source) -> None:
+        """Index back: rebuild the worker's entries from the state (exact) and replay the G4 backlog."""
+        if not s.writer:  # a follower keeps its state and leaves the index to the writer
+            s.synced = True
+            s.g4_backlog.clear()
+            return
+        now = time.monotonic()
+        if now < s.retry_at:
+            return
+        s.retry_at = now + self.retry_s
+        model, worker = s.src.model, s.src.worker
+        try:
+            await self.index.clear_worker(model, worker)
+            for tier in (Tier.GPU, Tier.CPU):
+                held = s.state.held(tier)
+                for i in range(0, len(held), _PUSH_CHUNK):
+                    await self.index.store(model, worker, tier, held[i:i + _PUSH_CHUNK])
+            await self.index.save_handles(model, worker, s.state.export(), [], s.last_seq)
+            while s.g4_backlog:
+                op, hashes = s.g4_backlog[0]
+                await (self.index.store_g4 if op == "g4" else self.index.remove_g4)(model, hashes)
+                s.g4_backlog.popleft()
+        except asyncio.CancelledError:
+            raise
+        except LeaseLost:
+            s.writer, s.synced = False, True
+            return
+        except Exception as e:
+            log.debug("%s: index still failing: %s", worker, e)
+            return
+        s.synced = True
+        s.counters["pushes"] += 1
+        log.info("%s: state pushed to the index (%d handles)", worker, len(s.state))
+
     async def _apply_payload(self, s: _Source, seq: int, payload: bytes) -> None:
-        # last_seq moves once the batch is in the index (or failed: then the source is dirty and resets)
+        # last_seq moves once the batch is in the state (the index follows, or is rebuilt from the state)
         try:
             try:
                 batch = decode_batch(payload)
@@ -265,26 +513,43 @@ class EventIngestor:
             s.counters["dropped"] += batch.malformed + s.state.counters["malformed"] - malformed_before
             s.counters["applied"] += len(batch.events)
             await self._write(s, ops.items)
+            ups, dels = s.state.take_changes()
+            if s.writer and s.synced and (ups or dels or ops.items):
+                await self._index_call(s, self.index.save_handles(s.src.model, s.src.worker, ups, dels, seq))
         finally:
             s.last_seq = seq
+        if len(s.state) > self.max_handles:  # more than a worker can hold: removals were lost
+            s.counters["capped"] += 1
+            await self._reset(s, f"over {self.max_handles} handles")
 
     async def _write(self, s: _Source, items) -> None:
         model, worker = s.src.model, s.src.worker
         for op, tier, hashes in items:
+            if op in ("g4", "g4_remove"):
+                if op == "g4":
+                    self._observe(worker, G4, hashes)
+                if not s.writer:
+                    continue
+                if s.synced:
+                    fn = self.index.store_g4 if op == "g4" else self.index.remove_g4
+                    if not await self._index_call(s, fn(model, hashes)):
+                        s.g4_backlog.append((op, hashes))
+                else:
+                    s.g4_backlog.append((op, hashes))
+                continue
             if op == "store":
-                await self.index.store(model, worker, tier, hashes)
                 s.counters["blocks_stored"] += len(hashes)
                 self._observe(worker, tier.value, hashes)
             elif op == "remove":
-                await self.index.remove(model, worker, tier, hashes)
                 s.counters["blocks_removed"] += len(hashes)
-            elif op == "g4":
-                await self.index.store_g4(model, hashes)
-                self._observe(worker, G4, hashes)
-            elif op == "g4_remove":
-                await self.index.remove_g4(model, hashes)
+            if not s.synced or not s.writer:
+                continue  # the state has it; pushed back with everything else when the index returns
+            if op == "store":
+                await self._index_call(s, self.index.store(model, worker, tier, hashes))
+            elif op == "remove":
+                await self._index_call(s, self.index.remove(model, worker, tier, hashes))
             elif op == "clear":
-                await self.index.clear_worker(model, worker)
+                await self._index_call(s, self.index.clear_worker(model, worker))
 
     def _observe(self, worker: str, tier: str, hashes: list[int]) -> None:
         if self.observer is not None:

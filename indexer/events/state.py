@@ -101,15 +101,54 @@ class WorkerState:
         self._storage: LRUCache = LRUCache(maxsize=storage_handles)
         self.counters = {"unknown_parent": 0, "size_mismatch": 0, "unmapped": 0, "skipped": 0,
                          "malformed": 0}
+        self._changed: set = set()  # handle keys changed since take_changes (the index keeps the map too)
 
     def __len__(self) -> int:
         return len(self._handles)
+
+    def held(self, tier: Tier) -> list[int]:
+        """kvgate hashes the worker holds on ``tier`` (what the index should hold for it)."""
+        return list(self._held[_TIERS.index(Tier(tier))])
 
     def reset(self) -> None:
         """Forget everything but the G4 handles (the worker restarted or the index was cleared)."""
         self._handles.clear()
         for held in self._held:
             held.clear()
+        self._changed.clear()
+
+    # -- the handle map as the index keeps it: (group, engine hash) -> (kvgate hash, GPU count, CPU count) --
+    @staticmethod
+    def _norm(key) -> tuple[int, int]:
+        return key if isinstance(key, tuple) else (0, key)
+
+    def take_changes(self) -> tuple[dict, list]:
+        """(upserts, deletes) of the handle map since the last call."""
+        ups, dels = {}, []
+        for key in self._changed:
+            h = self._handles.get(key)
+            if h is None:
+                dels.append(self._norm(key))
+            else:
+                ups[self._norm(key)] = (h[0], h[1], h[2])
+        self._changed.clear()
+        return ups, dels
+
+    def export(self) -> dict:
+        """The whole handle map (what a new writer pushes)."""
+        self._changed.clear()
+        return {self._norm(k): (h[0], h[1], h[2]) for k, h in self._handles.items()}
+
+    def adopt(self, handles: dict) -> None:
+        """Take over a handle map saved by another gateway (replaces the local tiers' state)."""
+        self.reset()
+        for (g, eh), (rh, gpu, cpu) in handles.items():
+            if gpu <= 0 and cpu <= 0:
+                continue
+            self._handles[_key(g, eh)] = [rh, gpu, cpu]
+            for code, c in ((0, gpu), (1, cpu)):
+                if c > 0:
+                    self._held[code][rh] = self._held[code].get(rh, 0) + 1
 
     # -- bookkeeping ------------------------------------------------------------------------------------
     def _rh(self, key) -> int | None:
@@ -125,6 +164,7 @@ class WorkerState:
         h = self._handles.get(key)
         if h is None:
             h = self._handles[key] = [rh, 0, 0]
+        self._changed.add(key)
         c = h[code + 1] + 1
         h[code + 1] = c
         if c == 1:
@@ -139,6 +179,7 @@ class WorkerState:
         h = self._handles.get(key)
         if h is None or h[code + 1] == 0:
             return
+        self._changed.add(key)
         c = h[code + 1] - 1
         h[code + 1] = c
         if c == 0:

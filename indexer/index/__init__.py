@@ -23,5 +23,7 @@ def create_index(index_settings: Any) -> BlockIndex:
             index_settings.redis_url,
             key_prefix=getattr(index_settings, "key_prefix", "kvg"),
             timeout_s=getattr(index_settings, "timeout_s", 2.0),
+            max_connections=getattr(index_settings, "max_connections", 32),
+            cluster=getattr(index_settings, "cluster", False),
         )
     raise ValueError(f"unknown index backend {backend!r} (expected 'memory' or 'redis')")

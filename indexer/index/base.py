@@ -7,7 +7,14 @@ Semantics every backend honours (the contract tests in tests/index/ run against 
 - G4 blocks belong to the model, not to a worker (any worker of the model can load them);
 - ``lookup`` returns, per worker, the longest *leading* run of the given hashes held per tier, and the
   longest leading run on G4; it is answered in one round trip whatever the prompt's length;
-- ``clear_worker`` removes a worker's entries without scanning the whole keyspace.
+- ``clear_worker`` removes a worker's entries without scanning the whole keyspace (and, for all tiers, its
+  handle map);
+- the *handle map* of a worker -- vLLM's (group, engine hash) -> (kvgate hash, GPU count, CPU count) and the
+  last applied event sequence -- lives in the index too (``save_handles``/``load_handles``), so a gateway
+  process that starts later can apply a ``BlockRemoved`` for a block stored before it started;
+- one writer per worker: ``acquire_lease`` grants (and renews) a worker's lease to one owner; writes by an
+  index whose lease was taken over raise :class:`LeaseLost` (fencing), so a stale writer cannot undo
+  the new one's work; ``sweep`` drops the entries of workers nobody has held a lease for in a while.
 """
 from __future__ import annotations
 
@@ -53,6 +60,14 @@ class BlockLocation:
     g4: bool
 
 
+HandleKey = tuple[int, int]  # (kv cache group, engine block hash)
+Handle = tuple[int, int, int]  # (kvgate sequence hash, count on GPU, count on CPU)
+
+
+class LeaseLost(Exception):
+    """This index's writes for a worker were fenced off: another owner holds its lease now."""
+
+
 class BlockIndex(abc.ABC):
     """The index backend interface (in-memory default, Redis for fleets of gateways)."""
 
@@ -95,6 +110,69 @@ class BlockIndex(abc.ABC):
     @abc.abstractmethod
     async def stats(self, model: str | None = None) -> dict:
         """Counts per model: blocks per tier, G4 blocks, entries per worker (and backend memory)."""
+
+    # -- handle maps, leases, sweep (single-process defaults; RedisIndex shares them between gateways) -----
+    async def save_handles(self, model: str, worker: str, upserts: dict[HandleKey, Handle],
+                           deletes: Collection[HandleKey], seq: int | None) -> None:
+        """Update a worker's handle map (upserts win over deletes of the same key) and its last sequence."""
+        hm, _ = self._handles.setdefault((model, worker), ({}, None))
+        for k in deletes:
+            hm.pop(k, None)
+        hm.update(upserts)
+        self._handles[(model, worker)] = (hm, seq)
+
+    async def load_handles(self, model: str, worker: str) -> tuple[dict[HandleKey, Handle], int | None]:
+        hm, seq = self._handles.get((model, worker), ({}, None))
+        return dict(hm), seq
+
+    async def _drop_handles(self, model: str, worker: str) -> None:
+        self._handles.pop((model, worker), None)
+
+    async def acquire_lease(self, model: str, worker: str, owner: str, ttl_s: float) -> bool:
+        """Take or renew ``worker``'s lease for ``owner``; False while another owner holds it."""
+        import time
+
+        now = time.monotonic()
+        cur = self._leases.get((model, worker))
+        if cur is not None and cur[0] != owner and cur[1] > now:
+            return False
+        self._leases[(model, worker)] = (owner, now + ttl_s)
+        self._seen[(model, worker)] = now
+        return True
+
+    async def release_lease(self, model: str, worker: str, owner: str) -> None:
+        cur = self._leases.get((model, worker))
+        if cur is not None and cur[0] == owner:
+            del self._leases[(model, worker)]
+
+    async def sweep(self, model: str, idle_s: float) -> list[str]:
+        """Drop the entries (and handle maps) of workers whose lease nobody renewed for ``idle_s``."""
+        import time
+
+        now = time.monotonic()
+        gone = [w for (m, w), t in list(self._seen.items())
+                if m == model and now - t >= idle_s and (self._leases.get((m, w)) or ("", 0))[1] <= now]
+        for w in gone:
+            await self.clear_worker(model, w)
+            self._seen.pop((model, w), None)
+        return gone
+
+    @property
+    def _handles(self) -> dict:
+        return self.__dict__.setdefault("_handle_maps", {})
+
+    @property
+    def _leases(self) -> dict:
+        return self.__dict__.setdefault("_lease_table", {})
+
+    @property
+    def _seen(self) -> dict:
+        return self.__dict__.setdefault("_lease_seen", {})
+
+    async def epoch(self) -> str | None:
+        """Changes when the backend lost or may have lost its data (a Redis restart); None if it never does.
+        Writers that see it change push their state back."""
+        return None
 
     async def models(self) -> list[str]:
         """Models that have entries."""

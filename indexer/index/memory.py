@@ -86,6 +86,8 @@ class MemoryIndex(BlockIndex):
             m.g4.difference_update(hashes)
 
     async def clear_worker(self, model: str, worker: str, tier: Tier | None = None) -> int:
+        if tier is None:
+            await self._drop_handles(model, worker)
         m = self._models.get(model)
         if m is None:
             return 0
@@ -97,6 +99,8 @@ class MemoryIndex(BlockIndex):
         return removed
 
     async def clear_model(self, model: str) -> int:
+        for key in [k for k in self._handles if k[0] == model]:
+            del self._handles[key]
         m = self._models.pop(model, None)
         if m is None:
             return 0

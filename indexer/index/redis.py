@@ -32,9 +32,10 @@ it stops as soon as no worker and not G4 can extend its run, and returns only th
 round trip, an early exit, work proportional to the runs (not blocks x workers), an atomic snapshot.
 Writes are scripts too: one EVALSHA per event batch whatever its number of blocks, the hashes packed into
 one binary argument (Python's work per block is a numpy byte copy), one HMGET + one HSET per 1000 blocks.
-Scripts run with EVALSHA and fall back to EVAL when the server answers NOSCRIPT (after a restart or a
-SCRIPT FLUSH). Keys other than the declared ones are built inside the scripts from the same hash-tagged
-base, so they live in the declared keys' slot on Redis Cluster.
+The scripts are package resources (``indexer/index/lua/*.lua``, loaded by ``indexer/index/scripts.py``)
+registered with redis-py's ``register_script``: EVALSHA, and on NOSCRIPT (after a restart or a SCRIPT
+FLUSH) they are loaded and run again. Keys other than the declared ones are built inside the scripts from
+the same hash-tagged base, so they live in the declared keys' slot on Redis Cluster.
 """
 from __future__ import annotations
 
@@ -42,255 +43,26 @@ from collections.abc import Collection, Sequence
 
 import numpy as np
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError as RedisConnectionError
 
-from indexer.index.base import BlockIndex, BlockLocation, LookupResult, Tier, WorkerMatch
+from indexer.index.base import (
+    BlockIndex, BlockLocation, Handle, HandleKey, LeaseLost, LookupResult, Tier, WorkerMatch,
+)
+from indexer.index.scripts import source
 
 G4_MEMBER = -1
 BUCKETS = 2048  # fixed: members are hash >> 11, which must fit a double's 53 bits
 _TIER_CODE = {Tier.GPU: 0, Tier.CPU: 1}
 _CLEAR_CHUNK = 128  # buckets per clear script call: bounds how long one call blocks Redis
 
-_LUA_LOCALS = """
-local call, find, sub, byte, char = redis.call, string.find, string.sub, string.byte, string.char
-local format, floor, gmatch, min = string.format, math.floor, string.gmatch, math.min
-local ipairs, unpack, tonumber, tostring = ipairs, unpack, tonumber, tostring
-"""
-
-# Globals are slow in Redis's sandbox (each access goes through a protected table): scripts use locals.
-_LUA_SPLIT = _LUA_LOCALS + """
-local function split(h8)
-  local b1, b2, b3, b4, b5, b6, b7, b8 = byte(h8, 1, 8)
-  local bucket = (b7 % 8) * 256 + b8
-  local hi = ((((b1 * 256 + b2) * 256 + b3) * 256 + b4) * 256 + b5) * 256 + b6
-  return bucket, format('%.0f', hi * 32 + floor(b7 / 8))
-end
-local function join(bucket, hi)
-  local low5 = hi % 32
-  local rest = (hi - low5) / 32
-  local b = {}
-  for i = 6, 1, -1 do
-    local x = rest % 256
-    b[i] = x
-    rest = (rest - x) / 256
-  end
-  return char(b[1], b[2], b[3], b[4], b[5], b[6], low5 * 8 + floor(bucket / 256), bucket % 256)
-end
-"""
-
-# Writes. KEYS[1] = counts hash, KEYS[2] = blocks hash; ARGV = key base "P:{M}:", member, packed hashes
-# (unique). Fields are read with one HMGET and written with one HSET/HDEL per chunk of 1000 blocks.
-_STORE = _LUA_SPLIT + """
-local base, m, packed = ARGV[1], ARGV[2], ARGV[3]
-local rpre, tok = base .. 'r:' .. m .. ':', ',' .. m .. ','
-local added = 0
-for start = 1, #packed, 8000 do
-  local fields = {}
-  for off = start, min(#packed, start + 7999), 8 do fields[#fields + 1] = sub(packed, off, off + 7) end
-  local vals = call('HMGET', KEYS[2], unpack(fields))
-  local sets = {}
-  for i, f in ipairs(fields) do
-    local v = vals[i]
-    local nv = nil
-    if not v then nv = tok elseif not find(v, tok, 1, true) then nv = v .. m .. ',' end
-    if nv then
-      sets[#sets + 1] = f
-      sets[#sets + 1] = nv
-      local bucket, hi = split(f)
-      call('SADD', rpre .. bucket, hi)
-    end
-  end
-  if #sets > 0 then
-    call('HSET', KEYS[2], unpack(sets))
-    added = added + #sets / 2
-  end
-end
-if added > 0 then call('HINCRBY', KEYS[1], m, added) end
-return added
-"""
-
-_LUA_DROP = """
--- drop member token tok from the given fields; returns the number of fields that held it
-local function drop(blocks, fields, vals, tok)
-  local sets, dels = {}, {}
-  for i, f in ipairs(fields) do
-    local v = vals[i]
-    if v then
-      local s, e = find(v, tok, 1, true)
-      if s then
-        local nv = sub(v, 1, s) .. sub(v, e + 1)
-        if nv == ',' then
-          dels[#dels + 1] = f
-        else
-          sets[#sets + 1] = f
-          sets[#sets + 1] = nv
-        end
-      end
-    end
-  end
-  if #sets > 0 then call('HSET', blocks, unpack(sets)) end
-  if #dels > 0 then call('HDEL', blocks, unpack(dels)) end
-  return #sets / 2 + #dels
-end
-"""
-
-_REMOVE = _LUA_SPLIT + _LUA_DROP + """
-local base, m, packed = ARGV[1], ARGV[2], ARGV[3]
-local rpre, tok = base .. 'r:' .. m .. ':', ',' .. m .. ','
-local removed = 0
-for start = 1, #packed, 8000 do
-  local fields = {}
-  for off = start, min(#packed, start + 7999), 8 do fields[#fields + 1] = sub(packed, off, off + 7) end
-  local vals = call('HMGET', KEYS[2], unpack(fields))
-  for i, f in ipairs(fields) do
-    local v = vals[i]
-    if v and find(v, tok, 1, true) then
-      local bucket, hi = split(f)
-      call('SREM', rpre .. bucket, hi)
-    end
-  end
-  removed = removed + drop(KEYS[2], fields, vals, tok)
-end
-if removed > 0 then call('HINCRBY', KEYS[1], m, -removed) end
-return removed
-"""
-
-# ARGV = key base, member, first bucket, end bucket (exclusive)
-_CLEAR = _LUA_SPLIT + _LUA_DROP + """
-local base, m = ARGV[1], ARGV[2]
-local rpre, tok = base .. 'r:' .. m .. ':', ',' .. m .. ','
-local removed = 0
-for bucket = tonumber(ARGV[3]), tonumber(ARGV[4]) - 1 do
-  local rkey = rpre .. bucket
-  local his = call('SMEMBERS', rkey)
-  for start = 1, #his, 1000 do
-    local fields = {}
-    for i = start, min(#his, start + 999) do fields[#fields + 1] = join(bucket, tonumber(his[i])) end
-    removed = removed + drop(KEYS[2], fields, call('HMGET', KEYS[2], unpack(fields)), tok)
-  end
-  if #his > 0 then call('DEL', rkey) end
-end
-if removed > 0 then call('HINCRBY', KEYS[1], m, -removed) end
-return removed
-"""
-
-# KEYS[1] = id->name hash, KEYS[2] = name->id hash, KEYS[3] = blocks hash; ARGV = packed hashes,
-# "1" when only the names that follow are allowed (else "0"), [allowed names...].
-# Returns {g4_run, name, gpu, cpu, local, name, ...} for workers that hold block 0.
-_LOOKUP = _LUA_LOCALS + """
-local packed = ARGV[1]
-local allowed = nil
-if ARGV[2] == '1' then
-  allowed = {}
-  for i = 3, #ARGV do
-    local id = call('HGET', KEYS[2], ARGV[i])
-    if id then allowed[tonumber(id)] = true end
-  end
-end
-local n = #packed / 8
-local v0 = call('HGET', KEYS[3], sub(packed, 1, 8))
-if not v0 then return {0} end
--- block 0: who holds it; runs[wid] = {gpu, cpu, local, gpu alive, cpu alive, gpu token, cpu token}
-local wids, runs = {}, {}
-local g4, g4_alive = 0, false
-for s in gmatch(v0, '-?%d+') do
-  local m = tonumber(s)
-  if m < 0 then
-    g4, g4_alive = 1, true
-  else
-    local wid = floor(m / 2)
-    if allowed == nil or allowed[wid] then
-      local r = runs[wid]
-      if r == nil then
-        r = {0, 0, 1, false, false, ',' .. (wid * 2) .. ',', ',' .. (wid * 2 + 1) .. ','}
-        runs[wid] = r
-        wids[#wids + 1] = wid
-      end
-      if m % 2 == 0 then r[1], r[4] = 1, true else r[2], r[5] = 1, true end
-    end
-  end
-end
--- later blocks, fetched in growing chunks (early exit stays cheap); only live runs are checked
-local alive, na = {}, #wids
-for i, wid in ipairs(wids) do alive[i] = runs[wid] end
-local pos, chunk = 2, 16
-while pos <= n and (na > 0 or g4_alive) do
-  local last = min(n, pos + chunk - 1)
-  local fields = {}
-  for i = pos, last do fields[i - pos + 1] = sub(packed, i * 8 - 7, i * 8) end
-  local vals = call('HMGET', KEYS[3], unpack(fields))
-  for j = 1, #fields do
-    local v = vals[j]
-    if not v then
-      na, g4_alive = 0, false
-      break
-    end
-    local died = false
-    for k = 1, na do
-      local r = alive[k]
-      local g = find(v, r[6], 1, true)
-      local c = (r[5] or not g) and find(v, r[7], 1, true)
-      if g or c then
-        r[3] = r[3] + 1
-        if r[4] then if g then r[1] = r[1] + 1 else r[4] = false end end
-        if r[5] then if c then r[2] = r[2] + 1 else r[5] = false end end
-      else
-        r[8] = true
-        died = true
-      end
-    end
-    if died then
-      local keep = {}
-      for k = 1, na do if not alive[k][8] then keep[#keep + 1] = alive[k] end end
-      alive, na = keep, #keep
-    end
-    if g4_alive then
-      if find(v, ',-1,', 1, true) then g4 = g4 + 1 else g4_alive = false end
-    end
-    if na == 0 and not g4_alive then break end
-  end
-  pos = last + 1
-  chunk = min(chunk * 4, 1024)
-end
-local out = {g4}
-for _, wid in ipairs(wids) do
-  local r = runs[wid]
-  local name = call('HGET', KEYS[1], tostring(wid))
-  if name then
-    out[#out + 1] = name
-    out[#out + 1] = r[1]
-    out[#out + 1] = r[2]
-    out[#out + 1] = r[3]
-  end
-end
-return out
-"""
-
-# KEYS[1] = name->id, KEYS[2] = id->name, KEYS[3] = id counter; ARGV[1] = name
-_WORKER_ID = _LUA_LOCALS + """
-local id = call('HGET', KEYS[1], ARGV[1])
-if id then return tonumber(id) end
-id = call('INCR', KEYS[3]) - 1
-call('HSET', KEYS[1], ARGV[1], id)
-call('HSET', KEYS[2], id, ARGV[1])
-return id
-"""
-
-
-class _Script:
-    """EVALSHA, falling back to EVAL (which also caches the script) when the server answers NOSCRIPT."""
-
-    def __init__(self, source: str) -> None:
-        import hashlib
-
-        self.source = source
-        self.sha = hashlib.sha1(source.encode()).hexdigest()
-
-    async def __call__(self, client: aioredis.Redis, keys: Sequence, args: Sequence):
-        try:
-            return await client.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            return await client.eval(self.source, len(keys), *keys, *args)
+_LOST = "!lost"  # the fencing token of an index that lost a lease: matches nothing, every write is refused
+_HKEY = np.dtype([("g", ">u4"), ("e", ">u8")])  # a handle map field: (group, engine hash)
+_HVAL = np.dtype([("r", ">u8"), ("gpu", ">u4"), ("cpu", ">u4")])  # its value: (kvgate hash, counts)
+_HREC = np.dtype([("k", _HKEY), ("v", _HVAL)])
 
 
 def pack_hashes(hashes: Sequence[int], unique: bool = False) -> bytes:
@@ -307,20 +79,33 @@ def pack_hashes(hashes: Sequence[int], unique: bool = False) -> bytes:
 class RedisIndex(BlockIndex):
     name = "redis"
 
-    def __init__(self, url: str, key_prefix: str = "kvg", timeout_s: float = 2.0) -> None:
+    def __init__(self, url: str, key_prefix: str = "kvg", timeout_s: float = 2.0,
+                 max_connections: int = 32, cluster: bool = False) -> None:
         self.url = url
         self.prefix = key_prefix
         self.timeout_s = timeout_s
-        self._r = aioredis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=False
-        )
+        self.cluster = cluster
+        if cluster:  # every key of a model is in one slot ({M}); the client follows MOVED and failovers
+            self._r = RedisCluster.from_url(
+                url, max_connections=max_connections, socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s, decode_responses=False)
+        else:
+            # Bounded: past max_connections a caller waits (up to timeout_s) for a free connection. One
+            # retry on a connection error: after a Redis restart every pooled connection is stale.
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url, max_connections=max_connections, timeout=timeout_s, socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s, decode_responses=False,
+                retry=Retry(NoBackoff(), 1), retry_on_error=[RedisConnectionError])
+            self._r = aioredis.Redis.from_pool(pool)  # closes the pool with the client
         self._ids: dict[tuple[str, str], int] = {}
+        self._run_id: str | None = None
+        self._fences: dict[tuple[str, str], str] = {}  # (model, worker) -> our fencing token (lease held)
         self._known_models: set[str] = set()
-        self._store = _Script(_STORE)
-        self._remove = _Script(_REMOVE)
-        self._clear = _Script(_CLEAR)
-        self._lookup = _Script(_LOOKUP)
-        self._wid = _Script(_WORKER_ID)
+        # redis-py's Script: EVALSHA, and on NOSCRIPT (a restarted server, SCRIPT FLUSH) load and retry.
+        reg = self._r.register_script
+        self._store, self._remove, self._clear = reg(source("store")), reg(source("remove")), reg(source("clear"))
+        self._lookup, self._wid = reg(source("lookup")), reg(source("worker_id"))
+        self._save_h, self._lease = reg(source("save_handles")), reg(source("lease"))
 
     # -- keys -------------------------------------------------------------------------------------------
     def base(self, model: str) -> str:
@@ -339,7 +124,7 @@ class RedisIndex(BlockIndex):
         wid = self._ids.get((model, worker))
         if wid is None:
             b = self.base(model)
-            wid = int(await self._wid(self._r, [b + "w", b + "i", b + "seq"], [worker]))
+            wid = int(await self._wid([b + "w", b + "i", b + "seq"], [worker]))
             self._ids[(model, worker)] = wid
         if model not in self._known_models:
             await self._r.sadd(self.models_key, model)
@@ -356,25 +141,54 @@ class RedisIndex(BlockIndex):
         return wid
 
     # -- writes -----------------------------------------------------------------------------------------
-    async def _write(self, script: _Script, model: str, member: int, hashes: Sequence[int]) -> int:
+    class _StaleId(Exception):
+        """A cached worker id no longer names the worker in Redis (it restarted): ids are looked up again."""
+
+    def _forget_ids(self) -> None:
+        self._ids.clear()
+        self._known_models.clear()
+
+    async def _write(self, script: AsyncScript, model: str, member: int, hashes: Sequence[int],
+                     worker: str = "") -> int:
         if len(hashes) == 0:
             return 0
         b = self.base(model)
         packed = pack_hashes(hashes, unique=True)  # the write scripts expect each field once
-        return int(await script(self._r, [b + "n", b + "blocks"], [b, member, packed]))
+        token = self._fences.get((model, worker), "") if worker else ""
+        return self._checked(int(await script([b + "n", b + "blocks"], [b, member, packed, worker, token])),
+                             model, worker)
+
+    def _checked(self, n: int, model: str, worker: str) -> int:
+        if n == -1:
+            self._forget_ids()
+            raise self._StaleId(worker)
+        if n == -2:
+            self._fences[(model, worker)] = _LOST  # fenced until this index takes the lease again
+            raise LeaseLost(f"{worker}: another gateway holds its lease")
+        return n
+
+    async def _member_write(self, script: AsyncScript, model: str, worker: str, tier: Tier, hashes,
+                            create: bool) -> None:
+        for attempt in (0, 1):
+            wid = await (self._worker_id(model, worker) if create else self._known_worker_id(model, worker))
+            if wid is None:
+                return
+            try:
+                await self._write(script, model, wid * 2 + _TIER_CODE[Tier(tier)], hashes, worker)
+                return
+            except self._StaleId:
+                if attempt:
+                    raise
 
     async def store(self, model: str, worker: str, tier: Tier, hashes: Sequence[int]) -> None:
         if len(hashes) == 0:
             return
-        wid = await self._worker_id(model, worker)
-        await self._write(self._store, model, wid * 2 + _TIER_CODE[Tier(tier)], hashes)
+        await self._member_write(self._store, model, worker, tier, hashes, create=True)
 
     async def remove(self, model: str, worker: str, tier: Tier, hashes: Sequence[int]) -> None:
         if len(hashes) == 0:
             return
-        wid = await self._known_worker_id(model, worker)
-        if wid is not None:
-            await self._write(self._remove, model, wid * 2 + _TIER_CODE[Tier(tier)], hashes)
+        await self._member_write(self._remove, model, worker, tier, hashes, create=False)
 
     async def store_g4(self, model: str, hashes: Sequence[int]) -> None:
         if len(hashes) == 0:
@@ -387,24 +201,110 @@ class RedisIndex(BlockIndex):
     async def remove_g4(self, model: str, hashes: Sequence[int]) -> None:
         await self._write(self._remove, model, G4_MEMBER, hashes)
 
-    async def _clear_member(self, model: str, member: int) -> int:
+    async def _clear_member(self, model: str, member: int, worker: str = "", token: str | None = None) -> int:
         b = self.base(model)
+        if token is None:
+            token = self._fences.get((model, worker), "") if worker else ""
         removed = 0
         for start in range(0, BUCKETS, _CLEAR_CHUNK):
-            removed += int(
-                await self._clear(self._r, [b + "n", b + "blocks"], [b, member, start, start + _CLEAR_CHUNK])
-            )
+            n = int(await self._clear([b + "n", b + "blocks"],
+                                      [b, member, start, start + _CLEAR_CHUNK, worker, token]))
+            removed += self._checked(n, model, worker)
         return removed
 
-    async def clear_worker(self, model: str, worker: str, tier: Tier | None = None) -> int:
-        wid = await self._known_worker_id(model, worker)
-        if wid is None:
-            return 0
+    async def clear_worker(self, model: str, worker: str, tier: Tier | None = None, *,
+                           _token: str | None = None) -> int:
         tiers = (Tier(tier),) if tier is not None else (Tier.GPU, Tier.CPU)
         removed = 0
-        for t in tiers:
-            removed += await self._clear_member(model, wid * 2 + _TIER_CODE[t])
+        for attempt in (0, 1):
+            wid = await self._known_worker_id(model, worker)
+            if wid is None:
+                break
+            try:
+                for t in tiers:
+                    removed += await self._clear_member(model, wid * 2 + _TIER_CODE[t], worker, _token)
+                break
+            except self._StaleId:
+                if attempt:
+                    raise
+        if tier is None:
+            await self._drop_handles(model, worker)
         return removed
+
+    # -- handle maps, leases, sweep ---------------------------------------------------------------------
+    def _hkeys(self, model: str, worker: str) -> tuple[str, str]:
+        b = self.base(model)
+        return b + "h:" + worker, b + "hseq"
+
+    async def save_handles(self, model: str, worker: str, upserts: dict[HandleKey, Handle],
+                           deletes, seq: int | None) -> None:
+        dels = np.array([k for k in deletes if k not in upserts], dtype=_HKEY).tobytes() if deletes else b""
+        ups = b""
+        if upserts:
+            rec = np.empty(len(upserts), dtype=_HREC)
+            rec["k"] = list(upserts)
+            rec["v"] = list(upserts.values())
+            ups = rec.tobytes()
+        token = self._fences.get((model, worker), "")
+        n = await self._save_h(list(self._hkeys(model, worker)),
+                               [self.base(model), worker, token, "" if seq is None else seq, dels, ups])
+        self._checked(int(n), model, worker)
+
+    async def load_handles(self, model: str, worker: str) -> tuple[dict[HandleKey, Handle], int | None]:
+        hkey, seqkey = self._hkeys(model, worker)
+        out: dict[HandleKey, Handle] = {}
+        cursor = 0
+        while True:
+            cursor, chunk = await self._r.hscan(hkey, cursor, count=10_000)
+            if chunk:
+                ks = np.frombuffer(b"".join(chunk.keys()), dtype=_HKEY)
+                vs = np.frombuffer(b"".join(chunk.values()), dtype=_HVAL)
+                out.update(zip(map(tuple, ks.tolist()), map(tuple, vs.tolist())))
+            if cursor == 0:
+                break
+        raw = await self._r.hget(seqkey, worker)
+        return out, (int(raw) if raw is not None else None)
+
+    async def _drop_handles(self, model: str, worker: str) -> None:
+        hkey, seqkey = self._hkeys(model, worker)
+        await self._r.unlink(hkey)
+        await self._r.hdel(seqkey, worker)
+
+    async def acquire_lease(self, model: str, worker: str, owner: str, ttl_s: float) -> bool:
+        b = self.base(model)
+        token = await self._lease([b + "lease:" + worker, b + "fence:" + worker, b + "seen"],
+                                  [owner, max(1, int(ttl_s * 1000)), worker])
+        if token is None:
+            if (model, worker) in self._fences:
+                self._fences[(model, worker)] = _LOST
+            return False
+        self._fences[(model, worker)] = token.decode() if isinstance(token, bytes) else str(token)
+        return True
+
+    async def release_lease(self, model: str, worker: str, owner: str) -> None:
+        b = self.base(model)
+        key = b + "lease:" + worker
+        if await self._r.get(key) == owner.encode():
+            await self._r.delete(key)
+        self._fences.pop((model, worker), None)
+
+    async def sweep(self, model: str, idle_s: float) -> list[str]:
+        b = self.base(model)
+        seen = await self._r.hgetall(b + "seen")
+        now_s, now_us = await self._r.time()
+        now_ms = now_s * 1000 + now_us // 1000
+        gone = []
+        for raw, at in seen.items():
+            name = raw.decode()
+            if now_ms - int(at) < idle_s * 1000 or await self._r.exists(b + "lease:" + name):
+                continue
+            try:
+                await self.clear_worker(model, name, _token="!free")
+            except LeaseLost:  # a writer took it meanwhile
+                continue
+            await self._r.hdel(b + "seen", name)
+            gone.append(name)
+        return gone
 
     async def clear_model(self, model: str) -> int:
         b = self.base(model)
@@ -415,6 +315,10 @@ class RedisIndex(BlockIndex):
         for raw in counts:
             rpre = f"{b}r:{raw.decode()}:"
             await self._r.unlink(*(rpre + str(k) for k in range(BUCKETS)))
+        names = [n.decode() for n in await self._r.hkeys(b + "w")]
+        if names:
+            await self._r.unlink(*(b + "h:" + n for n in names))
+        await self._r.unlink(b + "hseq")
         # Worker ids stay (other gateways may hold them in their caches); the registry entry goes.
         await self._r.srem(self.models_key, model)
         self._known_models.discard(model)
@@ -431,7 +335,7 @@ class RedisIndex(BlockIndex):
         args: list = [pack_hashes(hashes), "0" if workers is None else "1"]
         if workers is not None:
             args.extend(workers)
-        out = await self._lookup(self._r, [b + "i", b + "w", b + "blocks"], args)
+        out = await self._lookup([b + "i", b + "w", b + "blocks"], args)
         found = {}
         for j in range(1, len(out), 4):
             name = out[j].decode()
@@ -495,6 +399,20 @@ class RedisIndex(BlockIndex):
 
     async def models(self) -> list[str]:
         return sorted(m.decode() for m in await self._r.smembers(self.models_key))
+
+    async def epoch(self) -> str | None:
+        """The server's ``run_id`` (new at every start): entries may be gone, whatever the persistence, and
+        cached worker ids may name other workers now (they are dropped)."""
+        if self.cluster:  # a failover or a restarted primary changes the set
+            infos = await self._r.info("server", target_nodes=RedisCluster.PRIMARIES)
+            run_id = ",".join(sorted(str(i.get("run_id")) for i in infos.values()))
+        else:
+            run_id = str((await self._r.info("server")).get("run_id"))
+        if run_id != self._run_id:
+            if self._run_id is not None:
+                self._forget_ids()
+            self._run_id = run_id
+        return run_id
 
     async def ping(self) -> float:
         """Round-trip time of a bare PING, in seconds (the benchmark's baseline)."""

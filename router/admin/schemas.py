@@ -24,6 +24,9 @@ class EventsStatus(_Open):
     applied: int = 0
     dropped: int = 0
     unknown_parent: int = 0
+    synced: bool = Field(True, description="false while an index outage keeps writes back; the exact state "
+                                           "is pushed back when the index answers")
+    resyncs: int = Field(0, description="replays asked for after a health flap (no restart seen)")
 
 
 class WorkerLoadOut(BaseModel):
@@ -67,7 +70,8 @@ class ParityOut(_Open):
     """The gateway's parity check of a worker (router/parity.py): do kvgate's block keys of a probe
     prompt come back in the worker's KV events?"""
 
-    status: str = Field(..., description="ok | cache-blind (routing ignores its cache) | unverified")
+    status: str = Field(..., description="ok | cache-blind (routing ignores its cache) | unverified | "
+                                         "no-events (the worker has no KV event source)")
     reason: str = ""
     model: str | None = None
     block_size: int = 0

@@ -9,6 +9,7 @@ from router.admin import schemas
 from router.admin.common import index_stats_or_error, ingestor_statuses, kv_state, not_found
 from router.config import WorkerConfig
 from router.errors import APIError
+from router.registry import DuplicateWorker
 
 log = logging.getLogger("kvgate.admin")
 router = APIRouter(prefix="/workers", tags=["admin: workers"])
@@ -61,8 +62,8 @@ async def add_worker(spec: schemas.AddWorker, request: Request) -> schemas.Worke
     cfg = WorkerConfig(**spec.model_dump())
     try:
         w = await state.registry.add(cfg)
-    except ValueError as exc:  # the registry's "already exists"
-        raise APIError(409, str(exc), param="name", code="worker_exists") from None
+    except DuplicateWorker as exc:  # the same name, or the same server under another name
+        raise APIError(409, str(exc), param=exc.param, code="worker_exists") from None
     log.info("admin: added worker %s (%s)", w.name, w.url)
     return worker_out(state, w, (await index_stats_or_error(state))[0], ingestor_statuses(state))
 
@@ -86,14 +87,15 @@ async def drain_worker(name: str, request: Request) -> schemas.WorkerOut:
 
 
 @router.post("/{name}/parity", response_model=schemas.ParityOut,
-             summary="Run the parity check now (router/parity.py: one probe request to the worker)")
+             summary="Run the parity check now (router/parity.py: one probe request to the worker); "
+                     "answers within health_timeout_s, at once with no-events for a worker without KV events")
 async def parity(name: str, request: Request) -> schemas.ParityOut:
     state = kv_state(request)
     w = state.registry.get(name) or not_found(f"no worker named {name!r}", "name")
     model = w.base_model()
     if model is None:
         raise APIError(409, f"worker {name} serves no model yet", param="name", code="worker_not_ready")
-    result = await state.parity.check(w.name, w.url, model)
+    result = await state.parity.check(w.name, w.url, model, timeout_s=state.settings.health_timeout_s)
     w.parity = result.to_dict()  # as the registration-time check records it
     log.info("admin: parity of %s: %s", name, result.status)
     return schemas.ParityOut(**w.parity)

@@ -70,6 +70,10 @@ def test_add_worker_at_run_time_then_remove(admin_env, admin_tokenizer_dir):
         # Same name again: 409.
         dup = env.http.post("/admin/workers", json={"url": extra.url, "name": "w9"})
         assert dup.status_code == 409 and dup.json()["error"]["param"] == "name"
+        # The same server under another name would be counted twice: 409 too.
+        dup = env.http.post("/admin/workers", json={"url": extra.url + "/", "name": "w9-again"})
+        assert dup.status_code == 409 and dup.json()["error"]["param"] == "url", dup.text
+        assert "w9-again" not in {w["name"] for w in env.http.get("/admin/workers").json()["workers"]}
 
         r = env.http.delete("/admin/workers/w9")
         assert r.status_code == 200 and r.json() == {"removed": "w9"}
@@ -258,3 +262,26 @@ def test_a_chat_cache_blind_worker_gets_no_predicted_hit_for_chat_but_keeps_it_f
     assert local(chat, "/v1/chat/completions") == 0
     completion = {"model": MODEL, "prompt": toks, "max_tokens": 1}
     assert local(completion, "/v1/completions") == len(toks[:-1]) // BLOCK > 0
+
+
+def test_parity_of_a_worker_without_events_and_of_a_hanging_one(admin_env, admin_tokenizer_dir):
+    """No event source: "no-events" at once, no probe sent. A worker that never answers the probe: the
+    answer still comes, unverified, bounded by health_timeout_s (the request's own timeout is 30 s)."""
+    from tests.admin.conftest import LiveWorker
+
+    env = admin_env(1, health_timeout_s=1.0)
+    quiet = LiveWorker("quiet", admin_tokenizer_dir)
+    try:
+        r = env.http.post("/admin/workers", json={"url": quiet.url, "name": "quiet"})  # no events endpoint
+        assert r.status_code == 201, r.text
+        env.wait_healthy("quiet")
+        r = env.http.post("/admin/workers/quiet/parity", timeout=30)
+        assert r.status_code == 200 and r.json()["status"] == "no-events", r.text
+        assert quiet.state.requests == [] and r.json()["attempts"] == 0
+        env.workers["w1"].state.first_token_delay_s = 20  # the probe's answer would take 20 s
+        r = env.http.post("/admin/workers/w1/parity", timeout=30)
+        assert r.status_code == 200 and r.json()["status"] == "unverified", r.text
+        assert "within 1 s" in r.json()["reason"]
+    finally:
+        env.workers["w1"].state.first_token_delay_s = 0
+        quiet.stop()

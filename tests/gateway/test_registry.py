@@ -19,7 +19,11 @@ class RecordingIngestor:
     registry makes through the shared interface."""
 
     def __init__(self):
-        self.added, self.removed = [], []
+        self.added, self.removed, self.resynced = [], [], []
+
+    def resync(self, worker):
+        self.resynced.append(worker)
+        return True
 
     async def start(self):
         pass
@@ -57,7 +61,7 @@ async def test_discovery_events_restart_and_runtime_changes(fleet, start_gateway
     assert a.healthy and a.block_size == 32 and reg.block_size(MODEL) == 32
     assert [(s.worker, s.model, s.endpoint, s.topic) for s in rec.added] == \
         [("a", MODEL, "tcp://127.0.0.1:5557", "kv-events")]
-    # Index entries survive while healthy, and are dropped when the worker restarts (health flap).
+    # A health flap is no restart: the entries survive it, and the events are asked to replay.
     hashes = sequence_hashes(list(range(64)), 32)
     gw.call(gw.state.index.store(MODEL, "a", Tier.GPU, hashes))
     fleet.states[0].mode = "unhealthy"
@@ -65,9 +69,17 @@ async def test_discovery_events_restart_and_runtime_changes(fleet, start_gateway
     assert gw.call(gw.state.index.lookup(MODEL, hashes)).match("a").local == 2
     fleet.states[0].mode = "ok"
     await wait_until(lambda: a.healthy)
-    assert a.restarts == 1
+    assert a.restarts == 0 and rec.resynced == ["a"] and rec.removed == [] and len(rec.added) == 1
+    assert gw.call(gw.state.index.lookup(MODEL, hashes)).match("a").local == 2
+    # A new process_start_time_seconds is a restart: entries dropped, events subscribed afresh.
+    fleet.states[0].started += 100
+    await wait_until(lambda: a.restarts == 1 and len(rec.added) == 2)
     assert gw.call(gw.state.index.lookup(MODEL, hashes)).match("a").local == 0
     assert rec.removed and rec.removed[0][0] == "a" and len(rec.added) == 2
+    # The ingestor's own reset (sequence went backwards) counts a restart without a second clear.
+    gw.call(gw.state.index.store(MODEL, "a", Tier.GPU, hashes))
+    gw.call(reg.on_events_reset("a", "restart"))
+    assert a.restarts == 2 and gw.call(gw.state.index.lookup(MODEL, hashes)).match("a").local == 2
     # Add, drain and remove at run time.
     b_state = fleet.add("b")
     b = gw.call(reg.add(WorkerConfig(url=fleet.url(1), name="b")))
@@ -185,3 +197,22 @@ async def test_vllm_prefill_histograms_calibrate_non_streamed_traffic(fleet, sta
     work = 2_000 * (1 + 1_000 / 16_384)  # 2,000 cold tokens at the default attention knee (router/cost.py)
     assert load["prefill_tokens_per_s"] == pytest.approx(0.8 * 10_000 + 0.2 * work)
     assert after["candidates"][0]["prefill_ms"] > before["prefill_ms"]
+
+
+async def test_discovery_readiness_flap_keeps_entries_and_a_long_absence_removes(fleet, start_gateway):
+    """Kubernetes drops a pod from its EndpointSlice while it is not ready: out of routing at once, its
+    entries kept if it comes back within lost_grace_s, removed with them if it does not."""
+    fleet.add("a")
+    gw = start_gateway(fleet, lost_grace_s=1.0)
+    reg = gw.state.registry
+    a = reg.get("a")
+    hashes = sequence_hashes(list(range(64)), BLOCK)
+    gw.call(gw.state.index.store(MODEL, "a", Tier.GPU, hashes))
+    gw.call(reg._on_lost("a"))
+    assert reg.candidates(MODEL) == []
+    gw.call(reg._on_discovered(WorkerConfig(url=fleet.url(0), name="a")))
+    assert reg.get("a") is a and reg.candidates(MODEL) == [a]
+    assert gw.call(gw.state.index.lookup(MODEL, hashes)).match("a").local == len(hashes)
+    gw.call(reg._on_lost("a"))
+    await wait_until(lambda: reg.get("a") is None)
+    assert gw.call(gw.state.index.lookup(MODEL, hashes)).match("a").local == 0

@@ -256,3 +256,54 @@ async def test_extreme_hash_values_round_trip_through_clear(index):
     assert (await index.lookup(M, edge)).g4 == len(edge)
     st = (await index.stats(M))[M]
     assert st["workers"] == {"w2": {"GPU": 3}} and st["blocks"] == len(edge)
+
+
+# -- handle maps, leases, sweep: what lets any gateway apply any BlockRemoved, with one writer per worker --
+
+async def test_handle_map_round_trip_and_clear(index):
+    ups = {(0, 2**64 - 1): (H[0], 1, 0), (0, 7): (H[1], 2, 1), (3, 9): (H[2], 0, 1)}
+    await index.save_handles(M, "w1", ups, [], seq=5)
+    assert await index.load_handles(M, "w1") == (ups, 5)
+    await index.save_handles(M, "w1", {(0, 7): (H[1], 1, 1)}, [(3, 9), (0, 12345)], seq=6)
+    assert await index.load_handles(M, "w1") == ({(0, 2**64 - 1): (H[0], 1, 0), (0, 7): (H[1], 1, 1)}, 6)
+    assert await index.load_handles(M, "w2") == ({}, None)
+    await index.store(M, "w1", GPU, H[:2])
+    await index.clear_worker(M, "w1", GPU)  # one tier: the map stays
+    assert (await index.load_handles(M, "w1"))[1] == 6
+    await index.clear_worker(M, "w1")
+    assert await index.load_handles(M, "w1") == ({}, None)
+
+
+async def test_lease_is_exclusive_renewable_and_released(index):
+    assert await index.acquire_lease(M, "w1", "gw-a", ttl_s=30)
+    assert await index.acquire_lease(M, "w1", "gw-a", ttl_s=30)  # renewal
+    assert not await index.acquire_lease(M, "w1", "gw-b", ttl_s=30)
+    assert await index.acquire_lease(M, "w2", "gw-b", ttl_s=30)  # per worker
+    await index.release_lease(M, "w1", "gw-b")  # not the holder: no effect
+    assert not await index.acquire_lease(M, "w1", "gw-b", ttl_s=30)
+    await index.release_lease(M, "w1", "gw-a")
+    assert await index.acquire_lease(M, "w1", "gw-b", ttl_s=30)
+
+
+async def test_lease_expires(index):
+    import asyncio
+
+    assert await index.acquire_lease(M, "w1", "gw-a", ttl_s=0.1)
+    await asyncio.sleep(0.25)
+    assert await index.acquire_lease(M, "w1", "gw-b", ttl_s=30)
+
+
+async def test_sweep_drops_workers_nobody_writes_for(index):
+    import asyncio
+
+    await index.acquire_lease(M, "gone", "gw-a", ttl_s=0.1)
+    await index.store(M, "gone", GPU, H[:3])
+    await index.save_handles(M, "gone", {(0, 1): (H[0], 1, 0)}, [], seq=1)
+    await index.acquire_lease(M, "live", "gw-a", ttl_s=30)
+    await index.store(M, "live", GPU, H[:2])
+    assert await index.sweep(M, idle_s=0.1) == []  # "gone" still leased
+    await asyncio.sleep(0.3)
+    assert await index.sweep(M, idle_s=0.1) == ["gone"]
+    res = await index.lookup(M, H)
+    assert "gone" not in res.workers and res.match("live").gpu == 2
+    assert await index.load_handles(M, "gone") == ({}, None)

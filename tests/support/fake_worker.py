@@ -44,6 +44,7 @@ class FakeState:
     # vLLM's per-request histograms (sum, sum, sum, count): computed tokens, prefill seconds, prompt tokens,
     # requests.
     prefill: list = field(default_factory=lambda: [0, 0.0, 0, 0])
+    started: float = field(default_factory=time.time)  # process_start_time_seconds; set it anew = a restart
 
 
 def _reply_words(st: FakeState, n_prompt: int) -> list[str]:
@@ -220,6 +221,8 @@ def create_fake_worker(state: FakeState, tokenizer_dir: str | None = None) -> Fa
     async def metrics():
         lbl = f'engine="0",model_name="{st.model}"'
         text = (
+            "# TYPE process_start_time_seconds gauge\n"
+            f"process_start_time_seconds {st.started}\n"
             "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
             "# TYPE vllm:num_requests_running gauge\n"
             f"vllm:num_requests_running{{{lbl}}} {float(st.running + st.active)}\n"

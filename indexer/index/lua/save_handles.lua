@@ -1,0 +1,20 @@
+-- include: locals owner
+-- KEYS[1] = the worker's handle map, KEYS[2] = last sequence per worker; ARGV = key base, name, token,
+-- seq ("" = none), deletes (12-byte keys), upserts (12-byte key + 16-byte value each). -2 when fenced.
+local base, name, token, seq, dels, ups = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+if not fence_ok(base, name, token) then return -2 end
+for start = 1, #dels, 12000 do
+  local f = {}
+  for off = start, min(#dels, start + 11999), 12 do f[#f + 1] = sub(dels, off, off + 11) end
+  call('HDEL', KEYS[1], unpack(f))
+end
+for start = 1, #ups, 28000 do
+  local f = {}
+  for off = start, min(#ups, start + 27999), 28 do
+    f[#f + 1] = sub(ups, off, off + 11)
+    f[#f + 1] = sub(ups, off + 12, off + 27)
+  end
+  call('HSET', KEYS[1], unpack(f))
+end
+if seq ~= '' then call('HSET', KEYS[2], name, seq) end
+return 0

@@ -1,0 +1,67 @@
+"""The request path's lookup guard (router/index_guard.py) against a real redis-server: a paused Redis
+(CLIENT PAUSE) is a slow one, a closed port a dead one."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+
+from indexer.hashing import sequence_hashes
+from indexer.index.base import Tier
+from indexer.index.redis import RedisIndex
+from router.index_guard import IndexUnavailable, LookupGuard
+from tests.support.procs import free_port
+
+H = sequence_hashes(list(range(64)), 16)
+
+
+async def test_deadline_then_breaker_then_recovery(redis_url):
+    idx = RedisIndex(redis_url, key_prefix="g")
+    await idx.store("m", "w", Tier.GPU, H)
+    reasons = []
+    guard = LookupGuard(idx, timeout_s=0.05, breaker_failures=2, breaker_open_s=0.5, on_degraded=reasons.append)
+    assert (await guard.lookup("m", H)).match("w").gpu == 4
+    admin = aioredis.from_url(redis_url)
+    try:
+        await admin.execute_command("CLIENT", "PAUSE", 1500, "ALL")
+        for _ in range(2):
+            with pytest.raises(IndexUnavailable) as e:
+                await guard.lookup("m", H)
+            assert e.value.reason == "timeout"
+        assert guard.open
+        with pytest.raises(IndexUnavailable) as e:  # fails at once, no Redis call
+            await guard.lookup("m", H)
+        assert e.value.reason == "breaker_open"
+        assert reasons == ["timeout", "timeout", "breaker_open"] and guard.degraded == 3
+        await admin.execute_command("CLIENT", "UNPAUSE")
+        await asyncio.sleep(0.6)  # the breaker lets one lookup through again
+        assert (await guard.lookup("m", H)).match("w").gpu == 4
+        assert not guard.open
+    finally:
+        await admin.execute_command("CLIENT", "UNPAUSE")
+        await admin.aclose()
+        await idx.close()
+
+
+async def test_dead_redis_degrades_with_a_reason():
+    idx = RedisIndex(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.2)
+    guard = LookupGuard(idx, timeout_s=0.05, breaker_failures=1, breaker_open_s=5)
+    with pytest.raises(IndexUnavailable) as e:
+        await guard.lookup("m", H)
+    assert e.value.reason in ("error", "timeout")
+    with pytest.raises(IndexUnavailable) as e:
+        await guard.lookup("m", H)
+    assert e.value.reason == "breaker_open"
+    await idx.close()
+
+
+async def test_the_pool_is_bounded(redis_url):
+    admin = aioredis.from_url(redis_url)
+    before = (await admin.info("clients"))["connected_clients"]
+    idx = RedisIndex(redis_url, key_prefix="g", max_connections=2)
+    res = await asyncio.gather(*(idx.lookup("m", H) for _ in range(50)))  # 50 callers share 2 connections
+    assert len(res) == 50
+    assert (await admin.info("clients"))["connected_clients"] - before <= 2
+    await idx.close()
+    await admin.aclose()
