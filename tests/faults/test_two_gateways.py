@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from indexer.events import EventIngestor, EventSource
-from indexer.events import vllm_format as vf
+from bench.sim import vllm_format as vf
 from indexer.index.redis import RedisIndex
 from tests.events.test_ingestor import B, M, SEQ, blk, removed, until
 from tests.support.procs import free_port
