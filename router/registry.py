@@ -440,13 +440,14 @@ class WorkerRegistry:
             w.ever_healthy = True
             w.last_error = None
             log.info("worker %s healthy (%s)", w.name, ", ".join(w.models))
-        if full or returning:
-            await self._subscribe(w)
+        subscribed = (full or returning) and await self._subscribe(w)
         if flapped and self.ingestor is not None and w.name in self._subscribed:
             resync = getattr(self.ingestor, "resync", None)
             if resync is not None:
                 resync(w.name)  # no restart seen: keep the entries, replay what may have been missed
-        if returning and self.on_ready is not None:
+        # Ready again, or ready with a new event stream (its sources could not be read when it came up,
+        # or they changed): the parity check (router/parity.py) needs the stream it checks.
+        if (returning or subscribed) and self.on_ready is not None:
             self.on_ready(w)
 
     async def _refresh_models(self, w: Worker) -> None:
@@ -499,15 +500,17 @@ class WorkerRegistry:
         if bs:
             w.block_size = bs
 
-    async def _subscribe(self, w: Worker) -> None:
+    async def _subscribe(self, w: Worker) -> bool:
+        """Subscribe to the worker's (first) event source unless already subscribed to it; True when a
+        new subscription was made."""
         if self.ingestor is None or not w.event_sources:
-            return
+            return False
         model = w.base_model()
         if model is None:
-            return
+            return False
         key = (model, tuple((s["endpoint"], s["replay_endpoint"], s["topic"]) for s in w.event_sources))
         if self._subscribed.get(w.name) == key:
-            return
+            return False
         from indexer.events import EventSource
 
         if w.name in self._subscribed:
@@ -521,8 +524,9 @@ class WorkerRegistry:
         except Exception as e:  # a bad endpoint must not take the worker out of routing
             w.last_error = f"events: {type(e).__name__}: {e}"
             log.warning("subscribing to the events of %s: %s", w.name, e)
-            return
+            return False
         self._subscribed[w.name] = key
+        return True
 
     async def _unsubscribe(self, w: Worker, clear: bool = True) -> None:
         if self.ingestor is None or self._subscribed.pop(w.name, None) is None:

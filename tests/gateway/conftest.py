@@ -69,7 +69,7 @@ def start_gateway(redis_url, tokenizer_dir):
     started: list[ThreadServer] = []
 
     def start(fleet: Fleet, *, policy: str = "kv", local_tokenizer: bool = True, ingestor=None,
-              events: bool = False, pending: bool = False, **settings_kw) -> Gateway:
+              events: bool = False, pending: bool = False, parity: bool = False, **settings_kw) -> Gateway:
         workers = [WorkerConfig(url=s.url, name=st.name) for s, st in zip(fleet.servers, fleet.states)]
         models = {MODEL: ModelConfig(tokenizer=tokenizer_dir if local_tokenizer else None)}
         kw = dict(workers=workers, models=models, index=IndexConfig(backend="redis", redis_url=redis_url),
@@ -79,7 +79,7 @@ def start_gateway(redis_url, tokenizer_dir):
         settings = Settings(**kw)
         settings.routing.policy = policy
         # The fake workers count requests; the registration probe (router/parity.py) would be one more.
-        settings.routing.parity_check = False
+        settings.routing.parity_check = parity
         # Nor do they announce what they serve: tests place blocks in the index themselves, so the record of
         # forwarded prompts (router/pending.py) is off unless a test is about it.
         if not pending:

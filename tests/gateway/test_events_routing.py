@@ -50,3 +50,23 @@ async def test_events_drive_routing(fleet, start_gateway):
     finally:
         for p in pubs:
             p.close()
+
+
+async def test_parity_is_checked_once_the_event_stream_is_known(fleet, start_gateway):
+    """The worker is healthy before its event sources can be read (``/kv_event_sources`` answers 503, as a
+    loaded server may time out on it): the registration-time parity check has no stream to watch, so it
+    gives no cache-blind verdict; when a later refresh reads the sources and subscribes, the check runs
+    again and passes (it failed CI once as 'no KV events after 3 probes', for good)."""
+    pub = EventPublisher("tcp://*:0", "tcp://127.0.0.1:0")
+    try:
+        st = fleet.add("a", publisher=pub, sources_status=503)
+        gw = start_gateway(fleet, events=True, parity=True)
+        await wait_until(lambda: (w := gw.state.registry.get("a")) is not None and w.healthy)
+        w = gw.state.registry.get("a")
+        await wait_until(lambda: w.parity is not None, timeout=30)
+        assert w.parity["status"] == "no-events" and not w.cache_blind, w.parity
+        st.sources_status = 200
+        await wait_until(lambda: w.parity["status"] == "ok", timeout=60)
+        assert not w.cache_blind and w.parity["matched_blocks"] == w.parity["expected_blocks"] > 0
+    finally:
+        pub.close()

@@ -37,6 +37,7 @@ class FakeState:
     pause_after: int | None = None  # streaming: stop after this many content chunks until released
     release: threading.Event = field(default_factory=threading.Event)
     publisher: object = None  # a bench.sim.vllm_format.EventPublisher: BlockStored for new blocks
+    sources_status: int = 200  # what /kv_event_sources answers (a 503: its config cannot be read yet)
     requests: list = field(default_factory=list)
     cancelled: int = 0
     active: int = 0
@@ -209,6 +210,8 @@ def create_fake_worker(state: FakeState, tokenizer_dir: str | None = None) -> Fa
 
     @app.get("/kv_event_sources")
     async def sources():
+        if st.sources_status != 200:
+            return Response(status_code=st.sources_status)
         if st.publisher is not None:
             return {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "",
                           "endpoint": st.publisher.endpoint, "replay_endpoint": st.publisher.replay_endpoint}}
