@@ -12,7 +12,8 @@ its own tokenizer and block size, and waits for those hashes to come back throug
 - all of the probe's routable blocks come back: ``ok``;
 - events came back but not those blocks (or no events at all after a few probes): ``cache-blind``. The
   worker still serves traffic, but routing ignores its index entries (its predicted hit is 0), a warning
-  names the cause, and ``kvgate_worker_cache_blind{worker}`` is 1;
+  names the cause, and ``kvgate_worker_cache_blind{worker}`` is 1. A verdict for silence alone is asked
+  again (``recheck``) at the worker's first event: its stream was not live, which says nothing of keys;
 - kvgate cannot tokenize for the model (no tokenizer at all): ``unverified`` (nothing to compare);
 - the worker has no KV event source: ``no-events`` at once, no probe sent (nothing can come back; its
   cache is invisible to routing, which the reason says);
@@ -60,6 +61,7 @@ OK = "ok"
 CACHE_BLIND = "cache-blind"
 UNVERIFIED = "unverified"
 NO_EVENTS = "no-events"
+SILENT = "no KV events from the worker"  # the reason of a cache-blind verdict for silence, re-checked
 
 # Plain words, so any tokenizer produces many tokens from them; the nonce makes the prompt new.
 _WORDS = (
@@ -199,12 +201,20 @@ class ParityChecker:
         self.request_timeout_s = request_timeout_s
         self.api_probes = api_probes or {}
         self._watches: dict[str, list[_Watch]] = {}
+        # Workers last found cache-blind only because no event came back, with the loop the check ran
+        # on: their first event calls ``recheck(worker)`` (the gateway runs the check again).
+        self._silent: dict[str, asyncio.AbstractEventLoop] = {}
+        self.recheck: Callable[[str], None] | None = None
         self.results: dict[str, ParityResult] = {}
 
     # -- the ingestor's observer (called on the event loop, or from another thread) ---------------------
     def observe(self, worker: str, tier: str, hashes: list[int]) -> None:
         for w in self._watches.get(worker, ()):
             w.loop.call_soon_threadsafe(w.add, list(hashes))
+        loop = self._silent.pop(worker, None)
+        if loop is not None and self.recheck is not None:
+            # Blind only because nothing came back: its stream is alive now, so ask again.
+            loop.call_soon_threadsafe(self.recheck, worker)
 
     # -- the check --------------------------------------------------------------------------------------
     async def check(self, worker: str, url: str, model: str, timeout_s: float | None = None) -> ParityResult:
@@ -285,7 +295,8 @@ class ParityChecker:
             result.reason = f"no KV events from the worker within the time budget ({result.attempts} probe(s))"
             return
         result.status = CACHE_BLIND
-        result.reason = f"no KV events from the worker after {result.attempts} probes"
+        result.reason = f"{SILENT} after {result.attempts} probes"
+        self._silent[result.worker] = asyncio.get_running_loop()
 
     async def _chat(self, url: str, model: str) -> dict:
         """kvgate's token ids of the chat probe against the worker's ``/tokenize`` of the same messages."""
@@ -356,6 +367,8 @@ class ParityChecker:
 
     def _record(self, result: ParityResult) -> None:
         self.results[result.worker] = result
+        if not (result.status == CACHE_BLIND and result.reason.startswith(SILENT)):
+            self._silent.pop(result.worker, None)
         m = self.metrics
         if m is not None and hasattr(m, "cache_blind"):
             m.cache_blind.labels(result.worker).set(1.0 if result.cache_blind else 0.0)
@@ -383,6 +396,7 @@ class ParityChecker:
 
     def forget(self, worker: str) -> None:
         self.results.pop(worker, None)
+        self._silent.pop(worker, None)
         if self.metrics is not None and hasattr(self.metrics, "cache_blind"):
             for gauge in (self.metrics.cache_blind, self.metrics.chat_cache_blind):
                 try:

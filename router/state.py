@@ -66,6 +66,7 @@ class GatewayState:
         self.registry = WorkerRegistry(settings, self.client, self.index, self.ingestor, self.metrics)
         if settings.routing.parity_check and self.ingestor is not None:
             self.registry.on_ready = self._check_parity
+            self.parity.recheck = self._recheck_parity
         self.policy: Policy = create_policy(settings.routing)
         self.decisions = DecisionLog(settings.routing.decisions_kept)
         self.pending = PendingBlocks(settings.routing.pending_ttl_s, settings.routing.pending_max_blocks)
@@ -102,6 +103,11 @@ class GatewayState:
             worker.parity = result.to_dict()
 
         self.spawn(run())
+
+    def _recheck_parity(self, name: str) -> None:
+        w = self.registry.get(name)
+        if w is not None and w.routable:
+            self._check_parity(w)
 
     async def _indexed_blocks(self, worker: str, model: str, hashes: list[int]) -> int:
         """Leading probe blocks the index already holds for ``worker`` (parity when no new events came)."""

@@ -8,6 +8,7 @@ real vLLM, ZMQ, the ingestor -- is covered by tests/e2e/test_gateway_vllm.py.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
@@ -17,7 +18,7 @@ from fastapi import FastAPI, Request
 
 from indexer.hashing import sequence_hashes
 from router.metrics import GatewayMetrics
-from router.parity import CACHE_BLIND, OK, UNVERIFIED, ParityChecker, chat_probe_body
+from router.parity import CACHE_BLIND, OK, SILENT, UNVERIFIED, ParityChecker, chat_probe_body
 from tests.support.servers import ThreadServer
 
 
@@ -297,3 +298,26 @@ async def test_api_probes_wait_for_the_completion_probe(worker):
     worker.tokenize = lambda text: [ord(c) for c in text.replace(" ", "")]
     r = await run(worker, api_probes={"responses": api_probe("responses", str)})
     assert r.status == CACHE_BLIND and r.apis["responses"]["status"] == UNVERIFIED
+
+
+async def test_blind_for_silence_is_checked_again_at_the_first_event(worker):
+    """Cache-blind because no event came back (a stream that was not live yet): the worker's first event
+    later asks for the check again (``recheck``), which then passes; a verdict for a real mismatch is not
+    re-checked by events."""
+    worker.publish_after = 99
+    asked: list[str] = []
+    r = await run(worker, events_seen=False)
+    assert r.status == CACHE_BLIND and r.reason.startswith(SILENT)
+    worker.checker.recheck = asked.append
+    worker.checker.observe("w", "GPU", [1, 2])
+    worker.checker.observe("w", "GPU", [3])  # once, not per event
+    await asyncio.sleep(0.05)
+    assert asked == ["w"]
+    worker.publish_after = 0
+    assert (await run(worker)).status == OK  # what the recheck then finds
+    mismatch = await run(worker, block_size=8)  # the worker publishes 16-token blocks
+    assert mismatch.status == CACHE_BLIND and not mismatch.reason.startswith(SILENT)
+    worker.checker.recheck = asked.append
+    worker.checker.observe("w", "GPU", [4])
+    await asyncio.sleep(0.05)
+    assert asked == ["w"]

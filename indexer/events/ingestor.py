@@ -137,7 +137,10 @@ class EventIngestor:
             await asyncio.gather(self._watch, return_exceptions=True)
             self._watch = None
         for worker in list(self._sources):
-            await self.remove_source(worker, clear=False)
+            try:
+                await self.remove_source(worker, clear=False)
+            except Exception as e:  # the index is unreachable: the lease expires; the other sources close
+                log.warning("%s: releasing its lease at stop: %s", worker, e)
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None

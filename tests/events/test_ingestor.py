@@ -313,3 +313,33 @@ async def test_restart_with_lost_first_batches_replays_them(index):
         st = r.ing.status("w1")
         assert st["resets"] == 1 and st["replays"] == 1 and st["unknown_parent"] == 0
         assert await r.gpu_run() == 3
+
+
+async def test_stop_closes_every_source_when_the_index_is_gone(index):
+    """Mock: an index whose lease release fails (Redis already stopped when the gateway stops; the fault
+    suite kills a real one, here it must fail on demand). stop() still closes every source: before, the
+    first failure ended it, and the other sources' tasks were left pending on a loop that was closed."""
+
+    class Gone:
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def release_lease(self, *a, **kw):
+            raise ConnectionError("index unreachable")
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    ports = [free_port(), free_port()]
+    pubs = [vf.EventPublisher(f"tcp://*:{p}") for p in ports]
+    ing = EventIngestor(Gone(index))
+    try:
+        for i, p in enumerate(ports):
+            await ing.add_source(EventSource(f"w{i}", M, f"tcp://127.0.0.1:{p}"))
+        tasks = [t for s in ing._sources.values() for t in s.tasks]
+        assert len(tasks) == 4
+        await ing.stop()
+        assert ing.statuses() == {} and all(t.done() for t in tasks)
+    finally:
+        for pub in pubs:
+            pub.close()

@@ -31,7 +31,24 @@ class ThreadServer:
     def _run(self) -> None:
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(self.server.serve())
+        try:
+            self.loop.run_until_complete(self.server.serve())
+        finally:
+            self._close_loop()
+
+    def _close_loop(self) -> None:
+        """Cancel what the app left running and close the loop in its own thread. A loop collected later
+        with pending tasks finalises their coroutines wherever the collector happens to run: inside another
+        thread's ``ast.parse`` (pytest rewriting an import) CPython 3.11.7 then fails that import with
+        "AST constructor recursion depth mismatch" (it failed the fuzz test once)."""
+        loop = self.loop
+        tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            loop.run_until_complete(asyncio.wait(tasks, timeout=5))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
 
     def start(self, timeout: float = 60.0, attempts: int = 3) -> ThreadServer:
         """Start serving; a free port taken by another process in the meantime means another try."""
