@@ -199,7 +199,9 @@ def divergence(gw: Gateway, sim: SimProc) -> dict:
     ing = gw.state.ingestor
 
     async def read():
-        s = ing._sources[sim.name]
+        s = ing._sources.get(sim.name)
+        if s is None:  # between an unsubscribe and the new subscription (a restart): not settled yet
+            return None
         engine = {k for k, h in s.state._handles.items() if not isinstance(k, tuple) and h[1] > 0}
         held = set(s.state.held("GPU"))
         idx = gw.state.index
@@ -209,7 +211,10 @@ def divergence(gw: Gateway, sim: SimProc) -> dict:
         count = ((await idx.stats(MODEL)).get(MODEL, {}).get("workers", {}).get(sim.name) or {}).get("GPU", 0)
         return engine, held, in_redis, count
 
-    engine, held, in_redis, count = gw.call(read())
+    got = gw.call(read())
+    if got is None:
+        return {"unsubscribed": 1, "blocks": len(truth)}
+    engine, held, in_redis, count = got
     return {"engine_missing": len(truth - engine), "engine_extra": len(engine - truth),
             "redis_missing": len(held) - in_redis, "redis_phantoms": count - in_redis, "blocks": len(truth)}
 
