@@ -23,6 +23,8 @@ class WorkerConfig(BaseModel):
     name: str | None = None
     events_endpoint: str | None = None
     replay_endpoint: str | None = None
+    # The server's --max-num-batched-tokens when it differs from routing.max_num_batched_tokens.
+    max_num_batched_tokens: int | None = Field(None, ge=16)
 
 
 class DiscoveryConfig(BaseModel):
@@ -79,9 +81,16 @@ class RoutingConfig(BaseModel):
     # Probe each worker when it registers (router/parity.py): a mismatch marks it cache-blind.
     parity_check: bool = True
     max_attempts: int = 3
-    # Queue model: each request running on a worker delays a new prefill by this much; a request vLLM
-    # reports waiting that the gateway did not send counts as this many prompt tokens.
-    running_penalty_ms: float = 1.0
+    # Scheduler model (router/cost.py), priors until a worker's metrics calibrate them (router/calibrate.py):
+    # an engine step costs step_ms plus per_decode_ms for each request decoding in it; a request pays
+    # request_overhead_ms once (API server: tokenize, detokenize, HTTP); a step batches at most
+    # max_num_batched_tokens prompt tokens (vLLM's --max-num-batched-tokens; WorkerConfig overrides it).
+    step_ms: float = Field(10.0, gt=0)
+    per_decode_ms: float = Field(0.5, ge=0)
+    request_overhead_ms: float = Field(5.0, ge=0)
+    max_num_batched_tokens: int = Field(8192, ge=16)
+    # A request vLLM reports waiting that the gateway did not send counts as this many prompt tokens (until
+    # the worker's own mean is known).
     queued_request_tokens: int = 1024
     # EWMA weight of one observation in the fleet-wide prefill-speed calibration (router/cost.py).
     calibration_alpha: float = 0.2

@@ -1,24 +1,32 @@
-"""The TTFT cost model: for each candidate worker,
+"""The TTFT cost model: for each candidate worker, a model of vLLM's scheduler stepped forward.
 
-    predicted TTFT = queue wait + prefill time of the uncached prompt tokens + G4 load time
+    predicted TTFT = queue + prefill + G4 load
 
-- queue wait: the prefill work the gateway has sent the worker and not yet seen a first byte for, plus the
-  requests vLLM reports waiting that the gateway did not send (each counted as the worker's mean work),
-  divided by the prefill speed; plus a small penalty per running request (decode steps share the batch
-  with a new prefill);
-- prefill: the work of the prompt tokens beyond the worker's longest cached prefix (GPU or CPU tier), at
-  the prefill speed. Work is counted in tokens at context 0: a token at context L costs
-  ``1 + L / attention_knee_tokens`` of them (attention reads every earlier token), so the same 1,000 new
-  tokens cost more after a 100K cached prefix than after none. The speed is calibrated online (EWMA,
-  starting from the configured default) from observed TTFTs of streamed responses and from vLLM's own
-  prefill histograms on ``/metrics`` (every request);
-- G4: blocks the worker would load from the shared tier beyond its local prefix, at the configured
-  bytes per block and G4 read bandwidth.
+vLLM runs one step loop: every step batches each running request's next decode token with prefill
+chunks of the waiting requests, first come first served, up to ``max_num_batched_tokens`` prompt tokens;
+a request's first token comes at the end of the step that finishes its prefill. So, for a new request
+behind the worker's queue (router/load.py: the gateway's own prefilling requests, plus what vLLM reports
+waiting beyond them at the worker's mean size) while ``D`` requests decode:
+
+- steps: the queue's uncached prompt tokens and this request's, ``max_num_batched_tokens - D`` per step
+  (at least one step for the request itself);
+- each step costs ``step + D * per_decode`` (router/calibrate.py: a line through vLLM's inter-token
+  latency at its running count), plus the prefill work of the tokens it batches at the prefill speed;
+- the request pays a fixed overhead once (vLLM's TTFT minus its queue and prefill times).
+
+Work is counted in tokens at context 0: a token at context L costs ``1 + L / attention_knee_tokens`` of
+them (attention reads every earlier token), so the same 1,000 new tokens cost more after a 100K cached
+prefix than after none. The prefill speed is calibrated online (EWMA, from the configured default) from
+observed TTFTs of streamed responses and from vLLM's own prefill histograms on ``/metrics``.
+G4: blocks the worker would load from the shared tier beyond its local prefix, at the configured bytes
+per block and G4 read bandwidth. Every prediction is clamped to [``MIN_TTFT_MS``, ``MAX_TTFT_MS``]
+(``Candidate.clamped`` says so; kvgate_ttft_prediction_clamped_total counts them).
 
 The model predicts; the policy (router.policies.kv) orders, adding what a choice costs afterwards.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from indexer.index.base import WorkerMatch
@@ -36,6 +44,7 @@ MIN_CALIBRATION_TOKENS = 256
 RATIO_ALPHA_SHARE = 0.25
 # The ratio counts once a worker has this many observations; until then the fleet estimate alone does.
 MIN_OWN_SAMPLES = 3
+MIN_TTFT_MS, MAX_TTFT_MS = 0.1, 3_600_000.0
 
 
 @dataclass
@@ -63,6 +72,15 @@ class Candidate:
     predicted_ttft_ms: float = 0.0
     score_ms: float | None = None  # the policy's ordering key, when it has one (router.policies.kv)
     load: float = 0.0
+    # The queue the scheduler model stepped through (explain shows it)
+    queue_requests: float = 0.0  # ahead of this request: the gateway's own and vLLM's unknown waiting
+    queue_tokens: float = 0.0
+    decodes: int = 0
+    steps: int = 0  # engine steps until this request's first token
+    step_ms: float = 0.0  # one step's fixed and decode cost at this worker's decode count
+    overhead_ms: float = 0.0
+    calibration: str = "defaults"  # what the step and overhead figures come from (router/calibrate.py)
+    clamped: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -83,6 +101,9 @@ class CostModel:
         ratio = worker.prefill_ratio if own else 1.0
         return max(1.0, self.fleet_tps * ratio)
 
+    def budget(self, worker) -> int:
+        return getattr(worker.config, "max_num_batched_tokens", None) or self.cfg.max_num_batched_tokens
+
     def score(self, worker, match: WorkerMatch, g4: int, num_tokens: int, block_size: int) -> Candidate:
         cfg = self.cfg
         tps = self.prefill_speed(worker)
@@ -91,50 +112,79 @@ class CostModel:
         cached = min(num_tokens, (local + g4_extra) * block_size)
         uncached = max(0, num_tokens - cached)
         load = worker.load
-        extra_waiting = max(0.0, load.waiting - worker.pending_requests)
-        running = max(float(worker.inflight - worker.pending_requests), load.running)
-        queue_tokens = worker.pending_tokens + extra_waiting * worker.mean_prompt_tokens
-        queue_ms = queue_tokens / tps * 1000.0 + running * cfg.running_penalty_ms
+        v = worker.view()
+        cal = worker.engine
+        budget = self.budget(worker)
+        decodes = min(v.decodes, budget - 1)
+        per_step = budget - decodes
+        queue_tokens = v.queue_tokens
+        queue_steps = math.ceil(queue_tokens / per_step)
+        steps = max(queue_steps + 1, math.ceil((queue_tokens + uncached) / per_step))
+        step_ms = cal.step_time_s(decodes) * 1000.0
+        queue_ms = v.queue_work / tps * 1000.0 + queue_steps * step_ms
         work = self.work(uncached, cached)
-        prefill_ms = work / tps * 1000.0
+        overhead_ms = cal.request_s * 1000.0
+        prefill_ms = work / tps * 1000.0 + (steps - queue_steps) * step_ms + overhead_ms
         # G4 price: the worker's calibrated figures (connector counters, router/prefetch.py) or the defaults
         bpb = getattr(worker, "g4_bytes_per_block", 0) or cfg.g4_bytes_per_block
         bw = getattr(worker, "g4_bytes_per_s", 0.0) or cfg.g4_bytes_per_s
         g4_ms = g4_extra * bpb / max(1.0, bw) * 1000.0
+        total = queue_ms + prefill_ms + g4_ms
+        clamped = not MIN_TTFT_MS <= total <= MAX_TTFT_MS  # NaN included
+        if clamped:
+            total = MAX_TTFT_MS if total > MIN_TTFT_MS else MIN_TTFT_MS
         return Candidate(
             worker=worker.name, gpu_blocks=match.gpu, cpu_blocks=match.cpu, local_blocks=local,
             g4_blocks=g4_extra, cached_tokens=cached, uncached_tokens=uncached, prefill_work=work,
-            inflight=worker.inflight,
-            pending_requests=worker.pending_requests, pending_tokens=worker.pending_tokens,
+            inflight=v.inflight, pending_requests=v.prefill_requests, pending_tokens=round(v.prefill_work),
             vllm_running=load.running, vllm_waiting=load.waiting, kv_usage=load.kv_usage,
             prefill_tokens_per_s=tps, queue_ms=queue_ms, prefill_ms=prefill_ms, g4_load_ms=g4_ms,
-            predicted_ttft_ms=queue_ms + prefill_ms + g4_ms,
-            load=max(float(worker.inflight), load.running + load.waiting) + load.kv_usage,
+            predicted_ttft_ms=total,
+            load=max(float(v.inflight), load.running + load.waiting) + load.kv_usage,
+            queue_requests=v.queue_requests, queue_tokens=queue_tokens, decodes=decodes, steps=steps,
+            step_ms=step_ms, overhead_ms=overhead_ms, calibration=cal.source, clamped=clamped,
         )
 
     def observe_ttft(self, worker, ttft_s: float, predicted: Candidate) -> None:
-        """Calibrate the worker's prefill speed from one observed TTFT (streamed responses only).
+        """Calibrate the worker's prefill speed from one observed TTFT (streamed responses only): what is
+        left after the predicted queue, steps, overhead and G4 load is the prefill work's compute.
 
         Small prefills are dominated by fixed overheads and are skipped."""
         worker.ttft_samples += 1
         uncached = predicted.uncached_tokens
         if uncached < MIN_CALIBRATION_TOKENS:
             return
-        compute_s = ttft_s - predicted.queue_ms / 1000.0 - predicted.g4_load_ms / 1000.0
+        # the prediction's own steps and overhead: its prefill time less the compute of its work
+        compute_ms = predicted.prefill_work / max(1.0, predicted.prefill_tokens_per_s) * 1000.0
+        fixed_ms = predicted.queue_ms + predicted.g4_load_ms + predicted.prefill_ms - compute_ms
+        compute_s = ttft_s - fixed_ms / 1000.0
         if compute_s <= 1e-4:
             return
         self._calibrate(worker, predicted.prefill_work / compute_s)
+
+    def observe_engine(self, worker, itl_s: float | None, mean_running: float, overhead_s: float | None) -> None:
+        """One scrape interval's engine figures (WorkerLoad.engine_since) into the worker's calibration."""
+        if itl_s is not None:
+            worker.engine.observe_steps(mean_running, itl_s)
+        if overhead_s is not None:
+            worker.engine.observe_request_overhead(overhead_s, self.cfg.calibration_alpha)
 
     def observe_engine_prefill(self, worker, tokens: float, seconds: float, requests: float,
                                prompt_tokens: float = 0.0) -> None:
         """Calibrate from vLLM's own accounting between two /metrics scrapes: the work of the tokens computed
         in prefill over the seconds from scheduling to first token (``vllm:request_prefill_kv_computed_tokens``,
         ``vllm:request_prefill_time_seconds``; ``vllm:request_prompt_tokens`` gives the cached context, taken
-        as the interval's mean per request). It sees every request, streamed or not, and no queue wait."""
+        as the interval's mean per request). It sees every request, streamed or not, and no queue wait.
+        The steps' own cost (router/calibrate.py) is not prefill compute: it is taken off, down to a tenth
+        of the time at most (a step estimate that is off must not make the speed explode)."""
         if requests <= 0 or seconds <= 1e-4 or tokens / requests < MIN_CALIBRATION_TOKENS:
             return
+        per_request = tokens / requests
         cached = max(0.0, prompt_tokens - tokens) / requests
-        self._calibrate(worker, requests * self.work(tokens / requests, cached) / seconds)
+        steps = math.ceil(per_request / self.budget(worker))
+        stepping = requests * steps * worker.engine.step_time_s(worker.load.running)
+        compute_s = max(seconds / 10.0, seconds - stepping)
+        self._calibrate(worker, requests * self.work(per_request, cached) / compute_s)
 
     def _calibrate(self, worker, observed_tps: float) -> None:
         """One sample moves the fleet's estimate by ``calibration_alpha`` and the worker's ratio to it by a
@@ -146,3 +196,4 @@ class CostModel:
         ratio = worker.prefill_ratio
         worker.prefill_ratio = (1 - b) * ratio + b * min(ratio * 10, max(ratio / 10, observed_tps / fleet))
         worker.prefill_samples += 1
+

@@ -67,6 +67,10 @@ class _Snapshot:
         yield ratio
 
 
+# observed / predicted: a factor of 10 either way, finer near 1
+_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 10.0)
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
@@ -85,6 +89,12 @@ class GatewayMetrics:
                               "Delivered cached tokens / prompt tokens (moving average)", ["model"], registry=r)
         self.ttft = Histogram("kvgate_ttft_seconds", "Time to first byte of a streamed response, seen by the gateway",
                               ["model", "worker"], buckets=_TTFT_BUCKETS, registry=r)
+        self.ttft_ratio = Histogram("kvgate_ttft_prediction_ratio",
+                                    "Observed / predicted TTFT of streamed responses (1 = exact)", ["worker"],
+                                    buckets=_RATIO_BUCKETS, registry=r)
+        self.prediction_clamped = Counter("kvgate_ttft_prediction_clamped",
+                                          "Routed requests whose predicted TTFT was clamped (bad or missing "
+                                          "worker figures)", ["worker"], registry=r)
         self.inflight = Gauge("kvgate_inflight_requests", "Requests in flight per worker", ["worker"], registry=r)
         self.retries = Counter("kvgate_retries", "Requests retried on another worker before the first byte",
                                ["model", "reason"], registry=r)

@@ -215,34 +215,23 @@ class DataPath:
 
 
 class _Lease:
-    """Gateway-side load a request puts on a worker: in flight until done, pending until its first byte."""
+    """A request's place in its worker's load tracker (router/load.py): prefilling until its first byte,
+    in flight until done."""
 
     def __init__(self, metrics, worker, cand) -> None:
         # prefill work (tokens at context 0, router/cost.py), so a long context queues as what it costs
-        self.metrics, self.worker, self.tokens = metrics, worker, round(cand.prefill_work)
-        self.pending = self.active = True
-        worker.inflight += 1
-        worker.pending_requests += 1
-        worker.pending_tokens += self.tokens
-        worker.mean_prompt_tokens = 0.9 * worker.mean_prompt_tokens + 0.1 * self.tokens
+        self.metrics, self.worker = metrics, worker
+        self.seq = worker.active.add(cand.uncached_tokens, cand.prefill_work, cand.predicted_ttft_ms / 1000.0)
+        self.active = True
         metrics.child(metrics.inflight, worker.name).set(worker.inflight)
-        # A non-streamed response shows no first token: count its prompt as queued until twice the
-        # predicted TTFT has passed (vLLM's own waiting gauge covers a longer wait), not for its whole decode.
-        self._timer = asyncio.get_running_loop().call_later(
-            max(0.01, 2 * cand.predicted_ttft_ms / 1000.0), self.first_byte)
 
     def first_byte(self) -> None:
-        self._timer.cancel()
-        if self.pending:
-            self.pending = False
-            self.worker.pending_requests -= 1
-            self.worker.pending_tokens -= self.tokens
+        self.worker.active.first_token(self.seq)
 
     def release(self) -> None:
-        self.first_byte()
         if self.active:
             self.active = False
-            self.worker.inflight -= 1
+            self.worker.active.finish(self.seq)
             self.metrics.child(self.metrics.inflight, self.worker.name).set(self.worker.inflight)
 
 
@@ -318,6 +307,8 @@ class Forwarder:
             d.attempts.append(w.name)
             self._prefetch(w, cand)
             lease = _Lease(st.metrics, w, cand)
+            if cand.clamped:
+                st.metrics.child(st.metrics.prediction_clamped, w.name).inc()
             t_send = time.perf_counter()
             resp = None
             try:
@@ -367,7 +358,11 @@ class Forwarder:
 
     def _observe_ttft(self, w, cand, ttft: float) -> None:
         self.d.observed_ttft_ms = ttft * 1000.0
-        self.st.metrics.child(self.st.metrics.ttft, self.d.model, w.name).observe(ttft)
+        m = self.st.metrics
+        m.child(m.ttft, self.d.model, w.name).observe(ttft)
+        ratio = w.prediction.add(ttft * 1000.0, cand.predicted_ttft_ms)
+        if ratio is not None:
+            m.child(m.ttft_ratio, w.name).observe(ratio)
         self.st.router.cost.observe_ttft(w, ttft, cand)
 
     async def _stream(self, send, resp: UpstreamResponse, lease, w, cand, t_send: float) -> None:

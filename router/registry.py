@@ -28,7 +28,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from indexer.events.subscriber import resolve_endpoint
+from router.calibrate import EngineCalibration, PredictionErrors, default_calibration
 from router.config import Settings, WorkerConfig
+from router.load import ActiveSequences, LoadView
 
 log = logging.getLogger("kvgate.registry")
 
@@ -48,6 +50,24 @@ class WorkerLoad:
     prefill_requests: float = 0.0
     prompt_tokens: float = 0.0  # vllm:request_prompt_tokens (sum): with prefill_tokens, the cached context
     process_start: float | None = None  # process_start_time_seconds: changes when the server restarts
+    # Cumulative (sum, count) of the latency histograms the scheduler model calibrates from (router/calibrate.py)
+    itl: tuple[float, float] = (0.0, 0.0)  # vllm:inter_token_latency_seconds: one step per token
+    ttft: tuple[float, float] = (0.0, 0.0)  # vllm:time_to_first_token_seconds
+    queue: tuple[float, float] = (0.0, 0.0)  # vllm:request_queue_time_seconds
+    num_gpu_blocks: int | None = None  # vllm:cache_config_info
+
+    def engine_since(self, before: WorkerLoad) -> tuple[float | None, float, float | None]:
+        """(mean inter-token latency, mean running, mean per-request overhead outside queue and prefill)
+        between two scrapes; a mean is None when its histograms saw nothing new (or went back)."""
+        def mean(now: tuple[float, float], then: tuple[float, float]) -> float | None:
+            dn = now[1] - then[1]
+            return (now[0] - then[0]) / dn if dn > 0 and now[0] >= then[0] else None
+
+        itl = mean(self.itl, before.itl)
+        ttft, queue = mean(self.ttft, before.ttft), mean(self.queue, before.queue)
+        prefill = mean((self.prefill_seconds, self.prefill_requests), (before.prefill_seconds, before.prefill_requests))
+        overhead = ttft - queue - prefill if None not in (ttft, queue, prefill) else None
+        return itl, (self.running + before.running) / 2.0, overhead
 
     def prefill_since(self, before: WorkerLoad) -> tuple[float, float, float, float] | None:
         """(computed tokens, seconds, requests, prompt tokens) of the requests finished between two
@@ -71,15 +91,16 @@ class Worker:
     block_size: int | None = None
     event_sources: list[dict] = field(default_factory=list)
     load: WorkerLoad = field(default_factory=WorkerLoad)
-    inflight: int = 0
-    pending_tokens: int = 0  # prefill work sent, not yet prefilled (no first byte seen), tokens at context 0
-    pending_requests: int = 0
+    # The requests this gateway has in flight on the worker, by phase (router/load.py), and the scheduler
+    # model's parameters learnt from its metrics (router/calibrate.py).
+    active: ActiveSequences = field(default_factory=ActiveSequences)
+    engine: EngineCalibration = field(default_factory=default_calibration)
+    prediction: PredictionErrors = field(default_factory=PredictionErrors)  # observed / predicted TTFT
     prefill_ratio: float = 1.0  # this worker's speed relative to the fleet-wide estimate (router/cost.py)
     g4_bytes_per_s: float = 0.0  # G4 load bandwidth measured by the worker's connector (0: use the default)
     g4_bytes_per_block: int = 0  # bytes of one block file on G4 (0: use the default)
     ttft_samples: int = 0
     prefill_samples: int = 0  # observations that calibrated it: streamed TTFTs, vLLM prefill histograms
-    mean_prompt_tokens: float = 0.0
     failures: int = 0
     restarts: int = 0
     lost_at: float | None = None  # monotonic time it left discovery (removed after lost_grace_s)
@@ -90,6 +111,23 @@ class Worker:
     added_at: float = field(default_factory=time.time)
     # Last parity check (router/parity.py), at registration or on demand (POST /admin/workers/{name}/parity).
     parity: dict | None = None
+
+    @property
+    def inflight(self) -> int:
+        return len(self.active)
+
+    def view(self) -> LoadView:
+        """The gateway's load on the worker now, reconciled with vLLM's gauges (router/load.py)."""
+        return self.active.view(self.load.running, self.load.waiting)
+
+    @property
+    def pending_requests(self) -> int:
+        return self.view().prefill_requests
+
+    @property
+    def pending_tokens(self) -> int:
+        """Prefill work sent and not yet prefilled (no first token), in tokens at context 0."""
+        return round(self.view().prefill_work)
 
     @property
     def cache_blind(self) -> bool:
@@ -127,7 +165,8 @@ class Worker:
             "event_sources": self.event_sources,
             "load": {"running": self.load.running, "waiting": self.load.waiting,
                      "kv_usage": self.load.kv_usage, "updated_at": self.load.updated_at},
-            "inflight": self.inflight, "pending_tokens": self.pending_tokens,
+            "inflight": self.inflight, "pending_tokens": self.pending_tokens, "engine": self.engine.to_dict(),
+            "prediction": self.prediction.to_dict(),
             "prefill_ratio": self.prefill_ratio, "ttft_samples": self.ttft_samples,
             "prefill_samples": self.prefill_samples,
             "failures": self.failures, "restarts": self.restarts, "last_error": self.last_error,
@@ -142,6 +181,8 @@ def worker_name(cfg: WorkerConfig) -> str:
     return parts.netloc or cfg.url
 
 
+_LATENCY_HISTOGRAMS = {"vllm:inter_token_latency_seconds": "itl", "vllm:time_to_first_token_seconds": "ttft",
+                       "vllm:request_queue_time_seconds": "queue"}
 _PREFILL_HISTOGRAMS = {"vllm:request_prefill_kv_computed_tokens": "prefill_tokens",
                        "vllm:request_prefill_time_seconds": "prefill_seconds",
                        "vllm:request_prompt_tokens": "prompt_tokens"}
@@ -166,6 +207,15 @@ def parse_metrics(text: str) -> tuple[WorkerLoad, int | None]:
                     setattr(load, _PREFILL_HISTOGRAMS[name], getattr(load, _PREFILL_HISTOGRAMS[name]) + smp.value)
                 elif smp.name == name + "_count" and name == "vllm:request_prefill_time_seconds":
                     load.prefill_requests += smp.value
+        elif name in _LATENCY_HISTOGRAMS:
+            attr = _LATENCY_HISTOGRAMS[name]
+            total, count = getattr(load, attr)
+            for smp in fam.samples:
+                if smp.name == name + "_sum":
+                    total += smp.value
+                elif smp.name == name + "_count":
+                    count += smp.value
+            setattr(load, attr, (total, count))
         elif name == "process_start_time_seconds":
             for s in fam.samples:
                 load.process_start = s.value
@@ -174,6 +224,9 @@ def parse_metrics(text: str) -> tuple[WorkerLoad, int | None]:
                 bs = s.labels.get("block_size")
                 if bs and bs.isdigit():
                     block_size = int(bs)
+                nb = s.labels.get("num_gpu_blocks")
+                if nb and nb.isdigit():
+                    load.num_gpu_blocks = (load.num_gpu_blocks or 0) + int(nb)
     if usage:
         load.kv_usage = max(usage)
     return load, block_size
@@ -208,6 +261,7 @@ class WorkerRegistry:
         # Called with (worker, computed tokens, seconds, requests, prompt tokens) of prefills vLLM finished
         # between two scrapes.
         self.on_prefill = None
+        self.on_engine = None  # (worker, mean ITL, mean running, mean request overhead) per scrape
         self._discovery = None
 
     # --- queries -------------------------------------------------------------------------------
@@ -310,8 +364,11 @@ class WorkerRegistry:
             await self.remove(same.name)  # a pod gone from discovery whose IP a new pod reuses
         elif same is not None:  # one server counted twice would get twice its share
             raise DuplicateWorker(f"worker {same.name!r} already has the URL {url}", "url")
+        r = self.settings.routing
         w = Worker(name=name, url=cfg.url.rstrip("/"), config=cfg,
-                   mean_prompt_tokens=float(self.settings.routing.queued_request_tokens))
+                   active=ActiveSequences(float(r.queued_request_tokens)),
+                   engine=EngineCalibration(r.step_ms / 1000.0, r.per_decode_ms / 1000.0,
+                                            r.request_overhead_ms / 1000.0))
         self._workers[name] = w
         if probe:
             await self._probe(w, full=True)
@@ -491,12 +548,15 @@ class WorkerRegistry:
             w.last_error = f"/metrics: {e}"
             return
         done = load.prefill_since(w.load) if w.load.updated_at else None  # not the first scrape
+        previous = w.load
         before = w.load.process_start
         w.load = load
         if before is not None and load.process_start is not None and load.process_start != before:
             await self._restarted(w, "process_start_time_seconds changed")
         if done is not None and self.on_prefill is not None:
             self.on_prefill(w, *done)
+        if self.on_engine is not None and previous.updated_at:
+            self.on_engine(w, *load.engine_since(previous))
         if bs:
             w.block_size = bs
 

@@ -74,6 +74,7 @@ class GatewayState:
         self.router = Router(registry=self.registry, tokenizers=self.tokenizers, index_guard=self.index_guard,
                              pending=self.pending, routing=settings.routing, policy=lambda: self.policy)
         self.registry.on_prefill = self.router.cost.observe_engine_prefill
+        self.registry.on_engine = self.router.cost.observe_engine
         self.prefetcher: Prefetcher = prefetcher or make_prefetcher(settings)
         self._background: set[asyncio.Task] = set()
         self.datapath = DataPath(registry=self.registry, upstream=self.upstream, router=self.router,

@@ -45,6 +45,14 @@ class WorkerLoadOut(BaseModel):
     prefill_samples: int = Field(0, description="observations that calibrated it: streamed TTFTs and "
                                                 "vLLM's prefill histograms between two scrapes")
     ttft_samples: int = Field(0, description="streamed responses whose time to first byte was seen")
+    pending_requests: int = Field(0, description="requests the gateway sent that have no first token yet")
+    decodes: int = Field(0, description="requests decoding: the gateway's own, or vLLM's running beyond "
+                                        "the gateway's prefilling ones, the larger")
+    engine: dict = Field(default_factory=dict, description="the scheduler model's parameters for this worker "
+                         "(router/calibrate.py): step_ms, per_decode_ms, request_overhead_ms, their samples, "
+                         "and source: defaults (no samples yet), partial or vllm-metrics")
+    prediction: dict = Field(default_factory=dict, description="observed / predicted TTFT over the last "
+                             "streamed responses: samples, median, p90 (1 = exact)")
 
 
 class WorkerOut(BaseModel):
@@ -217,16 +225,31 @@ class CandidateOut(_Open):
     vllm_waiting: float = 0
     kv_usage: float = 0
     prefill_tokens_per_s: float = 0
-    queue_ms: float = Field(0, description="load term: predicted queue wait")
+    queue_ms: float = Field(0, description="load term: predicted queue wait (the queue's prefill work and "
+                                           "the engine steps it takes)")
     prefill_work: float = Field(0, description="the uncached tokens' prefill work, in tokens at context 0 "
                                                "(attention makes later tokens cost more)")
-    prefill_ms: float = Field(0, description="prefill time of the uncached tokens (work / speed)")
+    prefill_ms: float = Field(0, description="this request's prefill: its work / speed, its own engine "
+                                             "steps and the per-request overhead")
     g4_load_ms: float = Field(0, description="time to load the G4 blocks")
     predicted_ttft_ms: float = 0
     score_ms: float | None = Field(None, description="the policy's ordering key, lowest first (kv: predicted "
                                                      "TTFT plus the recompute penalty, less the cache-affinity "
                                                      "edge); null for policies that do not score")
     load: float = 0
+    queue_requests: float = Field(0, description="the queue the scheduler model stepped through: requests "
+                                                 "ahead (the gateway's own prefilling ones and vLLM's waiting "
+                                                 "beyond them)")
+    queue_tokens: float = Field(0, description="their uncached prompt tokens")
+    decodes: int = Field(0, description="requests decoding in every step (each adds per_decode_ms)")
+    steps: int = Field(0, description="engine steps until this request's first token "
+                                      "(max_num_batched_tokens less the decodes per step)")
+    step_ms: float = Field(0, description="one step's fixed and decode cost")
+    overhead_ms: float = Field(0, description="the per-request overhead (vLLM's TTFT less queue and prefill)")
+    calibration: str = Field("defaults", description="where step and overhead figures come from: defaults "
+                                                     "(the worker's metrics gave no samples yet), partial, "
+                                                     "vllm-metrics")
+    clamped: bool = Field(False, description="the prediction was clamped (bad or missing figures)")
 
 
 class DecisionOut(_Open):

@@ -24,14 +24,17 @@ def worker_out(state, w, stats: dict, events: dict) -> schemas.WorkerOut:
             cached[tier] = cached.get(tier, 0) + int(n)
     ev = events.get(w.name)
     parity = getattr(w, "parity", None)
+    view = w.view()
     return schemas.WorkerOut(
         name=w.name, url=w.url, healthy=w.healthy, draining=w.draining, model=w.base_model(),
         models=sorted(w.models), block_size=w.block_size,
         events=schemas.EventsStatus(**ev) if isinstance(ev, dict) else None,
         load=schemas.WorkerLoadOut(
             running=w.load.running, waiting=w.load.waiting, kv_usage=w.load.kv_usage, inflight=w.inflight,
-            pending_tokens=w.pending_tokens, prefill_tokens_per_s=state.router.cost.prefill_speed(w),
-            prefill_ratio=w.prefill_ratio, prefill_samples=w.prefill_samples, ttft_samples=w.ttft_samples),
+            pending_tokens=round(view.prefill_work), prefill_tokens_per_s=state.router.cost.prefill_speed(w),
+            prefill_ratio=w.prefill_ratio, prefill_samples=w.prefill_samples, ttft_samples=w.ttft_samples,
+            pending_requests=view.prefill_requests, decodes=view.decodes, engine=w.engine.to_dict(),
+            prediction=w.prediction.to_dict()),
         cached_blocks=cached, parity=parity if isinstance(parity, dict) else None,
         cache_blind=bool(getattr(w, "cache_blind", False)),
         chat_cache_blind=bool(getattr(w, "chat_cache_blind", False)),

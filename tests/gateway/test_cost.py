@@ -7,29 +7,67 @@ from indexer.index.base import WorkerMatch
 from router.config import RoutingConfig, WorkerConfig
 from router.cost import CostModel
 from router.policies import RouteRequest, create_policy
+from router.calibrate import EngineCalibration
 from router.registry import Worker
 
 
-def worker(name, **kw):
-    w = Worker(name=name, url=f"http://{name}", config=WorkerConfig(url=f"http://{name}"), healthy=True,
-               mean_prompt_tokens=500.0)
-    for k, v in kw.items():
-        setattr(w, k, v)
+def worker(name, prefilling=(), decoding=0, engine=(0.0, 0.0, 0.0), mean=500.0, **config):
+    """A worker with requests the gateway sent: ``prefilling`` (uncached tokens = work of each, no first
+    token yet) and ``decoding`` ones; ``engine``: (step s, per-decode s, request overhead s)."""
+    w = Worker(name=name, url=f"http://{name}", config=WorkerConfig(url=f"http://{name}", **config),
+               healthy=True, engine=EngineCalibration(*engine))
+    for tokens in prefilling:
+        w.active.add(tokens, tokens, predicted_s=1e6)
+    for _ in range(decoding):
+        w.active.first_token(w.active.add(0, 0.0, predicted_s=1e6))
+    w.active.mean_work = w.active.mean_tokens = mean
     return w
 
 
-def test_prediction_terms():
-    cfg = RoutingConfig(prefill_tokens_per_s=1000.0, running_penalty_ms=2.0, g4_bytes_per_block=1000,
-                        g4_bytes_per_s=1e6, attention_knee_tokens=0)
+def test_prediction_steps_the_queue_forward():
+    cfg = RoutingConfig(prefill_tokens_per_s=1000.0, g4_bytes_per_block=1000, g4_bytes_per_s=1e6,
+                        attention_knee_tokens=0, max_num_batched_tokens=512)
     cm = CostModel(cfg)
-    w = worker("a", pending_tokens=1000, pending_requests=1, inflight=3)
+    w = worker("a", prefilling=[1000], decoding=2, engine=(0.002, 0.001, 0.003))
     w.load.waiting, w.load.running = 3, 1
     c = cm.score(w, WorkerMatch(gpu=2, cpu=0, local=2), g4=5, num_tokens=200, block_size=16)
-    # 1000 pending + (3-1) waiting * 500 = 2000 tokens / 1000 t/s = 2 s; running max(3-1, 1) = 2 * 2 ms
-    assert c.queue_ms == 2000 + 4
+    # queue: 1000 own tokens + (3-1) waiting the gateway did not send x 500 = 2000 tokens, 2 decodes
+    assert (c.queue_requests, c.queue_tokens, c.decodes) == (3, 2000, 2)
+    # 510 prompt tokens a step (512 less 2 decodes): 4 steps for the queue, a 5th ends this prefill;
+    # a step costs 2 ms + 2 x 1 ms
+    assert c.steps == 5 and c.step_ms == pytest.approx(4.0)
+    assert c.queue_ms == pytest.approx(2000 + 4 * 4)
     assert c.cached_tokens == 5 * 16 and c.uncached_tokens == 120 and c.g4_blocks == 3
-    assert c.prefill_ms == 120.0 and c.g4_load_ms == 3.0
+    assert c.prefill_ms == pytest.approx(120 + 4 + 3) and c.g4_load_ms == 3.0  # compute, 1 step, overhead
     assert c.predicted_ttft_ms == c.queue_ms + c.prefill_ms + c.g4_load_ms
+    assert c.calibration == "defaults" and not c.clamped
+    # the worker's own budget (its --max-num-batched-tokens) counts
+    big = worker("b", prefilling=[1000], decoding=2, engine=(0.002, 0.001, 0.003), max_num_batched_tokens=4096)
+    big.load.waiting, big.load.running = 3, 1
+    assert cm.score(big, WorkerMatch(local=2), 5, 200, 16).steps == 2
+
+
+def test_a_long_prompt_takes_several_steps_and_decodes_slow_each():
+    cm = CostModel(RoutingConfig(prefill_tokens_per_s=10_000.0, attention_knee_tokens=0,
+                                 max_num_batched_tokens=2048))
+    idle = worker("a", engine=(0.01, 0.002, 0.0))
+    busy = worker("b", decoding=20, engine=(0.01, 0.002, 0.0))
+    c_idle = cm.score(idle, WorkerMatch(), 0, 20_000, 16)
+    c_busy = cm.score(busy, WorkerMatch(), 0, 20_000, 16)
+    assert c_idle.steps == 10 and c_busy.steps == 10  # ceil(20000 / 2048) and ceil(20000 / 2028)
+    assert c_busy.predicted_ttft_ms - c_idle.predicted_ttft_ms == pytest.approx(10 * 20 * 2.0)
+
+
+def test_bad_inputs_are_clamped_not_zero_or_infinite():
+    cm = CostModel(RoutingConfig(prefill_tokens_per_s=1000.0))
+    w = worker("a", engine=(float("inf"), 0.0, 0.0))
+    c = cm.score(w, WorkerMatch(), 0, 100, 16)
+    assert c.clamped and 0 < c.predicted_ttft_ms < float("inf")
+    w = worker("b", engine=(float("nan"), 0.0, 0.0))
+    c = cm.score(w, WorkerMatch(), 0, 100, 16)
+    assert c.clamped and 0 < c.predicted_ttft_ms < float("inf")
+    empty = cm.score(worker("c"), WorkerMatch(), 0, 0, 16)
+    assert empty.predicted_ttft_ms > 0
 
 
 def test_calibration_moves_towards_observed_speed():
@@ -46,7 +84,7 @@ def test_calibration_moves_towards_observed_speed():
 
 def test_policies_order():
     cm = CostModel(RoutingConfig(prefill_tokens_per_s=1000.0))
-    a, b, c = worker("a"), worker("b", inflight=2), worker("c")
+    a, b, c = worker("a"), worker("b", decoding=2), worker("c")
     req = RouteRequest("m", "/v1/chat/completions", {"x-session-id": "s"})
     cands = [cm.score(a, WorkerMatch(), 0, 1000, 16), cm.score(b, WorkerMatch(local=50), 0, 1000, 16),
              cm.score(c, WorkerMatch(), 0, 1000, 16)]

@@ -1,0 +1,101 @@
+"""One load tracker per worker: the requests this gateway has sent it, by phase, reconciled with vLLM's
+own gauges. The proxy reports the transitions (sent, first token, done); the cost model (router/cost.py),
+the policies and the admin API read :meth:`ActiveSequences.view`. Nothing else counts a worker's load.
+
+A sequence is *prefilling* from the moment it is sent until its first token, *decoding* after. A response
+that shows no first token (not streamed) counts as prefilling until twice its predicted TTFT has passed
+(a lazy deadline, no timer), then as decoding until it ends: vLLM's own waiting gauge covers a longer wait.
+
+vLLM's gauges see what the gateway does not (another gateway, clients that bypass it): requests vLLM
+reports waiting beyond the gateway's prefilling ones are queued work of the worker's mean request size;
+running beyond the gateway's ones that must be prefilling are decodes.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One request sent to the worker (prompt sizes in tokens; ``work``: prefill work, router/cost.py)."""
+
+    uncached: int
+    work: float
+    sent_at: float
+    deadline: float  # counted as prefilling until then when no first token is seen
+    first_at: float | None = None
+
+
+@dataclass(slots=True)
+class LoadView:
+    """What a scorer needs of a worker's load at one instant (the admin API shows it too)."""
+
+    inflight: int = 0
+    prefill_requests: int = 0  # the gateway's own, sent and not yet prefilled
+    prefill_tokens: int = 0  # their uncached prompt tokens
+    prefill_work: float = 0.0  # their prefill work
+    decodes: int = 0  # gateway's own decoding, or vLLM's running beyond the prefilling ones, the larger
+    unknown_waiting: float = 0.0  # waiting at vLLM beyond the gateway's prefilling requests
+    mean_work: float = 0.0  # the worker's mean prefill work per request (prices the unknown ones)
+    mean_tokens: float = 0.0  # and its mean uncached tokens per request
+
+    @property
+    def queue_requests(self) -> float:
+        return self.prefill_requests + self.unknown_waiting
+
+    @property
+    def queue_work(self) -> float:
+        return self.prefill_work + self.unknown_waiting * self.mean_work
+
+    @property
+    def queue_tokens(self) -> float:
+        return self.prefill_tokens + self.unknown_waiting * self.mean_tokens
+
+
+class ActiveSequences:
+    """A worker's in-flight requests from this gateway (bounded by what is in flight)."""
+
+    def __init__(self, default_work: float = 1024.0, clock=time.monotonic) -> None:
+        self._live: dict[int, Sequence] = {}  # id(seq) -> seq, in arrival order
+        self._clock = clock
+        self.mean_work = default_work
+        self.mean_tokens = default_work
+        self.sent = 0
+
+    def add(self, uncached: int, work: float, predicted_s: float) -> Sequence:
+        now = self._clock()
+        seq = Sequence(uncached=max(0, int(uncached)), work=max(0.0, float(work)), sent_at=now,
+                       deadline=now + max(0.01, 2.0 * predicted_s))
+        self._live[id(seq)] = seq
+        self.sent += 1
+        self.mean_work = 0.9 * self.mean_work + 0.1 * seq.work
+        self.mean_tokens = 0.9 * self.mean_tokens + 0.1 * seq.uncached
+        return seq
+
+    def first_token(self, seq: Sequence) -> None:
+        if seq.first_at is None:
+            seq.first_at = self._clock()
+
+    def finish(self, seq: Sequence) -> None:
+        self.first_token(seq)
+        self._live.pop(id(seq), None)
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def view(self, running: float = 0.0, waiting: float = 0.0, now: float | None = None) -> LoadView:
+        """The load now, reconciled with vLLM's ``running`` and ``waiting`` gauges."""
+        now = self._clock() if now is None else now
+        v = LoadView(inflight=len(self._live), mean_work=self.mean_work, mean_tokens=self.mean_tokens)
+        for s in self._live.values():
+            if s.first_at is None and now < s.deadline:
+                v.prefill_requests += 1
+                v.prefill_tokens += s.uncached
+                v.prefill_work += s.work
+        own_decodes = v.inflight - v.prefill_requests
+        v.unknown_waiting = max(0.0, waiting - v.prefill_requests)
+        # the gateway's prefilling requests that vLLM does not count as waiting are running (prefilling)
+        running_prefills = v.prefill_requests - min(float(v.prefill_requests), waiting)
+        v.decodes = int(max(own_decodes, running - running_prefills, 0))
+        return v

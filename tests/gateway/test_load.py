@@ -1,0 +1,126 @@
+"""The per-worker load tracker (router/load.py) and the scheduler model's online calibration
+(router/calibrate.py), on hand-built inputs (no servers), and the accuracy figures a user reads."""
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.calibrate import EngineCalibration, PredictionErrors
+from router.load import ActiveSequences
+from router.registry import WorkerLoad
+from tests.gateway.conftest import MODEL
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_phases_and_the_deadline_of_a_response_without_a_first_token():
+    clock = Clock()
+    a = ActiveSequences(default_work=1000.0, clock=clock)
+    streamed = a.add(uncached=300, work=350.0, predicted_s=1.0)
+    plain = a.add(uncached=200, work=200.0, predicted_s=0.5)
+    v = a.view()
+    assert (v.inflight, v.prefill_requests, v.prefill_tokens, v.prefill_work, v.decodes) == (2, 2, 500, 550.0, 0)
+    a.first_token(streamed)
+    assert a.view().prefill_requests == 1 and a.view().decodes == 1
+    clock.t += 1.01  # twice the predicted 0.5 s: the non-streamed one counts as decoding now
+    v = a.view()
+    assert v.prefill_requests == 0 and v.decodes == 2 and v.inflight == 2
+    a.finish(plain)
+    a.finish(streamed)
+    a.finish(streamed)  # twice is harmless
+    assert len(a) == 0 and a.view().inflight == 0
+
+
+def test_reconciled_with_what_vllm_reports():
+    a = ActiveSequences(default_work=800.0)
+    a.add(uncached=100, work=100.0, predicted_s=60)
+    # vLLM: 3 waiting (2 the gateway did not send), 5 running (the gateway's one is waiting, so 5 decode)
+    v = a.view(running=5, waiting=3)
+    assert v.unknown_waiting == 2 and v.decodes == 5 and v.queue_requests == 3
+    assert v.queue_work == pytest.approx(100 + 2 * a.mean_work)
+    # the gateway's prefilling request is running at vLLM (nothing waiting): it is not a decode
+    v = a.view(running=1, waiting=0)
+    assert v.unknown_waiting == 0 and v.decodes == 0
+
+
+def test_step_time_is_learnt_from_inter_token_latency():
+    cal = EngineCalibration(step_s=0.05, seq_s=0.0, request_s=0.0)
+    assert cal.source == "defaults"
+    for d in (1, 4, 8, 2, 6, 10, 3):  # the engine: 12 ms a step plus 0.8 ms per running request
+        cal.observe_steps(d, 0.012 + 0.0008 * d)
+    assert cal.step_s == pytest.approx(0.012, rel=0.02) and cal.seq_s == pytest.approx(0.0008, rel=0.05)
+    assert cal.source == "partial"
+    flat = EngineCalibration(step_s=0.05, seq_s=0.001, request_s=0.0)
+    for _ in range(5):  # the running count never varied: no slope to learn, the prior slope stays
+        flat.observe_steps(4, 0.020)
+    assert flat.seq_s == 0.001 and flat.step_time_s(4) == pytest.approx(0.020)
+
+
+def test_bad_samples_are_clamped_and_counted_never_zero_or_infinite():
+    cal = EngineCalibration(step_s=0.01, seq_s=0.0, request_s=0.005)
+    cal.observe_steps(2, float("inf"))
+    cal.observe_steps(2, -1.0)  # ignored
+    cal.observe_steps(-3, 0.01)  # ignored
+    cal.observe_request_overhead(float("nan"), 0.2)  # ignored
+    cal.observe_request_overhead(1e9, 0.2)
+    assert cal.clamped == 2 and 0 < cal.step_s <= 5.0 and 0 <= cal.request_s <= 10.0
+    assert math.isfinite(cal.step_time_s(1000))
+
+
+def test_engine_figures_between_two_scrapes():
+    before = WorkerLoad(running=2, itl=(1.0, 100), ttft=(10.0, 10), queue=(2.0, 10), prefill_seconds=5.0,
+                        prefill_requests=10)
+    after = WorkerLoad(running=4, itl=(2.5, 200), ttft=(16.0, 15), queue=(3.0, 15), prefill_seconds=9.5,
+                       prefill_requests=15)
+    itl, running, overhead = after.engine_since(before)
+    assert itl == pytest.approx(0.015) and running == 3.0
+    assert overhead == pytest.approx(6.0 / 5 - 1.0 / 5 - 4.5 / 5)
+    assert WorkerLoad().engine_since(WorkerLoad()) == (None, 0.0, None)  # nothing new: no sample
+    restarted = WorkerLoad(itl=(0.1, 5))
+    assert restarted.engine_since(after)[0] is None  # counters went back
+
+
+def test_prediction_errors_summary():
+    e = PredictionErrors()
+    assert e.to_dict() == {"samples": 0, "median": None, "p90": None}
+    for obs in range(1, 11):
+        e.add(obs * 100.0, 500.0)
+    assert e.add(100.0, 0.0) is None and e.add(float("inf"), 10.0) is None
+    d = e.to_dict()
+    assert d["samples"] == 10 and d["median"] == pytest.approx(1.2) and d["p90"] == pytest.approx(2.0)
+
+
+async def test_streamed_responses_report_prediction_accuracy(fleet, start_gateway):
+    """What a user reads: each streamed response's observed / predicted TTFT lands in
+    kvgate_ttft_prediction_ratio, the worker's summary in /admin/workers, and the decision record."""
+    fleet.add("a")
+    fleet.states[0].first_token_delay_s = 0.2
+    gw = start_gateway(fleet)
+    body = {"model": MODEL, "prompt": list(range(1000, 1400)), "max_tokens": 2, "stream": True}
+    async with httpx.AsyncClient(timeout=30) as c:
+        for i in range(3):
+            r = await c.post(gw.url + "/v1/completions", json=body | {"prompt": list(range(i * 500, i * 500 + 400))},
+                             headers={"x-request-id": f"acc{i}"})
+            assert r.status_code == 200
+        w = next(x for x in (await c.get(gw.url + "/admin/workers")).json()["workers"] if x["name"] == "a")
+        metrics = (await c.get(gw.url + "/metrics")).text
+        d = (await c.get(gw.url + "/admin/decisions/acc2")).json()
+    pred = w["load"]["prediction"]
+    assert pred["samples"] == 3 and pred["median"] > 0 and pred["p90"] >= pred["median"]
+    assert w["load"]["engine"]["source"] in ("defaults", "partial", "vllm-metrics")
+    fams = {f.name: f for f in text_string_to_metric_families(metrics)}
+    count = [s.value for s in fams["kvgate_ttft_prediction_ratio"].samples
+             if s.name.endswith("_count") and s.labels.get("worker") == "a"]
+    assert count == [3.0]
+    assert d["observed_ttft_ms"] >= 200 and d["predicted_ttft_ms"] > 0
+    chosen = d["candidates"][0]
+    assert chosen["steps"] >= 1 and chosen["step_ms"] > 0 and "calibration" in chosen
