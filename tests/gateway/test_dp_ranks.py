@@ -5,7 +5,7 @@ one port, each with its own KV cache and its own event stream (rank r on the eve
 
 The worker is the fake vLLM HTTP surface (tests/support/fake_worker.py) playing a 2-rank server: one
 prefix cache and one real ZMQ publisher (bench.sim.vllm_format.EventPublisher, vLLM's wire format) per
-rank. Real vLLM with two ranks: tests/e2e/test_vllm_dp.py."""
+rank. Real vLLM with two ranks: tests/e2e_dp/test_vllm_dp.py."""
 from __future__ import annotations
 
 import httpx
