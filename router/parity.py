@@ -217,9 +217,12 @@ class ParityChecker:
             loop.call_soon_threadsafe(self.recheck, worker)
 
     # -- the check --------------------------------------------------------------------------------------
-    async def check(self, worker: str, url: str, model: str, timeout_s: float | None = None) -> ParityResult:
+    async def check(self, worker: str, url: str, model: str, timeout_s: float | None = None,
+                    headers: dict[str, str] | None = None) -> ParityResult:
         """Probe ``worker`` (serving ``model`` at ``url``); record, log and export the outcome. With
-        ``timeout_s`` the whole check (probe request, event wait, retries) takes at most that long."""
+        ``timeout_s`` the whole check (probe request, event wait, retries) takes at most that long.
+        ``headers`` go with every probe that watches events (``X-data-parallel-rank``: the rank whose
+        stream ``worker`` names)."""
         t0 = time.monotonic()
         bs = self.block_size(model)
         result = ParityResult(worker=worker, status=UNVERIFIED, reason="", model=model, block_size=bs)
@@ -228,10 +231,10 @@ class ParityChecker:
                 result.status = NO_EVENTS
                 result.reason = "the worker publishes no KV events: nothing to compare, routing cannot see its cache"
             elif timeout_s is None:
-                await self._run(result, url, model, bs)
+                await self._run(result, url, model, bs, headers=headers)
             else:  # the event wait shrinks to fit; wait_for is the hard stop (a probe that hangs)
                 deadline = time.monotonic() + timeout_s * 0.9
-                await asyncio.wait_for(self._run(result, url, model, bs, deadline), timeout_s)
+                await asyncio.wait_for(self._run(result, url, model, bs, deadline, headers), timeout_s)
         except TimeoutError:
             result.status, result.reason = UNVERIFIED, f"no answer within {timeout_s:g} s"
         except Exception as e:  # a failed probe must never break registration
@@ -246,7 +249,7 @@ class ParityChecker:
                 result.apis[api] = {"status": UNVERIFIED, "reason": f"the completion probe was {result.status}"}
                 continue
             try:
-                result.apis[api] = await self._run_api(result.worker, url, model, bs, probe)
+                result.apis[api] = await self._run_api(result.worker, url, model, bs, probe, headers)
             except Exception as e:
                 result.apis[api] = {"status": UNVERIFIED, "reason": f"probe failed: {type(e).__name__}: {e}"}
         result.elapsed_s = time.monotonic() - t0
@@ -254,7 +257,7 @@ class ParityChecker:
         return result
 
     async def _run(self, result: ParityResult, url: str, model: str, bs: int,
-                   deadline: float | None = None) -> None:
+                   deadline: float | None = None, headers: dict[str, str] | None = None) -> None:
         for attempt in range(1, self.attempts + 1):
             if deadline is not None and attempt > 1 and time.monotonic() >= deadline:
                 result.attempts = attempt - 1
@@ -275,7 +278,7 @@ class ParityChecker:
             settle = self.settle_s if deadline is None else max(0.0, min(self.settle_s, deadline - time.monotonic()))
             watch, answer = await self._send_watched(
                 result.worker, url, "/v1/completions", {"model": model, "prompt": text, "max_tokens": 1,
-                                                        "temperature": 0.0}, expected, settle)
+                                                        "temperature": 0.0}, expected, settle, headers)
             result.worker_tokens = (answer.get("usage") or {}).get("prompt_tokens")
             result.matched_blocks = _leading(expected, watch.seen)
             if watch.done.is_set():
@@ -327,12 +330,14 @@ class ParityChecker:
         return {"status": CACHE_BLIND, "reason": reason, "first_mismatch": first, **out}
 
     async def _send_watched(self, worker: str, url: str, path: str, payload: dict,
-                            expected: list[int], settle: float | None = None) -> tuple[_Watch, dict]:
+                            expected: list[int], settle: float | None = None,
+                            headers: dict[str, str] | None = None) -> tuple[_Watch, dict]:
         """Send a probe and collect the expected hashes the worker's events bring back (a few seconds)."""
         watch = _Watch(asyncio.get_running_loop(), set(expected))
         self._watches.setdefault(worker, []).append(watch)
         try:
-            r = await self.client.post(f"{url}{path}", timeout=self.request_timeout_s, json=payload)
+            r = await self.client.post(f"{url}{path}", timeout=self.request_timeout_s, json=payload,
+                                       headers=headers)
             r.raise_for_status()
             answer = r.json() or {}
             try:
@@ -345,14 +350,15 @@ class ParityChecker:
                 del self._watches[worker]
         return watch, answer if isinstance(answer, dict) else {}
 
-    async def _run_api(self, worker: str, url: str, model: str, bs: int, probe: ApiProbe) -> dict:
+    async def _run_api(self, worker: str, url: str, model: str, bs: int, probe: ApiProbe,
+                       headers: dict[str, str] | None = None) -> dict:
         """One API's probe: ``probe(model, nonce)`` gives (path, body, kvgate's tokens, the worker's prompt
         token count from its answer)."""
         path, body, tokens, count = await probe(model, uuid.uuid4().hex)
         if not tokens:
             return {"status": UNVERIFIED, "reason": "kvgate cannot tokenize the probe for this API"}
         expected = sequence_hashes(tokens, bs, max_blocks=routable_blocks(len(tokens), bs))
-        watch, answer = await self._send_watched(worker, url, path, body, expected)
+        watch, answer = await self._send_watched(worker, url, path, body, expected, headers=headers)
         out = {"kvgate_tokens": len(tokens), "worker_tokens": count(answer), "expected_blocks": len(expected),
                "matched_blocks": _leading(expected, watch.seen)}
         if watch.done.is_set():

@@ -297,7 +297,7 @@ class Forwarder:
         for cand in d.candidates:
             if attempts >= max(1, st.routing.max_attempts):
                 break
-            w = reg.get(cand.worker)
+            w = reg.target(cand.worker)  # a server, or one data-parallel rank of one
             if w is None or not w.routable:
                 continue
             attempts += 1
@@ -312,7 +312,8 @@ class Forwarder:
             t_send = time.perf_counter()
             resp = None
             try:
-                resp = await st.upstream.open(self.method, w.url + self.path, self.body, headers, self.query)
+                resp = await st.upstream.open(self.method, w.url + self.path, self.body, w.pin(headers),
+                                              self.query)
                 if resp.status >= 500:
                     last_error, last_status = f"upstream_{resp.status}: worker {w.name}", 502
                     continue

@@ -37,7 +37,8 @@ log = logging.getLogger("kvgate.registry")
 
 @dataclass
 class WorkerLoad:
-    """vLLM's own load gauges, summed over engines (DP ranks), from the last /metrics scrape."""
+    """vLLM's own load gauges from the last /metrics scrape: a server's summed over its engines (DP ranks),
+    a rank target's from its own ``engine="r"`` series."""
 
     running: float = 0.0
     waiting: float = 0.0
@@ -111,6 +112,23 @@ class Worker:
     added_at: float = field(default_factory=time.time)
     # Last parity check (router/parity.py), at registration or on demand (POST /admin/workers/{name}/parity).
     parity: dict | None = None
+    # A data-parallel server (more than one rank in /kv_event_sources): one routing target per rank.
+    ranks: list[RankTarget] = field(default_factory=list)
+    skipped_sources: list[dict] = field(default_factory=list)  # ranks of /kv_event_sources left out, and why
+    dp_rank = None  # the server itself pins no rank (a RankTarget does)
+
+    def targets(self) -> list:
+        """What routing picks from: the ranks of a data-parallel server, else the server itself."""
+        return list(self.ranks) or [self]
+
+    def pin(self, headers: dict[str, str]) -> dict[str, str]:
+        """The headers a request routed to this target goes with (a server pins nothing)."""
+        return headers
+
+    def probe_target(self):
+        """Where the parity probe goes: the server, or (data-parallel) its first rank with an event stream,
+        pinned there so that stream is the one watched; every rank shares the verdict (same model, keys)."""
+        return next((t for t in self.targets() if t.event_sources), self.targets()[0])
 
     @property
     def inflight(self) -> int:
@@ -171,7 +189,76 @@ class Worker:
             "prefill_samples": self.prefill_samples,
             "failures": self.failures, "restarts": self.restarts, "last_error": self.last_error,
             "last_check": self.last_check, "cache_blind": self.cache_blind, "parity": self.parity,
+            "ranks": [r.to_dict() for r in self.ranks], "skipped_sources": self.skipped_sources,
         }
+
+
+DP_RANK_HEADER = "x-data-parallel-rank"
+
+
+class RankTarget:
+    """One data-parallel rank of a vLLM server, as a routing target of its own.
+
+    With ``--data-parallel-size N`` one API port fronts N engines, each with its own KV cache, its own event
+    stream (rank r publishes on the events port + r) and its own ``engine="r"`` series on ``/metrics``; a
+    request goes to rank r with ``X-data-parallel-rank: r`` (without it vLLM picks a rank by load, and the
+    prefix may be on another one). So each rank is indexed, loaded and picked on its own, under the name
+    ``<server>@dp<r>``: that name is its index key, its event source and its candidate in decisions.
+
+    A rank is a view of its server: it owns only the fields listed in ``OWN`` (what the gateway and vLLM
+    count per engine). Everything else (health, draining, models, block size, parity, url) is read from
+    and written to the server, so the registry's bookkeeping stays per server. A server with one rank
+    has no RankTarget: it is routed, indexed and named exactly as before, and no header is sent.
+    """
+
+    OWN = frozenset({"server", "dp_rank", "name", "event_sources", "load", "active", "engine", "prediction",
+                     "prefill_ratio", "ttft_samples", "prefill_samples"})
+
+    def __init__(self, server: Worker, rank: int) -> None:
+        e = server.engine  # the rank starts from the server's priors and calibrates on its own series
+        own = {"server": server, "dp_rank": rank, "name": f"{server.name}@dp{rank}",
+               "event_sources": [], "load": WorkerLoad(), "active": ActiveSequences(server.active.mean_work),
+               "engine": EngineCalibration(e.step_s, e.seq_s, e.request_s), "prediction": PredictionErrors(),
+               "prefill_ratio": 1.0, "ttft_samples": 0, "prefill_samples": 0}
+        self.__dict__.update(own)
+
+    # the load tracker's figures are the rank's own (the server's properties, read on the rank)
+    inflight = Worker.inflight
+    view = Worker.view
+    pending_requests = Worker.pending_requests
+    pending_tokens = Worker.pending_tokens
+
+    def __getattr__(self, attr):  # only called for what the rank does not own
+        return getattr(self.__dict__["server"], attr)
+
+    def __setattr__(self, attr, value) -> None:
+        if attr in self.OWN:
+            self.__dict__[attr] = value
+        else:
+            setattr(self.server, attr, value)
+
+    def targets(self) -> list:
+        return [self]
+
+    def pin(self, headers: dict[str, str]) -> dict[str, str]:
+        """``headers`` with ``X-data-parallel-rank`` set to this rank (a client's own value replaced)."""
+        out = {k: v for k, v in headers.items() if k.lower() != DP_RANK_HEADER}
+        out[DP_RANK_HEADER] = str(self.dp_rank)
+        return out
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "dp_rank": self.dp_rank, "event_sources": self.event_sources,
+                "load": {"running": self.load.running, "waiting": self.load.waiting,
+                         "kv_usage": self.load.kv_usage, "updated_at": self.load.updated_at},
+                "inflight": self.inflight, "pending_tokens": self.pending_tokens,
+                "prefill_ratio": self.prefill_ratio, "ttft_samples": self.ttft_samples,
+                "prefill_samples": self.prefill_samples, "engine": self.engine.to_dict(),
+                "prediction": self.prediction.to_dict()}
+
+
+def index_names(w: Worker) -> list[str]:
+    """The names a server's entries are kept under in the index: its own, and each rank's."""
+    return [w.name, *(t.name for t in w.ranks)]
 
 
 def worker_name(cfg: WorkerConfig) -> str:
@@ -188,13 +275,16 @@ _PREFILL_HISTOGRAMS = {"vllm:request_prefill_kv_computed_tokens": "prefill_token
                        "vllm:request_prompt_tokens": "prompt_tokens"}
 
 
-def parse_metrics(text: str) -> tuple[WorkerLoad, int | None]:
-    """Load gauges and block size from a vLLM /metrics page (summed over engines)."""
+def parse_metrics(text: str, engine: str | None = None) -> tuple[WorkerLoad, int | None]:
+    """Load gauges and block size from a vLLM /metrics page: summed over engines (DP ranks), or those of
+    one ``engine`` label only (series without that label, such as the process start, always count)."""
     load = WorkerLoad(updated_at=time.time())
     block_size = None
     usage: list[float] = []
     for fam in text_string_to_metric_families(text):
         name = fam.name
+        if engine is not None:
+            fam.samples = [s for s in fam.samples if s.labels.get("engine", engine) == engine]
         if name == "vllm:num_requests_running":
             load.running += sum(s.value for s in fam.samples)
         elif name == "vllm:num_requests_waiting":
@@ -252,7 +342,8 @@ class WorkerRegistry:
         self._workers: dict[str, Worker] = {}
         self._task: asyncio.Task | None = None
         self._last_refresh: dict[str, float] = {}
-        self._subscribed: dict[str, tuple] = {}
+        self._subscribed: dict[str, dict[str, tuple]] = {}  # server -> {index name: its subscribed source}
+        self._targets: dict[str, RankTarget] = {}  # rank targets of data-parallel servers, by name
         # Called with a worker each time it becomes routable (first time, or back after a failure), once
         # its events are subscribed: the gateway runs the parity check there (router/parity.py).
         self.on_ready = None
@@ -269,7 +360,14 @@ class WorkerRegistry:
         return list(self._workers.values())
 
     def get(self, name: str) -> Worker | None:
-        return self._workers.get(name)
+        """The server named ``name``, or the server of the rank target named so."""
+        t = self._targets.get(name)
+        return t.server if t is not None else self._workers.get(name)
+
+    def target(self, name: str):
+        """The routing target named ``name`` (a candidate's ``worker``): a rank of a data-parallel server
+        (:class:`RankTarget`) or a server."""
+        return self._targets.get(name) or self._workers.get(name)
 
     def models(self) -> dict[str, list[Worker]]:
         """Every model id (base models and LoRA adapters) -> workers that list it."""
@@ -283,8 +381,9 @@ class WorkerRegistry:
         return any(model in w.models for w in self._workers.values()) or model in self.settings.models
 
     def candidates(self, model: str) -> list[Worker]:
-        """Healthy, non-draining workers serving ``model``."""
-        return [w for w in self._workers.values() if w.routable and model in w.models]
+        """Routing targets serving ``model`` on healthy, non-draining servers: each rank of a data-parallel
+        server, every other server itself."""
+        return [t for w in self._workers.values() if w.routable and model in w.models for t in w.targets()]
 
     def namespace(self, model: str) -> tuple[str, str | None]:
         """(index namespace, LoRA name) of a model id: a LoRA adapter lives in its base model's namespace."""
@@ -381,7 +480,10 @@ class WorkerRegistry:
         await self._unsubscribe(w)
         await self._clear_index(w)
         if self.metrics is not None:
-            self.metrics.forget_worker(name)
+            for n in index_names(w):
+                self.metrics.forget_worker(n)
+        for t in w.ranks:
+            self._targets.pop(t.name, None)
         return w
 
     async def drain(self, name: str, draining: bool = True) -> Worker:
@@ -404,7 +506,7 @@ class WorkerRegistry:
         """The ingestor reset the worker's entries (sequence went backwards: a restart; or an unfillable
         gap). The ingestor already cleared the index in its apply order: clearing again here would race
         with what it stores next, so only the gateway-side bookkeeping follows."""
-        w = self._workers.get(worker)
+        w = self.target(worker)  # the stream of one rank: that rank's entries were reset
         if w is None:
             return
         if reason == "restart":
@@ -498,10 +600,11 @@ class WorkerRegistry:
             w.last_error = None
             log.info("worker %s healthy (%s)", w.name, ", ".join(w.models))
         subscribed = (full or returning) and await self._subscribe(w)
-        if flapped and self.ingestor is not None and w.name in self._subscribed:
+        if flapped and self.ingestor is not None and self._subscribed.get(w.name):
             resync = getattr(self.ingestor, "resync", None)
             if resync is not None:
-                resync(w.name)  # no restart seen: keep the entries, replay what may have been missed
+                for name in self._subscribed[w.name]:
+                    resync(name)  # no restart seen: keep the entries, replay what may have been missed
         # Ready again, or ready with a new event stream (its sources could not be read when it came up,
         # or they changed): the parity check (router/parity.py) needs the stream it checks.
         if (returning or subscribed) and self.on_ready is not None:
@@ -525,87 +628,143 @@ class WorkerRegistry:
         try:
             r = await self._get(w, "/kv_event_sources")
             if r.status_code == 200:
-                srcs = []
-                for rank, cfg in sorted((r.json() or {}).items()):
-                    if not isinstance(cfg, dict) or not cfg.get("enable_kv_cache_events", True):
-                        continue
-                    if not cfg.get("endpoint"):
-                        continue
-                    srcs.append({"rank": rank, "endpoint": resolve_endpoint(cfg["endpoint"], w.url),
-                                 "replay_endpoint": resolve_endpoint(cfg.get("replay_endpoint"), w.url),
-                                 "topic": cfg.get("topic") or ""})
-                w.event_sources = srcs
-        except (httpx.HTTPError, ValueError, AttributeError) as e:
+                self._set_sources(w, r.json())
+        except (httpx.HTTPError, ValueError) as e:
             w.last_error = f"/kv_event_sources: {e}"
+
+    def _set_sources(self, w: Worker, data) -> None:
+        """Take ``/kv_event_sources`` (``{"<dp rank>": KVEventsConfig}``): one event source per rank, and
+        with more than one rank listed a :class:`RankTarget` per rank. A rank that cannot be subscribed (no
+        endpoint, events off, a value that is no object) stays a target without events; a key that is no
+        rank number is ignored. Each left-out rank is listed in ``w.skipped_sources`` and logged when that
+        list changes; the other ranks stand."""
+        srcs: dict[int, dict] = {}
+        skipped: list[dict] = []
+        for key, cfg in (data.items() if isinstance(data, dict) else [(None, data)]):
+            if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+                skipped.append({"rank": key, "reason": "not a data-parallel rank"})
+                continue
+            rank = int(key)
+            endpoint = cfg.get("endpoint") if isinstance(cfg, dict) else None
+            if not isinstance(cfg, dict):
+                skipped.append({"rank": rank, "reason": "no config"})
+                srcs[rank] = {}
+            elif not cfg.get("enable_kv_cache_events", True):
+                skipped.append({"rank": rank, "reason": "KV events off"})
+                srcs[rank] = {}
+            elif not endpoint or not isinstance(endpoint, str):
+                skipped.append({"rank": rank, "reason": "no endpoint"})
+                srcs[rank] = {}
+            else:
+                replay = cfg.get("replay_endpoint")
+                replay = resolve_endpoint(replay, w.url) if isinstance(replay, str) else None
+                srcs[rank] = {"rank": rank, "endpoint": resolve_endpoint(endpoint, w.url),
+                              "replay_endpoint": replay, "topic": str(cfg.get("topic") or "")}
+        if skipped != w.skipped_sources and skipped:
+            log.warning("worker %s: event sources left out: %s", w.name,
+                        ", ".join(f"rank {s['rank']!r} ({s['reason']})" for s in skipped))
+        w.skipped_sources = skipped
+        w.event_sources = [srcs[r] for r in sorted(srcs) if srcs[r]]
+        old = {t.dp_rank: t for t in w.ranks}
+        w.ranks = [] if len(srcs) < 2 else [old.get(r) or RankTarget(w, r) for r in sorted(srcs)]
+        for t in old.values():
+            self._targets.pop(t.name, None)
+        for t in w.ranks:
+            t.event_sources = [srcs[t.dp_rank]] if srcs[t.dp_rank] else []
+            self._targets[t.name] = t
 
     async def _scrape(self, w: Worker) -> None:
         try:
             r = await self._get(w, "/metrics")
             if r.status_code != 200:
                 return
-            load, bs = await asyncio.to_thread(parse_metrics, r.text)
+            ranks = list(w.ranks)
+            (load, bs), *per_rank = await asyncio.to_thread(
+                lambda: [parse_metrics(r.text)] + [parse_metrics(r.text, str(t.dp_rank)) for t in ranks])
         except (httpx.HTTPError, ValueError) as e:
             w.last_error = f"/metrics: {e}"
             return
-        done = load.prefill_since(w.load) if w.load.updated_at else None  # not the first scrape
-        previous = w.load
         before = w.load.process_start
+        # Prefills finished since the last scrape calibrate the target that ran them: each rank, or the
+        # server; none at the first scrape.
+        done = []
+        for t, tload in list(zip(ranks, (lo for lo, _ in per_rank))) or [(w, load)]:
+            first = not t.load.updated_at
+            done.append((t, None if first else tload.prefill_since(t.load),
+                         None if first else tload.engine_since(t.load)))
+            t.load = tload
         w.load = load
         if before is not None and load.process_start is not None and load.process_start != before:
             await self._restarted(w, "process_start_time_seconds changed")
-        if done is not None and self.on_prefill is not None:
-            self.on_prefill(w, *done)
-        if self.on_engine is not None and previous.updated_at:
-            self.on_engine(w, *load.engine_since(previous))
+        for t, d, engine in done:
+            if d is not None and self.on_prefill is not None:
+                self.on_prefill(t, *d)
+            if engine is not None and self.on_engine is not None:
+                self.on_engine(t, *engine)
         if bs:
             w.block_size = bs
 
     async def _subscribe(self, w: Worker) -> bool:
-        """Subscribe to the worker's (first) event source unless already subscribed to it; True when a
-        new subscription was made."""
-        if self.ingestor is None or not w.event_sources:
-            return False
+        """Subscribe to each of the worker's event streams (one per routing target: the server, or each
+        rank, under its index name) unless already subscribed to it; True when a new subscription was
+        made. A stream that fails to subscribe leaves the others subscribed; a stream no longer listed
+        (a rank gone, or left without an endpoint) is unsubscribed and its entries dropped."""
         model = w.base_model()
-        if model is None:
-            return False
-        key = (model, tuple((s["endpoint"], s["replay_endpoint"], s["topic"]) for s in w.event_sources))
-        if self._subscribed.get(w.name) == key:
+        if self.ingestor is None or model is None:
             return False
         from indexer.events import EventSource
 
-        if w.name in self._subscribed:
-            await self._unsubscribe(w, clear=False)
-        # The ingestor keeps one stream per worker: data-parallel rank 0 (the first source listed).
-        s = w.event_sources[0]
-        try:
-            await self.ingestor.add_source(EventSource(
-                worker=w.name, model=model, endpoint=s["endpoint"], replay_endpoint=s["replay_endpoint"],
-                topic=s["topic"], block_size=w.block_size, worker_url=w.url))
-        except Exception as e:  # a bad endpoint must not take the worker out of routing
-            w.last_error = f"events: {type(e).__name__}: {e}"
-            log.warning("subscribing to the events of %s: %s", w.name, e)
+        want = {t.name: (model, s["endpoint"], s["replay_endpoint"], s["topic"])
+                for t in w.targets() for s in t.event_sources[:1]}
+        if not want:  # no stream known (yet): what is subscribed stays
             return False
-        self._subscribed[w.name] = key
-        return True
+        have = self._subscribed.setdefault(w.name, {})
+        for name in [n for n in have if n not in want]:
+            await self._remove_source(have, name, clear=True)
+        new = False
+        for name, key in want.items():
+            if have.get(name) == key:
+                continue
+            have.pop(name, None)  # add_source replaces the old stream of that name, entries kept
+            try:
+                await self.ingestor.add_source(EventSource(
+                    worker=name, model=model, endpoint=key[1], replay_endpoint=key[2], topic=key[3],
+                    block_size=w.block_size, worker_url=w.url))
+            except Exception as e:  # a bad endpoint must not take the worker (or its other ranks) out
+                w.last_error = f"events of {name}: {type(e).__name__}: {e}"
+                log.warning("subscribing to the events of %s: %s", name, e)
+                continue
+            have[name] = key
+            new = True
+        return new
+
+    async def _remove_source(self, have: dict[str, tuple], name: str, clear: bool) -> None:
+        have.pop(name, None)
+        try:
+            await self.ingestor.remove_source(name, clear=clear)
+        except Exception as e:  # never let the event side break the registry
+            log.warning("removing event source of %s: %s", name, e)
 
     async def _unsubscribe(self, w: Worker, clear: bool = True) -> None:
-        if self.ingestor is None or self._subscribed.pop(w.name, None) is None:
+        have = self._subscribed.pop(w.name, None)
+        if self.ingestor is None or not have:
             return
-        try:
-            await self.ingestor.remove_source(w.name, clear=clear)
-        except Exception as e:  # never let the event side break the registry
-            log.warning("removing event source of %s: %s", w.name, e)
+        for name in list(have):
+            await self._remove_source(have, name, clear)
 
     async def _clear_index(self, w: Worker) -> None:
+        names = index_names(w)
         if self.on_cleared is not None:
-            self.on_cleared(w.name)
+            for n in names:
+                self.on_cleared(n)
         models = {self.namespace(m)[0] for m in w.models} or set()
         try:
             models.update(await self.index.models())
         except Exception:
             pass
         for m in models:
-            try:
-                await self.index.clear_worker(m, w.name)
-            except Exception as e:
-                log.warning("clearing index entries of %s/%s: %s", w.name, m, e)
+            for n in names:
+                try:
+                    await self.index.clear_worker(m, n)
+                except Exception as e:
+                    log.warning("clearing index entries of %s/%s: %s", n, m, e)

@@ -100,13 +100,14 @@ class GatewayState:
             model = worker.base_model()
             if model is None:
                 return
-            result = await self.parity.check(worker.name, worker.url, model)
+            target = worker.probe_target()
+            result = await self.parity.check(target.name, worker.url, model, headers=target.pin({}))
             worker.parity = result.to_dict()
 
         self.spawn(run())
 
     def _recheck_parity(self, name: str) -> None:
-        w = self.registry.get(name)
+        w = self.registry.get(name)  # the server, also when ``name`` is one of its ranks
         if w is not None and w.routable:
             self._check_parity(w)
 

@@ -9,6 +9,7 @@ from indexer.index.base import Tier
 from router.admin import schemas
 from router.admin.common import index_stats, ingestor_statuses, kv_state, not_found
 from router.errors import APIError
+from router.registry import index_names
 
 log = logging.getLogger("kvgate.admin")
 router = APIRouter(prefix="/index", tags=["admin: index"])
@@ -18,10 +19,11 @@ def _model_stats(state, model: str, st: dict, events: dict) -> schemas.ModelInde
     applied = dropped = replays = 0
     for w in state.registry.workers():
         if w.base_model() == model or model in w.models:
-            ev = events.get(w.name) or {}
-            applied += int(ev.get("applied", 0) or 0)
-            dropped += int(ev.get("dropped", 0) or 0)
-            replays += int(ev.get("replays", 0) or 0)
+            for name in index_names(w):  # the server's stream, or each rank's
+                ev = events.get(name) or {}
+                applied += int(ev.get("applied", 0) or 0)
+                dropped += int(ev.get("dropped", 0) or 0)
+                replays += int(ev.get("replays", 0) or 0)
     return schemas.ModelIndexStats(
         model=model, blocks=int(st.get("blocks", 0)), entries_per_tier=st.get("entries_per_tier") or {},
         g4_blocks=int(st.get("g4_blocks", 0)), workers=st.get("workers") or {},

@@ -72,6 +72,17 @@ class WorkerOut(BaseModel):
                                                       "routing ignores its cache entries")
     restarts: int = 0
     last_error: str | None = None
+    dp_rank: int | None = Field(None, description="set on an entry of ``ranks``: its data-parallel rank")
+    ranks: list[WorkerOut] = Field(
+        default_factory=list,
+        description="a data-parallel server's ranks (more than one rank in its /kv_event_sources), each a "
+                    "routing target of its own named <server>@dp<r>: that name is its index key, its event "
+                    "stream and its candidate in decisions; requests go to it with X-data-parallel-rank: r. "
+                    "Each has its own events, load (vLLM's engine=\"r\" series) and cached blocks; the "
+                    "server's cached_blocks add theirs up. Empty for a server with one rank")
+    skipped_sources: list[dict] = Field(
+        default_factory=list, description="ranks of /kv_event_sources not subscribed, and why (no endpoint, "
+                                          "events off, not a rank): those ranks are routed by load only")
 
 
 class ParityOut(_Open):
@@ -162,7 +173,8 @@ class ModelIndexStats(BaseModel):
     blocks: int = Field(0, description="distinct blocks known for the model (G4 included)")
     entries_per_tier: dict[str, int] = Field(default_factory=dict)
     g4_blocks: int = 0
-    workers: dict[str, dict[str, int]] = Field(default_factory=dict, description="worker -> tier -> entries")
+    workers: dict[str, dict[str, int]] = Field(default_factory=dict, description="worker (a data-parallel "
+                                               "worker's ranks: <name>@dp<r>) -> tier -> entries")
     redis_used_memory: int | None = Field(None, description="Redis used_memory in bytes (Redis backend)")
     events_applied: int = 0
     events_dropped: int = 0
@@ -211,7 +223,8 @@ class ExplainRequest(BaseModel):
 class CandidateOut(_Open):
     """One worker's inputs and prediction for one request (best first in a decision)."""
 
-    worker: str
+    worker: str = Field(..., description="the routing target: a worker, or one rank of a data-parallel "
+                                         "worker (<name>@dp<r>, sent with X-data-parallel-rank: r)")
     gpu_blocks: int = Field(0, description="leading prompt blocks held on GPU")
     cpu_blocks: int = Field(0, description="leading prompt blocks held on CPU")
     local_blocks: int = Field(0, description="leading blocks held on either tier (the usable local prefix)")

@@ -9,7 +9,7 @@ from router.admin import schemas
 from router.admin.common import index_stats_or_error, ingestor_statuses, kv_state, not_found
 from router.config import WorkerConfig
 from router.errors import APIError
-from router.registry import DuplicateWorker
+from router.registry import DuplicateWorker, index_names
 
 log = logging.getLogger("kvgate.admin")
 router = APIRouter(prefix="/workers", tags=["admin: workers"])
@@ -20,8 +20,9 @@ def worker_out(state, w, stats: dict, events: dict) -> schemas.WorkerOut:
     ingestor's statuses (both fetched once per call, not once per worker)."""
     cached: dict[str, int] = {}
     for model in {w.base_model(), *w.models} - {None}:
-        for tier, n in ((stats.get(model) or {}).get("workers", {}).get(w.name) or {}).items():
-            cached[tier] = cached.get(tier, 0) + int(n)
+        for name in index_names(w) if w.dp_rank is None else [w.name]:  # a server adds up its ranks
+            for tier, n in ((stats.get(model) or {}).get("workers", {}).get(name) or {}).items():
+                cached[tier] = cached.get(tier, 0) + int(n)
     ev = events.get(w.name)
     parity = getattr(w, "parity", None)
     view = w.view()
@@ -38,7 +39,9 @@ def worker_out(state, w, stats: dict, events: dict) -> schemas.WorkerOut:
         cached_blocks=cached, parity=parity if isinstance(parity, dict) else None,
         cache_blind=bool(getattr(w, "cache_blind", False)),
         chat_cache_blind=bool(getattr(w, "chat_cache_blind", False)),
-        restarts=w.restarts, last_error=w.last_error,
+        restarts=w.restarts, last_error=w.last_error, dp_rank=w.dp_rank,
+        ranks=[worker_out(state, t, stats, events) for t in w.ranks] if w.dp_rank is None else [],
+        skipped_sources=list(w.skipped_sources) if w.dp_rank is None else [],
     )
 
 
@@ -98,7 +101,9 @@ async def parity(name: str, request: Request) -> schemas.ParityOut:
     model = w.base_model()
     if model is None:
         raise APIError(409, f"worker {name} serves no model yet", param="name", code="worker_not_ready")
-    result = await state.parity.check(w.name, w.url, model, timeout_s=state.settings.health_timeout_s)
+    target = w.probe_target()  # one rank of a data-parallel server, pinned
+    result = await state.parity.check(target.name, w.url, model, timeout_s=state.settings.health_timeout_s,
+                                      headers=target.pin({}))
     w.parity = result.to_dict()  # as the registration-time check records it
     log.info("admin: parity of %s: %s", name, result.status)
     return schemas.ParityOut(**w.parity)

@@ -49,7 +49,7 @@ async def _owner(st, response_id: str, param: str, chain: bool = False) -> list[
     if rec is None or not isinstance(rec.get("worker"), str):
         raise APIError(404, f"Response with id '{response_id}' not found.", param=param,
                        code="response_not_found", type_="invalid_request_error")
-    w = st.registry.get(rec["worker"])
+    w = st.registry.target(rec["worker"])
     if w is None:
         raise APIError(410, f"Response '{response_id}' was stored by worker `{rec['worker']}`, which is no "
                             "longer in the fleet: the response is gone.", param=param,

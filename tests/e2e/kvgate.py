@@ -38,7 +38,7 @@ class KvGate:
             if (
                 workers
                 and all(w.healthy for w in workers)
-                and all(w.name in self._statuses() for w in workers)
+                and all(t.name in self._statuses() for w in workers for t in w.targets())  # each DP rank
                 and (not parity or all(w.parity is not None for w in workers))
             ):
                 return

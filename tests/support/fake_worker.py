@@ -5,7 +5,10 @@ prefix cache of full blocks to report ``usage.prompt_tokens_details.cached_token
 ``/v1/chat/completions`` and ``/v1/completions`` (streaming SSE and not), ``/tokenize``, ``/v1/models``,
 ``/metrics`` (vllm:* gauges and cache_config_info), ``/health``, ``/kv_event_sources`` and
 ``/v1/embeddings``. Tests steer it through :class:`FakeState` (fail with 500, hang before the first token,
-die mid-stream, report a long queue). Real vLLM is exercised by the end-to-end tests.
+die mid-stream, report a long queue). With ``dp_publishers`` it plays a data-parallel server: one engine
+rank per publisher, each with its own prefix cache and event stream, listed in ``/kv_event_sources`` and
+labelled ``engine="r"`` on ``/metrics``; ``X-data-parallel-rank`` picks the rank (else round-robin, where
+vLLM balances by load). Real vLLM is exercised by the end-to-end tests.
 """
 from __future__ import annotations
 
@@ -37,7 +40,10 @@ class FakeState:
     pause_after: int | None = None  # streaming: stop after this many content chunks until released
     release: threading.Event = field(default_factory=threading.Event)
     publisher: object = None  # a bench.sim.vllm_format.EventPublisher: BlockStored for new blocks
+    dp_publishers: list = field(default_factory=list)  # data-parallel: one publisher (and cache) per rank
+    dp_waiting: list = field(default_factory=list)  # per rank: vllm:num_requests_waiting{engine="r"}
     sources_status: int = 200  # what /kv_event_sources answers (a 503: its config cannot be read yet)
+    sources: object = None  # when set, /kv_event_sources answers this verbatim (odd or malformed input)
     requests: list = field(default_factory=list)
     cancelled: int = 0
     active: int = 0
@@ -83,36 +89,49 @@ def create_fake_worker(state: FakeState, tokenizer_dir: str | None = None) -> Fa
             return []
         return tok(prompt, add_special_tokens=body.get("add_special_tokens", True))["input_ids"]
 
-    def cached_tokens(tokens: list[int]) -> int:
+    dp_caches = [set() for _ in st.dp_publishers]
+
+    def cached_tokens(tokens: list[int], rank: int | None = None) -> int:
         if st.fast or not tokens:
             return 0
+        cache, publisher = ((st.cache, st.publisher) if rank is None
+                            else (dp_caches[rank], st.dp_publishers[rank]))
         hashes = sequence_hashes(tokens, st.block_size, max_blocks=routable_blocks(len(tokens), st.block_size))
         hit = 0
         for h in hashes:
-            if h not in st.cache:
+            if h not in cache:
                 break
             hit += 1
-        new = [i for i, h in enumerate(hashes) if h not in st.cache]
-        st.cache.update(hashes)
-        if st.publisher is not None and new:
+        new = [i for i, h in enumerate(hashes) if h not in cache]
+        cache.update(hashes)
+        if publisher is not None and new:
             from bench.sim.vllm_format import stored
 
             bs = st.block_size
             # Engine block hashes are opaque to kvgate: reuse our own as the engine's.
-            st.publisher.publish([stored([hashes[i] for i in new], tokens[new[0] * bs:(new[-1] + 1) * bs], bs,
-                                         parent=hashes[new[0] - 1] if new[0] else None)])
+            publisher.publish([stored([hashes[i] for i in new], tokens[new[0] * bs:(new[-1] + 1) * bs], bs,
+                                      parent=hashes[new[0] - 1] if new[0] else None)])
         return hit * st.block_size
+
+    def dp_rank(request: Request) -> int | None:
+        """The engine rank of a data-parallel worker that serves this request (None: not data-parallel)."""
+        if not st.dp_publishers:
+            return None
+        pinned = request.headers.get("x-data-parallel-rank")
+        return int(pinned) if pinned is not None else len(st.requests) % len(st.dp_publishers)
 
     async def generate(request: Request, kind: str):
         raw = await request.body()
         body = json.loads(raw)
-        st.requests.append({"headers": dict(request.headers), "body": body, "raw": raw, "kind": kind})
+        rank = dp_rank(request)
+        st.requests.append({"headers": dict(request.headers), "body": body, "raw": raw, "kind": kind,
+                            "rank": rank})
         if st.mode == "error500":
             return JSONResponse({"error": {"message": "engine died", "type": "InternalServerError",
                                            "param": None, "code": 500}}, status_code=500)
         tokens = [] if st.fast else tokens_for(kind, body)
         n = len(tokens)
-        cached = cached_tokens(tokens)
+        cached = cached_tokens(tokens, rank)
         rid = request.headers.get("x-request-id", "x")
         obj, prefix = ("chat.completion", "chatcmpl-") if kind == "chat" else ("text_completion", "cmpl-")
         usage = {"prompt_tokens": n, "total_tokens": n + st.words, "completion_tokens": st.words,
@@ -212,9 +231,13 @@ def create_fake_worker(state: FakeState, tokenizer_dir: str | None = None) -> Fa
     async def sources():
         if st.sources_status != 200:
             return Response(status_code=st.sources_status)
-        if st.publisher is not None:
-            return {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "",
-                          "endpoint": st.publisher.endpoint, "replay_endpoint": st.publisher.replay_endpoint}}
+        if st.sources is not None:
+            return JSONResponse(st.sources)
+        pubs = st.dp_publishers or ([st.publisher] if st.publisher is not None else [])
+        if pubs:
+            return {str(r): {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "",
+                             "endpoint": p.endpoint, "replay_endpoint": p.replay_endpoint}
+                    for r, p in enumerate(pubs)}
         if not st.events_endpoint:
             return {}
         return {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": st.events_endpoint,
@@ -223,6 +246,8 @@ def create_fake_worker(state: FakeState, tokenizer_dir: str | None = None) -> Fa
     @app.get("/metrics")
     async def metrics():
         lbl = f'engine="0",model_name="{st.model}"'
+        waiting = "".join(f'vllm:num_requests_waiting{{engine="{r}",model_name="{st.model}"}} {float(n)}\n'
+                          for r, n in enumerate(st.dp_waiting or [st.waiting]))  # one series per engine
         text = (
             "# TYPE process_start_time_seconds gauge\n"
             f"process_start_time_seconds {st.started}\n"
@@ -231,7 +256,7 @@ def create_fake_worker(state: FakeState, tokenizer_dir: str | None = None) -> Fa
             f"vllm:num_requests_running{{{lbl}}} {float(st.running + st.active)}\n"
             "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
             "# TYPE vllm:num_requests_waiting gauge\n"
-            f"vllm:num_requests_waiting{{{lbl}}} {float(st.waiting)}\n"
+            f"{waiting}"
             "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
             "# TYPE vllm:kv_cache_usage_perc gauge\n"
             f"vllm:kv_cache_usage_perc{{{lbl}}} 0.25\n"
@@ -244,6 +269,7 @@ def create_fake_worker(state: FakeState, tokenizer_dir: str | None = None) -> Fa
                         ("vllm:request_prompt_tokens", 2)):
             text += (f"# TYPE {name} histogram\n{name}_count{{{lbl}}} {float(st.prefill[3])}\n"
                      f"{name}_sum{{{lbl}}} {float(st.prefill[i])}\n")
+
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
