@@ -81,6 +81,7 @@ class Candidate:
     overhead_ms: float = 0.0
     calibration: str = "defaults"  # what the step and overhead figures come from (router/calibrate.py)
     clamped: bool = False
+    evicted_blocks: int = 0  # of the local prefix, expected evicted by the queue before this is scheduled
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -107,13 +108,13 @@ class CostModel:
     def score(self, worker, match: WorkerMatch, g4: int, num_tokens: int, block_size: int) -> Candidate:
         cfg = self.cfg
         tps = self.prefill_speed(worker)
-        local = match.local
-        g4_extra = max(0, g4 - local)
-        cached = min(num_tokens, (local + g4_extra) * block_size)
-        uncached = max(0, num_tokens - cached)
         load = worker.load
         v = worker.view()
         cal = worker.engine
+        local = surviving_blocks(match.local, v.queue_tokens, block_size, load.kv_usage, load.num_gpu_blocks)
+        g4_extra = max(0, g4 - local)
+        cached = min(num_tokens, (local + g4_extra) * block_size)
+        uncached = max(0, num_tokens - cached)
         budget = self.budget(worker)
         decodes = min(v.decodes, budget - 1)
         per_step = budget - decodes
@@ -143,6 +144,7 @@ class CostModel:
             load=max(float(v.inflight), load.running + load.waiting) + load.kv_usage,
             queue_requests=v.queue_requests, queue_tokens=queue_tokens, decodes=decodes, steps=steps,
             step_ms=step_ms, overhead_ms=overhead_ms, calibration=cal.source, clamped=clamped,
+            evicted_blocks=match.local - local,
         )
 
     def observe_ttft(self, worker, ttft_s: float, predicted: Candidate) -> None:
@@ -197,3 +199,21 @@ class CostModel:
         worker.prefill_ratio = (1 - b) * ratio + b * min(ratio * 10, max(ratio / 10, observed_tps / fleet))
         worker.prefill_samples += 1
 
+
+
+def surviving_blocks(local: int, queue_tokens: float, block_size: int, kv_usage: float,
+                     num_gpu_blocks: int | None) -> int:
+    """How much of a worker's cached prefix is expected to survive until the request is scheduled.
+
+    vLLM keeps cached blocks no request holds in its free queue and reuses the least recently used first
+    (a request's blocks are freed tail first, so a prefix is cut from its end). The requests queued ahead
+    allocate about their prompt's blocks; beyond the free blocks (``(1 - kv_usage) * num_gpu_blocks``)
+    they evict everything free, and below it a share in proportion (no recency is known per block: its
+    expected position is the middle of the queue). Unknown capacity: nothing is discounted."""
+    if local <= 0 or not num_gpu_blocks or queue_tokens <= 0 or not 0.0 <= kv_usage <= 1.0:
+        return local
+    free = (1.0 - kv_usage) * num_gpu_blocks
+    demand = queue_tokens / max(1, block_size)
+    if free <= 0:
+        return 0
+    return max(0, min(local, int(local * (1.0 - demand / free) + 0.5)))

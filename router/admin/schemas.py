@@ -263,6 +263,9 @@ class CandidateOut(_Open):
                                                      "(the worker's metrics gave no samples yet), partial, "
                                                      "vllm-metrics")
     clamped: bool = Field(False, description="the prediction was clamped (bad or missing figures)")
+    evicted_blocks: int = Field(0, description="blocks of the local prefix expected to be evicted by the "
+                                               "queue ahead before this request is scheduled (not counted "
+                                               "as cached)")
 
 
 class DecisionOut(_Open):

@@ -205,3 +205,23 @@ def test_near_tie_goes_to_the_cache_holder_clear_win_does_not():
     # A holder whose queue costs more than recomputing the prefix twice loses the request.
     swamped = cand("h", 600, 240, 250.0)
     assert create_policy(RoutingConfig(), "kv").order(req, [swamped, idle])[0].worker == "i"
+
+
+def test_a_prefix_the_queue_would_evict_is_not_counted_as_cached():
+    """Capacity-bound: 100 free blocks (1000 at 90% use) and 1,600 tokens (100 blocks) queued ahead evict
+    everything free before this request is scheduled; half of that queue, half the prefix."""
+    cm = CostModel(RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0))
+    full = worker("a", prefilling=[1600])
+    full.load.kv_usage, full.load.num_gpu_blocks = 0.9, 1000
+    c = cm.score(full, WorkerMatch(gpu=40, local=40), 0, 1000, 16)
+    assert c.evicted_blocks == 40 and c.cached_tokens == 0
+    half = worker("b", prefilling=[800])
+    half.load.kv_usage, half.load.num_gpu_blocks = 0.9, 1000
+    c = cm.score(half, WorkerMatch(gpu=40, local=40), 0, 1000, 16)
+    assert c.evicted_blocks == 20 and c.cached_tokens == 20 * 16
+    roomy = worker("c", prefilling=[1600])
+    roomy.load.kv_usage, roomy.load.num_gpu_blocks = 0.1, 100_000
+    assert cm.score(roomy, WorkerMatch(gpu=40, local=40), 0, 1000, 16).evicted_blocks == 0
+    unknown = worker("d", prefilling=[1600])  # no cache_config_info: no discount
+    unknown.load.kv_usage = 0.99
+    assert cm.score(unknown, WorkerMatch(gpu=40, local=40), 0, 1000, 16).cached_tokens == 640
