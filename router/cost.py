@@ -30,6 +30,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from indexer.index.base import WorkerMatch
+from router.calibrate import EngineCalibration
 from router.config import RoutingConfig
 
 MIN_CALIBRATION_TOKENS = 256
@@ -91,6 +92,11 @@ class CostModel:
     def __init__(self, cfg: RoutingConfig) -> None:
         self.cfg = cfg
         self.fleet_tps = cfg.prefill_tokens_per_s  # every observation calibrates it
+        # Step and overhead figures, fleet-wide: every worker's samples move it (the per-worker figures are
+        # kept, and used with per_worker_prefill_speed, for the same reason as the speed: identical workers
+        # whose own estimates differ by noise would send every cold request to the one that looks faster).
+        self.fleet_engine = EngineCalibration(cfg.step_ms / 1000.0, cfg.per_decode_ms / 1000.0,
+                                              cfg.request_overhead_ms / 1000.0)
 
     def work(self, uncached: float, cached: float) -> float:
         """Prefill work of ``uncached`` tokens after ``cached`` ones, in tokens at context 0."""
@@ -102,6 +108,13 @@ class CostModel:
         ratio = worker.prefill_ratio if own else 1.0
         return max(1.0, self.fleet_tps * ratio)
 
+    def engine_of(self, worker) -> EngineCalibration:
+        """The step and overhead figures ``worker`` is priced with (fleet-wide unless per-worker)."""
+        own = worker.engine
+        if self.cfg.per_worker_prefill_speed and own.step_samples >= MIN_OWN_SAMPLES:
+            return own
+        return self.fleet_engine
+
     def budget(self, worker) -> int:
         return getattr(worker.config, "max_num_batched_tokens", None) or self.cfg.max_num_batched_tokens
 
@@ -110,7 +123,7 @@ class CostModel:
         tps = self.prefill_speed(worker)
         load = worker.load
         v = worker.view()
-        cal = worker.engine
+        cal = self.engine_of(worker)
         local = surviving_blocks(match.local, v.queue_tokens, block_size, load.kv_usage, load.num_gpu_blocks)
         g4_extra = max(0, g4 - local)
         cached = min(num_tokens, (local + g4_extra) * block_size)
@@ -166,10 +179,11 @@ class CostModel:
 
     def observe_engine(self, worker, itl_s: float | None, mean_running: float, overhead_s: float | None) -> None:
         """One scrape interval's engine figures (WorkerLoad.engine_since) into the worker's calibration."""
-        if itl_s is not None:
-            worker.engine.observe_steps(mean_running, itl_s)
-        if overhead_s is not None:
-            worker.engine.observe_request_overhead(overhead_s, self.cfg.calibration_alpha)
+        for cal in (worker.engine, self.fleet_engine):
+            if itl_s is not None:
+                cal.observe_steps(mean_running, itl_s)
+            if overhead_s is not None:
+                cal.observe_request_overhead(overhead_s, self.cfg.calibration_alpha)
 
     def observe_engine_prefill(self, worker, tokens: float, seconds: float, requests: float,
                                prompt_tokens: float = 0.0) -> None:
@@ -184,7 +198,7 @@ class CostModel:
         per_request = tokens / requests
         cached = max(0.0, prompt_tokens - tokens) / requests
         steps = math.ceil(per_request / self.budget(worker))
-        stepping = requests * steps * worker.engine.step_time_s(worker.load.running)
+        stepping = requests * steps * self.engine_of(worker).step_time_s(worker.load.running)
         compute_s = max(seconds / 10.0, seconds - stepping)
         self._calibrate(worker, requests * self.work(per_request, cached) / compute_s)
 

@@ -11,11 +11,19 @@ from router.calibrate import EngineCalibration
 from router.registry import Worker
 
 
-def worker(name, prefilling=(), decoding=0, engine=(0.0, 0.0, 0.0), mean=500.0, **config):
+def model(cfg: RoutingConfig, engine=(0.0, 0.0, 0.0)) -> CostModel:
+    """A cost model whose (fleet-wide) step figures are ``engine``: (step s, per-decode s, overhead s);
+    zero by default, so the prefill-speed tests see prefill compute alone."""
+    cm = CostModel(cfg)
+    cm.fleet_engine = EngineCalibration(*engine)
+    return cm
+
+
+def worker(name, prefilling=(), decoding=0, mean=500.0, **config):
     """A worker with requests the gateway sent: ``prefilling`` (uncached tokens = work of each, no first
-    token yet) and ``decoding`` ones; ``engine``: (step s, per-decode s, request overhead s)."""
+    token yet) and ``decoding`` ones."""
     w = Worker(name=name, url=f"http://{name}", config=WorkerConfig(url=f"http://{name}", **config),
-               healthy=True, engine=EngineCalibration(*engine))
+               healthy=True)
     for tokens in prefilling:
         w.active.add(tokens, tokens, predicted_s=1e6)
     for _ in range(decoding):
@@ -27,8 +35,8 @@ def worker(name, prefilling=(), decoding=0, engine=(0.0, 0.0, 0.0), mean=500.0, 
 def test_prediction_steps_the_queue_forward():
     cfg = RoutingConfig(prefill_tokens_per_s=1000.0, g4_bytes_per_block=1000, g4_bytes_per_s=1e6,
                         attention_knee_tokens=0, max_num_batched_tokens=512)
-    cm = CostModel(cfg)
-    w = worker("a", prefilling=[1000], decoding=2, engine=(0.002, 0.001, 0.003))
+    cm = model(cfg, engine=(0.002, 0.001, 0.003))
+    w = worker("a", prefilling=[1000], decoding=2)
     w.load.waiting, w.load.running = 3, 1
     c = cm.score(w, WorkerMatch(gpu=2, cpu=0, local=2), g4=5, num_tokens=200, block_size=16)
     # queue: 1000 own tokens + (3-1) waiting the gateway did not send x 500 = 2000 tokens, 2 decodes
@@ -42,16 +50,16 @@ def test_prediction_steps_the_queue_forward():
     assert c.predicted_ttft_ms == c.queue_ms + c.prefill_ms + c.g4_load_ms
     assert c.calibration == "defaults" and not c.clamped
     # the worker's own budget (its --max-num-batched-tokens) counts
-    big = worker("b", prefilling=[1000], decoding=2, engine=(0.002, 0.001, 0.003), max_num_batched_tokens=4096)
+    big = worker("b", prefilling=[1000], decoding=2, max_num_batched_tokens=4096)
     big.load.waiting, big.load.running = 3, 1
     assert cm.score(big, WorkerMatch(local=2), 5, 200, 16).steps == 2
 
 
 def test_a_long_prompt_takes_several_steps_and_decodes_slow_each():
-    cm = CostModel(RoutingConfig(prefill_tokens_per_s=10_000.0, attention_knee_tokens=0,
-                                 max_num_batched_tokens=2048))
-    idle = worker("a", engine=(0.01, 0.002, 0.0))
-    busy = worker("b", decoding=20, engine=(0.01, 0.002, 0.0))
+    cm = model(RoutingConfig(prefill_tokens_per_s=10_000.0, attention_knee_tokens=0,
+                             max_num_batched_tokens=2048), engine=(0.01, 0.002, 0.0))
+    idle = worker("a")
+    busy = worker("b", decoding=20)
     c_idle = cm.score(idle, WorkerMatch(), 0, 20_000, 16)
     c_busy = cm.score(busy, WorkerMatch(), 0, 20_000, 16)
     assert c_idle.steps == 10 and c_busy.steps == 10  # ceil(20000 / 2048) and ceil(20000 / 2028)
@@ -59,19 +67,18 @@ def test_a_long_prompt_takes_several_steps_and_decodes_slow_each():
 
 
 def test_bad_inputs_are_clamped_not_zero_or_infinite():
-    cm = CostModel(RoutingConfig(prefill_tokens_per_s=1000.0))
-    w = worker("a", engine=(float("inf"), 0.0, 0.0))
-    c = cm.score(w, WorkerMatch(), 0, 100, 16)
+    cm = model(RoutingConfig(prefill_tokens_per_s=1000.0), engine=(float("inf"), 0.0, 0.0))
+    c = cm.score(worker("a"), WorkerMatch(), 0, 100, 16)
     assert c.clamped and 0 < c.predicted_ttft_ms < float("inf")
-    w = worker("b", engine=(float("nan"), 0.0, 0.0))
-    c = cm.score(w, WorkerMatch(), 0, 100, 16)
+    cm.fleet_engine = EngineCalibration(float("nan"), 0.0, 0.0)
+    c = cm.score(worker("b"), WorkerMatch(), 0, 100, 16)
     assert c.clamped and 0 < c.predicted_ttft_ms < float("inf")
     empty = cm.score(worker("c"), WorkerMatch(), 0, 0, 16)
     assert empty.predicted_ttft_ms > 0
 
 
 def test_calibration_moves_towards_observed_speed():
-    cm = CostModel(RoutingConfig(prefill_tokens_per_s=1000.0, calibration_alpha=0.5, attention_knee_tokens=0))
+    cm = model(RoutingConfig(prefill_tokens_per_s=1000.0, calibration_alpha=0.5, attention_knee_tokens=0))
     w = worker("a")
     c = cm.score(w, WorkerMatch(), g4=0, num_tokens=4000, block_size=16)
     cm.observe_ttft(w, 1.0, c)  # 4000 tokens in 1 s: 4000 t/s observed
@@ -83,7 +90,7 @@ def test_calibration_moves_towards_observed_speed():
 
 
 def test_policies_order():
-    cm = CostModel(RoutingConfig(prefill_tokens_per_s=1000.0))
+    cm = model(RoutingConfig(prefill_tokens_per_s=1000.0))
     a, b, c = worker("a"), worker("b", decoding=2), worker("c")
     req = RouteRequest("m", "/v1/chat/completions", {"x-session-id": "s"})
     cands = [cm.score(a, WorkerMatch(), 0, 1000, 16), cm.score(b, WorkerMatch(local=50), 0, 1000, 16),
@@ -107,7 +114,7 @@ def test_policies_order():
 def test_one_calibrated_worker_does_not_take_every_request():
     """The first observation calibrates the fleet-wide speed, which every worker without enough samples of
     its own uses: a freshly calibrated worker does not look faster than its idle twins (a hot spot)."""
-    cm = CostModel(RoutingConfig(prefill_tokens_per_s=1000.0, calibration_alpha=0.5, attention_knee_tokens=0))
+    cm = model(RoutingConfig(prefill_tokens_per_s=1000.0, calibration_alpha=0.5, attention_knee_tokens=0))
     a, b = worker("a"), worker("b")
     c = cm.score(a, WorkerMatch(), g4=0, num_tokens=4000, block_size=16)
     cm.observe_ttft(a, 0.5, c)  # 8000 t/s observed on a
@@ -124,7 +131,7 @@ def test_attention_makes_long_contexts_cost_more_and_calibration_sees_through_it
     30K-token cached prefix than cold; and a worker that serves long conversations is not mistaken for a
     slow worker: observed speeds of short and long prompts on one device calibrate to the same figure."""
     knee = 16_384
-    cm = CostModel(RoutingConfig(prefill_tokens_per_s=10_000.0, attention_knee_tokens=knee))
+    cm = model(RoutingConfig(prefill_tokens_per_s=10_000.0, attention_knee_tokens=knee))
     w = worker("a")
     cold = cm.score(w, WorkerMatch(), 0, 1000, 16)
     long = cm.score(w, WorkerMatch(local=30_000 // 16), 0, 31_000, 16)
@@ -155,7 +162,7 @@ def test_identical_workers_keep_one_speed_through_a_noisy_mix():
     """Observed prefill speed swings with the request mix (short cold prompts look fast, long or
     context-heavy ones slow). Identical workers that happened to see different parts of the mix must still
     be priced alike, or the one that looks fastest draws far more than its share."""
-    cm = CostModel(RoutingConfig(prefill_tokens_per_s=10_000.0, attention_knee_tokens=0,
+    cm = model(RoutingConfig(prefill_tokens_per_s=10_000.0, attention_knee_tokens=0,
                                  per_worker_prefill_speed=True))
     a, b = worker("a"), worker("b")
     for k in range(60):  # a sees the fast half of the mix, b the slow half, in turn
@@ -167,13 +174,13 @@ def test_identical_workers_keep_one_speed_through_a_noisy_mix():
         cm.observe_engine_prefill(b, 4000, 4000 / 10_000, 2)
     ratio = cm.prefill_speed(a) / cm.prefill_speed(b)
     assert 1.0 < ratio < 1.6  # a 3x apart per-worker EWMA would say ~2.5
-    fleet_only = CostModel(RoutingConfig(prefill_tokens_per_s=10_000.0))  # the default prices them alike
+    fleet_only = model(RoutingConfig(prefill_tokens_per_s=10_000.0))  # the default prices them alike
     _engine_samples(fleet_only, [(a, 1.0), (b, 0.5)], [30_000, 10_000], 40)
     assert fleet_only.prefill_speed(a) == fleet_only.prefill_speed(b)
 
 
 def test_a_persistently_slower_worker_is_priced_slower():
-    cm = CostModel(RoutingConfig(prefill_tokens_per_s=10_000.0, attention_knee_tokens=0,
+    cm = model(RoutingConfig(prefill_tokens_per_s=10_000.0, attention_knee_tokens=0,
                                  per_worker_prefill_speed=True))
     a, b = worker("a"), worker("b")
     _engine_samples(cm, [(a, 1.0), (b, 0.5)], [30_000, 10_000, 20_000], 120)
@@ -210,7 +217,7 @@ def test_near_tie_goes_to_the_cache_holder_clear_win_does_not():
 def test_a_prefix_the_queue_would_evict_is_not_counted_as_cached():
     """Capacity-bound: 100 free blocks (1000 at 90% use) and 1,600 tokens (100 blocks) queued ahead evict
     everything free before this request is scheduled; half of that queue, half the prefix."""
-    cm = CostModel(RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0))
+    cm = model(RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0))
     full = worker("a", prefilling=[1600])
     full.load.kv_usage, full.load.num_gpu_blocks = 0.9, 1000
     c = cm.score(full, WorkerMatch(gpu=40, local=40), 0, 1000, 16)
@@ -225,3 +232,19 @@ def test_a_prefix_the_queue_would_evict_is_not_counted_as_cached():
     unknown = worker("d", prefilling=[1600])  # no cache_config_info: no discount
     unknown.load.kv_usage = 0.99
     assert cm.score(unknown, WorkerMatch(gpu=40, local=40), 0, 1000, 16).cached_tokens == 640
+
+
+def test_step_figures_are_fleet_wide_unless_per_worker():
+    """Every worker's engine samples move the fleet's step figures, which identical workers share: a
+    worker whose own estimate came out lower by noise does not draw every cold request."""
+    cm = model(RoutingConfig(prefill_tokens_per_s=10_000.0), engine=(0.01, 0.0, 0.005))
+    a, b = worker("a"), worker("b")
+    for d in range(6):
+        cm.observe_engine(a, 0.010, d, 0.004)
+        cm.observe_engine(b, 0.014, d, 0.006)
+    assert a.engine.step_s < b.engine.step_s  # each keeps its own, shown in /admin/workers
+    sa, sb = (cm.score(w, WorkerMatch(), 0, 100, 16) for w in (a, b))
+    assert sa.predicted_ttft_ms == sb.predicted_ttft_ms
+    cm.cfg.per_worker_prefill_speed = True
+    sa, sb = (cm.score(w, WorkerMatch(), 0, 100, 16) for w in (a, b))
+    assert sa.predicted_ttft_ms < sb.predicted_ttft_ms
