@@ -90,6 +90,9 @@ class SimRequest:
     computed: int = 0                   # prompt tokens with KV (cached, then computed chunk by chunk)
     n_out: int = 0                      # tokens sampled so far
     output: np.ndarray | None = None    # its whole deterministic output, drawn at the first token
+    # The engine's clock (model seconds of steps run) when it was scheduled and at its first token.
+    scheduled_clock: float = 0.0
+    first_token_clock: float | None = None
 
 
 @dataclass
@@ -106,6 +109,7 @@ class _Step:
     prefills: list[tuple[SimRequest, int]]   # (request, new prompt tokens in this step)
     decodes: list[SimRequest]
     compute_s: float                          # chunk and start costs (model seconds)
+    model_s: float = 0.0                      # the step's duration in model seconds
 
 
 class SimEngine:
@@ -132,7 +136,9 @@ class SimEngine:
         self.h_itl = Histogram(INTER_TOKEN_LATENCY_BUCKETS)
         self.h_iteration_tokens = Histogram(ITERATION_TOKENS_BUCKETS)
         self.steps = 0
-        self.step_log: deque[tuple[int, int]] | None = None  # (scheduled tokens, decodes) per step, if set
+        self.clock = 0.0  # model seconds of steps run
+        # Test hook: when a deque, one (scheduled tokens, decodes, repeats) per run of identical steps.
+        self.step_log: deque[tuple[int, int, int]] | None = None
 
     @property
     def block_size(self) -> int:
@@ -206,7 +212,8 @@ class SimEngine:
                 self._wake = loop.create_future()
                 await self._wake
                 continue
-            dt = t.wall(t.step_s(len(step.decodes), step.compute_s))
+            step.model_s = t.step_s(len(step.decodes), step.compute_s)
+            dt = t.wall(step.model_s)
             # A decode-only step that schedules everything repeats identically until a request reaches its
             # next streamed chunk or its end, or a request arrives or is aborted: sleep once for the run.
             n = 1
@@ -259,7 +266,7 @@ class SimEngine:
                 break  # FIFO, like vLLM's waiting queue: the head waits for room
             self.waiting.popleft()
             self._running.append(r)
-            r.alloc, r.scheduled_at = a, start
+            r.alloc, r.scheduled_at, r.scheduled_clock = a, start, self.clock
             g4 = a.g4_blocks * self.block_size
             r.cached_tokens = r.computed = a.hit_blocks * self.block_size + g4
             self.stats.prompt_tokens += len(r.tokens)
@@ -272,6 +279,7 @@ class SimEngine:
     def _apply(self, step: _Step, n: int, dt: float) -> None:
         """The results of ``n`` steps of ``dt`` (n > 1 only for decode-only steps)."""
         end = step.start + n * dt
+        self.clock += n * step.model_s
         computed = generated = 0
         for r, u in step.prefills:
             r.computed += u
@@ -279,6 +287,7 @@ class SimEngine:
                 continue
             self.cache.write_g4(r.alloc, r.tokens)
             r.prefill_s = end - r.scheduled_at
+            r.first_token_clock = self.clock
             self.h_ttft.observe(max(0.0, end - r.arrival))
             computed += len(r.tokens) - r.cached_tokens
             r.output = self._output_tokens(r)
@@ -296,7 +305,7 @@ class SimEngine:
             self.h_iteration_tokens.observe((computed + generated) // n, n)
         self.steps += n
         if self.step_log is not None:
-            self.step_log.append((sum(u for _, u in step.prefills) + len(step.decodes), len(step.decodes)))
+            self.step_log.append((sum(u for _, u in step.prefills) + len(step.decodes), len(step.decodes), n))
         finished = [r for r in self._running if r.n_out >= r.max_tokens]
         for r in finished:
             self._finish(r)
