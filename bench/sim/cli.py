@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--time-scale", type=float, default=1.0, help="run this many times faster than real time")
     p.add_argument("--max-num-seqs", type=int, default=DEFAULT_TIMING.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=f"per-step token budget, chunked prefill (default {DEFAULT_TIMING.max_num_batched_tokens})")
     p.add_argument("--stream-interval", type=int, default=16, help="tokens per streamed chunk")
     p.add_argument("--default-max-tokens", type=int, default=16)
     p.add_argument("--g4", action="store_true", help="share a simulated G4 store between the workers")

@@ -1,25 +1,77 @@
-"""One simulated vLLM engine: a waiting queue, continuous batching up to ``max_num_seqs``, one prefill lane
-(a long prefill delays the prefills behind it, as it saturates a real GPU), concurrent decode, and the
-prefix cache whose events go out on the engine's publisher once per scheduling step."""
+"""One simulated vLLM engine, scheduled like vLLM v1: one step loop, a FIFO waiting queue, at most
+``max_num_seqs`` running, and a per-step token budget (``max_num_batched_tokens``, chunked prefill).
+
+Each step goes through the running requests first come first served: a request in decode takes one token of
+the budget, a request still in prefill takes the next chunk of its prompt (as much as the budget left
+allows); then waiting requests are admitted (blocks for prompt + ``max_tokens`` reserved, the head waits for
+room) while budget and seats remain. The step lasts ``TimingModel.step_s`` for what it batched; at its end
+each decode has one more token and a request whose prefill the step finished has its first token. The prefix
+cache's events go out on the engine's publisher once per step."""
 from __future__ import annotations
 
 import asyncio
 import zlib
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from bench.sim.cache import Allocation, PrefixCache, SharedG4Store
+from bench.sim.cache import Allocation, PrefixCache
 from bench.sim.events import ZmqPublisher
 from bench.sim.timing import DEFAULT_TIMING, TimingModel
+
+# vLLM's default histogram buckets (vllm/v1/metrics/buckets.py); request-token buckets are 1-2-5 up to
+# max_model_len.
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                               7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                               7.5, 10.0, 20.0, 40.0, 80.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+# A step loop that falls further behind the wall clock than this restarts from now (seconds).
+_LAG_RESET_S = 0.05
+
+
+def request_tokens_buckets(max_model_len: int) -> tuple[int, ...]:
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+class Histogram:
+    """A Prometheus histogram: per-bucket counts (rendered cumulative), sum and count."""
+
+    def __init__(self, buckets):
+        self.buckets = tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float, n: int = 1) -> None:
+        self.counts[bisect_left(self.buckets, value)] += n
+        self.sum += value * n
+        self.count += n
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, acc = [], 0
+        for le, c in zip([*map(float, self.buckets), "+Inf"], self.counts):
+            acc += c
+            out.append((str(le), acc))
+        return out
 
 
 class RequestError(ValueError):
     """A request the engine refuses (400), e.g. longer than max_model_len."""
 
 
-@dataclass
+@dataclass(eq=False)
 class SimRequest:
     tokens: list[int]
     max_tokens: int
@@ -27,12 +79,20 @@ class SimRequest:
     out: asyncio.Queue = field(default_factory=asyncio.Queue)  # lists of token ids, then None
     alloc: Allocation | None = None
     cached_tokens: int = 0
-    generated: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)  # tokens pushed to ``out`` so far
     cancelled: bool = False
     done: bool = False
-    # Seconds from the start of its prefill to its first token, on the wall clock (like vLLM's): a fleet
-    # replayed N times faster looks to the gateway like N-times-faster GPUs, for every latency it sees.
+    # Seconds from scheduling to its first token, on the wall clock (vLLM's prefill time): a fleet replayed
+    # N times faster looks to the gateway like N-times-faster GPUs, for every latency it sees.
     prefill_s: float | None = None
+    arrival: float = 0.0                # loop time of submit
+    scheduled_at: float | None = None   # start of the step that first scheduled it
+    computed: int = 0                   # prompt tokens with KV (cached, then computed chunk by chunk)
+    n_out: int = 0                      # tokens sampled so far
+    output: np.ndarray | None = None    # its whole deterministic output, drawn at the first token
+    # The engine's clock (model seconds of steps run) when it was scheduled and at its first token.
+    scheduled_clock: float = 0.0
+    first_token_clock: float | None = None
 
 
 @dataclass
@@ -41,12 +101,15 @@ class EngineStats:
     generation_tokens: int = 0
     requests_ok: int = 0
     requests_aborted: int = 0
-    # vLLM's per-request histograms, recorded when a request finishes (sum and count only):
-    # vllm:request_prefill_kv_computed_tokens and vllm:request_prefill_time_seconds.
-    prefill_kv_computed_tokens: int = 0
-    prefill_time_s: float = 0.0
-    prefill_requests: int = 0
-    request_prompt_tokens: int = 0  # vllm:request_prompt_tokens (sum; same count)
+
+
+@dataclass
+class _Step:
+    start: float
+    prefills: list[tuple[SimRequest, int]]   # (request, new prompt tokens in this step)
+    decodes: list[SimRequest]
+    compute_s: float                          # chunk and start costs (model seconds)
+    model_s: float = 0.0                      # the step's duration in model seconds
 
 
 class SimEngine:
@@ -56,25 +119,42 @@ class SimEngine:
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.stream_interval = max(1, stream_interval)
         self.waiting: deque[SimRequest] = deque()
-        self.running = 0
-        self._prefill: deque[SimRequest] = deque()
-        self._prefill_wake = asyncio.Event()
-        self._prefill_task: asyncio.Task | None = None
-        self._tasks: set[asyncio.Task] = set()
+        self._running: list[SimRequest] = []   # admission order
+        self._wake: asyncio.Future | None = None
+        self._task: asyncio.Task | None = None
         self.stats = EngineStats()
+        tok = request_tokens_buckets(max_model_len)
+        # vLLM's histograms. Per request, at finish: prefill time (scheduled -> first token), queue time
+        # (arrival -> scheduled), new KV tokens computed, prompt tokens. Per token: TTFT (arrival -> first
+        # token) and inter-token latency. Per step with output: its prompt tokens computed (a chunked prompt
+        # counts whole in the step of its first token, as vLLM's) plus its generated tokens.
+        self.h_prefill_time = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.h_queue_time = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.h_prefill_kv_computed = Histogram(tok)
+        self.h_prompt_tokens = Histogram(tok)
+        self.h_ttft = Histogram(TIME_TO_FIRST_TOKEN_BUCKETS)
+        self.h_itl = Histogram(INTER_TOKEN_LATENCY_BUCKETS)
+        self.h_iteration_tokens = Histogram(ITERATION_TOKENS_BUCKETS)
+        self.steps = 0
+        self.clock = 0.0  # model seconds of steps run
+        # Test hook: when a deque, one (scheduled tokens, decodes, repeats) per run of identical steps.
+        self.step_log: deque[tuple[int, int, int]] | None = None
 
     @property
     def block_size(self) -> int:
         return self.cache.block_size
 
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
     def start(self) -> None:
-        self._prefill_task = asyncio.get_running_loop().create_task(self._prefill_loop())
+        self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
-        for t in [self._prefill_task, *self._tasks]:
-            if t:
-                t.cancel()
-        await asyncio.gather(*[t for t in [self._prefill_task, *self._tasks] if t], return_exceptions=True)
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
 
     # -- admission -----------------------------------------------------------------------------------------
     def submit(self, tokens: list[int], max_tokens: int, cache_salt: str | None = None) -> SimRequest:
@@ -90,9 +170,10 @@ class SimEngine:
         lo, hi = min(tokens), max(tokens)
         if lo < 0 or hi >= self.vocab_size + 5:  # words + the tokenizer's special tokens
             raise RequestError(f"Token id {hi if hi >= 0 else lo} is out of vocabulary")
-        req = SimRequest(tokens=tokens, max_tokens=max(1, max_tokens), cache_salt=cache_salt)
+        req = SimRequest(tokens=tokens, max_tokens=max(1, max_tokens), cache_salt=cache_salt,
+                         arrival=asyncio.get_running_loop().time())
         self.waiting.append(req)
-        self._schedule()
+        self._interrupt()
         return req
 
     def abort(self, req: SimRequest) -> None:
@@ -102,46 +183,147 @@ class SimEngine:
                 self.waiting.remove(req)
             except ValueError:
                 pass
+        else:
+            self._interrupt()  # freed at the next step boundary
+
+    def _interrupt(self) -> None:
+        """End an idle wait or a run of identical decode steps at the next step boundary."""
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
 
     def _publish(self) -> None:
         events = self.cache.take_events()
         if events and self.publisher is not None:
             self.publisher.publish(events)
 
-    def _schedule(self) -> None:
-        while self.waiting and self.running < self.timing.max_num_seqs:
-            req = self.waiting[0]
-            alloc = self.cache.allocate(req.tokens, len(req.tokens) + req.max_tokens, req.cache_salt)
-            if alloc is None:
+    # -- the step loop -------------------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        t = self.timing
+        end: float | None = None   # when the previous step ended (wall clock), None after idling
+        while True:
+            self._reap()
+            now = loop.time()
+            start = end if end is not None and now - end < _LAG_RESET_S else now
+            step = self._plan(start)
+            self._publish()
+            if not step.prefills and not step.decodes:
+                end = None
+                self._wake = loop.create_future()
+                await self._wake
+                continue
+            step.model_s = t.step_s(len(step.decodes), step.compute_s)
+            dt = t.wall(step.model_s)
+            # A decode-only step that schedules everything repeats identically until a request reaches its
+            # next streamed chunk or its end, or a request arrives or is aborted: sleep once for the run.
+            n = 1
+            if not step.prefills and len(step.decodes) == len(self._running):
+                k = self.stream_interval
+                n = min(min(r.max_tokens, len(r.generated) + k) - r.n_out for r in step.decodes)
+            done = await self._sleep_steps(loop, start, dt, n)
+            end = start + done * dt
+            self._apply(step, done, dt)
+            self._publish()
+
+    async def _sleep_steps(self, loop, start: float, dt: float, n: int) -> int:
+        """Sleep through ``n`` steps of ``dt`` from ``start``; an interrupt ends the run after the step in
+        flight. Returns the steps done."""
+        deadline = start + n * dt
+        if n > 1:
+            self._wake = fut = loop.create_future()
+            timer = loop.call_at(deadline, lambda: fut.done() or fut.set_result(None))
+            await fut
+            timer.cancel()
+            self._wake = None
+            done = min(n, int((loop.time() - start) / dt) + 1) if dt > 0 else n
+            deadline = start + done * dt
+        else:
+            done = 1
+        delay = deadline - loop.time()
+        await asyncio.sleep(delay if delay > 0 else 0)
+        return done
+
+    def _plan(self, start: float) -> _Step:
+        """Schedule one step, FCFS within the token budget: running requests, then admissions."""
+        t = self.timing
+        budget = t.max_num_batched_tokens
+        prefills, decodes, compute = [], [], 0.0
+        for r in self._running:
+            if budget <= 0:
+                break
+            if r.n_out:
+                decodes.append(r)
+                budget -= 1
+                continue
+            u = min(len(r.tokens) - r.computed, budget)
+            compute += t.chunk_s(u, r.computed)
+            prefills.append((r, u))
+            budget -= u
+        while budget > 0 and self.waiting and len(self._running) < t.max_num_seqs:
+            r = self.waiting[0]
+            a = self.cache.allocate(r.tokens, len(r.tokens) + r.max_tokens, r.cache_salt)
+            if a is None:
                 break  # FIFO, like vLLM's waiting queue: the head waits for room
             self.waiting.popleft()
-            self.running += 1
-            req.alloc = alloc
-            req.cached_tokens = (alloc.hit_blocks + alloc.g4_blocks) * self.block_size
-            self.stats.prompt_tokens += len(req.tokens)
-            self._prefill.append(req)
-            self._prefill_wake.set()
-        self._publish()
-
-    # -- execution -----------------------------------------------------------------------------------------
-    async def _prefill_loop(self) -> None:
-        while True:
-            while not self._prefill:
-                self._prefill_wake.clear()
-                await self._prefill_wake.wait()
-            req = self._prefill.popleft()
-            a = req.alloc
-            local = a.hit_blocks * self.block_size
+            self._running.append(r)
+            r.alloc, r.scheduled_at, r.scheduled_clock = a, start, self.clock
             g4 = a.g4_blocks * self.block_size
-            dt = self.timing.prefill_s(len(req.tokens) - local - g4, local + g4, g4)
-            if not req.cancelled:
-                req.prefill_s = self.timing.wall(dt)
-                await asyncio.sleep(req.prefill_s)
-            self.cache.write_g4(a, req.tokens)
-            self._publish()
-            t = asyncio.get_running_loop().create_task(self._decode(req))
-            self._tasks.add(t)
-            t.add_done_callback(self._tasks.discard)
+            r.cached_tokens = r.computed = a.hit_blocks * self.block_size + g4
+            self.stats.prompt_tokens += len(r.tokens)
+            u = min(len(r.tokens) - r.computed, budget)
+            compute += t.start_s(r.computed, g4) + t.chunk_s(u, r.computed)
+            prefills.append((r, u))
+            budget -= u
+        return _Step(start, prefills, decodes, compute)
+
+    def _apply(self, step: _Step, n: int, dt: float) -> None:
+        """The results of ``n`` steps of ``dt`` (n > 1 only for decode-only steps)."""
+        end = step.start + n * dt
+        self.clock += n * step.model_s
+        computed = generated = 0
+        for r, u in step.prefills:
+            r.computed += u
+            if r.computed < len(r.tokens):
+                continue
+            self.cache.write_g4(r.alloc, r.tokens)
+            r.prefill_s = end - r.scheduled_at
+            r.first_token_clock = self.clock
+            self.h_ttft.observe(max(0.0, end - r.arrival))
+            computed += len(r.tokens) - r.cached_tokens
+            r.output = self._output_tokens(r)
+            r.n_out = 1
+            self._push(r)
+            generated += 1
+        if step.decodes:
+            self.h_itl.observe(dt, n * len(step.decodes))
+            for r in step.decodes:
+                r.n_out += n
+                if r.n_out >= r.max_tokens or r.n_out - len(r.generated) >= self.stream_interval:
+                    self._push(r)
+            generated += n * len(step.decodes)
+        if generated:  # vLLM records a step only when it outputs tokens
+            self.h_iteration_tokens.observe((computed + generated) // n, n)
+        self.steps += n
+        if self.step_log is not None:
+            self.step_log.append((sum(u for _, u in step.prefills) + len(step.decodes), len(step.decodes), n))
+        finished = [r for r in self._running if r.n_out >= r.max_tokens]
+        for r in finished:
+            self._finish(r)
+        if finished:
+            self._running = [r for r in self._running if not r.done]
+
+    def _push(self, r: SimRequest) -> None:
+        chunk = [int(x) for x in r.output[len(r.generated):r.n_out]]
+        r.generated.extend(chunk)
+        r.out.put_nowait(chunk)
+
+    def _reap(self) -> None:
+        """Free the running requests aborted since the last step."""
+        if any(r.cancelled for r in self._running):
+            for r in self._running:
+                if r.cancelled:
+                    self._finish(r)
+            self._running = [r for r in self._running if not r.done]
 
     def _output_tokens(self, req: SimRequest) -> np.ndarray:
         """Deterministic 'greedy' output: the same prompt always generates the same tokens."""
@@ -149,28 +331,13 @@ class SimEngine:
         rng = np.random.default_rng(zlib.crc32(tail) ^ len(req.tokens))
         return rng.integers(0, self.vocab_size, size=req.max_tokens)
 
-    async def _decode(self, req: SimRequest) -> None:
-        out = self._output_tokens(req)
-        n = len(out)
-        try:
-            produced = 1
-            req.generated.extend(int(x) for x in out[:1])
-            req.out.put_nowait(req.generated[:1])
-            while produced < n and not req.cancelled:
-                k = min(self.stream_interval, n - produced)
-                await asyncio.sleep(self.timing.wall(k * self.timing.decode_token_s(self.running)))
-                chunk = [int(x) for x in out[produced:produced + k]]
-                req.generated.extend(chunk)
-                req.out.put_nowait(chunk)
-                produced += k
-        finally:
-            self._finish(req)
-
     def _finish(self, req: SimRequest) -> None:
         if req.done:
             return
         req.done = True
         a = req.alloc
+        if req.output is not None and req.n_out > len(req.generated):  # sampled, not streamed yet (aborted)
+            req.generated.extend(int(x) for x in req.output[len(req.generated):req.n_out])
         # Blocks filled by generated tokens are cached too (all but the last sampled token has KV).
         all_tokens = req.tokens + req.generated
         n_full = (len(all_tokens) - 1) // self.block_size
@@ -178,20 +345,17 @@ class SimEngine:
             digests = a.digests + self._more_digests(a, all_tokens, n_full)
             self.cache.cache_full_blocks(a, all_tokens, n_full, digests)
         self.cache.free(a)
-        self.running -= 1
         self.stats.generation_tokens += len(req.generated)
         if req.prefill_s is not None:
-            self.stats.prefill_kv_computed_tokens += len(req.tokens) - req.cached_tokens
-            self.stats.prefill_time_s += req.prefill_s
-            self.stats.prefill_requests += 1
-            self.stats.request_prompt_tokens += len(req.tokens)
+            self.h_prefill_time.observe(req.prefill_s)
+            self.h_queue_time.observe(max(0.0, req.scheduled_at - req.arrival))
+            self.h_prefill_kv_computed.observe(len(req.tokens) - req.cached_tokens)
+            self.h_prompt_tokens.observe(len(req.tokens))
         if req.cancelled:
             self.stats.requests_aborted += 1
         else:
             self.stats.requests_ok += 1
         req.out.put_nowait(None)
-        self._schedule()
-        self._publish()
 
     def _more_digests(self, a: Allocation, all_tokens: list[int], n_full: int) -> list[bytes]:
         from bench.sim.cache import block_digests

@@ -71,19 +71,23 @@ def render_metrics(w: WorkerInfo) -> str:
     counter("vllm:prompt_tokens", e.stats.prompt_tokens, "Number of prefill tokens processed.")
     counter("vllm:generation_tokens", e.stats.generation_tokens, "Number of generation tokens processed.")
     counter("vllm:num_preemptions", 0, "Cumulative number of preemption from the engine.")
-    st = e.stats
 
-    def histogram(name, total, count, help_):  # sum and count; one +Inf bucket (the sim keeps no buckets)
-        out.extend([f"# HELP {name} {help_}", f"# TYPE {name} histogram",
-                    f'{name}_bucket{{{lab},le="+Inf"}} {float(count)}', f"{name}_count{{{lab}}} {float(count)}",
-                    f"{name}_sum{{{lab}}} {float(total)}"])
+    def histogram(name, h, help_):
+        out.extend([f"# HELP {name} {help_}", f"# TYPE {name} histogram"])
+        out.extend(f'{name}_bucket{{{lab},le="{le}"}} {float(n)}' for le, n in h.cumulative())
+        out.extend([f"{name}_count{{{lab}}} {float(h.count)}", f"{name}_sum{{{lab}}} {float(h.sum)}"])
 
-    histogram("vllm:request_prefill_time_seconds", st.prefill_time_s, st.prefill_requests,
+    histogram("vllm:request_prefill_time_seconds", e.h_prefill_time,
               "Histogram of time spent in PREFILL phase for request.")
-    histogram("vllm:request_prefill_kv_computed_tokens", st.prefill_kv_computed_tokens, st.prefill_requests,
+    histogram("vllm:request_queue_time_seconds", e.h_queue_time,
+              "Histogram of time spent in WAITING phase for request.")
+    histogram("vllm:request_prefill_kv_computed_tokens", e.h_prefill_kv_computed,
               "Histogram of new KV tokens computed during prefill (excluding cached tokens).")
-    histogram("vllm:request_prompt_tokens", st.request_prompt_tokens, st.prefill_requests,
-              "Number of prefill tokens processed.")
+    histogram("vllm:request_prompt_tokens", e.h_prompt_tokens, "Number of prefill tokens processed.")
+    histogram("vllm:time_to_first_token_seconds", e.h_ttft, "Histogram of time to first token in seconds.")
+    histogram("vllm:inter_token_latency_seconds", e.h_itl, "Histogram of inter-token latency in seconds.")
+    histogram("vllm:iteration_tokens_total", e.h_iteration_tokens,
+              "Histogram of number of tokens per engine_step.")
     info = {
         "block_size": c.block_size, "cache_dtype": "auto", "calculate_kv_scales": "False",
         "enable_prefix_caching": "True", "engine": "0", "gpu_memory_utilization": "0.9",

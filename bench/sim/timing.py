@@ -10,7 +10,18 @@ Prefill of ``u`` uncached tokens after ``c`` cached ones (context ``L = c + u``)
 ``a`` is the per-token (MLP/projection) cost, ``b`` the attention cost of each new token over its context
 (so a cold prompt costs ``a*L + b*L^2/2``), ``d`` the per-token cost of a local cache hit (reading the
 cached KV). ``calibrate`` solves a, b and d from the reference figures; ``overhead`` is the fixed step cost.
-Decode: each output token takes ``decode_s + decode_s_per_seq * running`` seconds.
+
+The engine runs vLLM v1's step loop (``bench/sim/engine.py``): one step batches every running decode and
+prefill chunks within ``max_num_batched_tokens``. A step with ``D`` decodes and prefill chunks of ``u_i`` new
+tokens after ``c_i`` tokens of context (cached or computed in earlier chunks) costs::
+
+    step = decode_s + decode_s_per_seq * D + sum_i [a*u_i + b*u_i*(c_i + u_i/2)] + sum_j start_j
+    start_j = overhead + d*cached_j + g4_tokens_j * kv_bytes_per_token / g4_read_bytes_per_s
+
+where ``start_j`` is paid once by each request whose prefill starts in the step. The chunks' attention terms
+add up to the unchunked one (``sum u_i*(c_i + u_i/2) = u*(c + u/2)``), so a lone prefill costs ``prefill``
+plus ``decode_s`` per step it spans (``lone_prefill_s``: +0.19 s, 0.6 %, for a cold 130K prompt at the
+default budget of 8192 tokens).
 """
 from __future__ import annotations
 
@@ -33,18 +44,38 @@ class TimingModel:
     kv_bytes_per_token: int = 73_728        # gpt-oss-120b: 2 (K,V) x 36 layers x 8 KV heads x 64 dims x bf16
     g4_read_bytes_per_s: float = 20e9
     max_num_seqs: int = 64                  # continuous-batching concurrency cap
+    max_num_batched_tokens: int = 8192      # per-step token budget (chunked prefill), vLLM's common default
     time_scale: float = 1.0                 # >1 runs faster than real time (divides every sleep)
 
     def prefill_s(self, uncached: int, cached: int = 0, g4_tokens: int = 0) -> float:
-        u, c = max(0, uncached), max(0, cached)
-        t = self.overhead_s + self.a_s_per_token * u + self.b_s_per_token2 * u * (c + u / 2)
-        t += self.d_s_per_cached_token * c
+        """Compute time of a prefill as one piece (no step overhead): its start cost plus one chunk."""
+        return self.start_s(cached, g4_tokens) + self.chunk_s(uncached, cached)
+
+    def start_s(self, cached: int = 0, g4_tokens: int = 0) -> float:
+        """Paid once per request, in the step its prefill starts: the fixed overhead, reading its cached KV
+        and loading its G4 blocks."""
+        t = self.overhead_s + self.d_s_per_cached_token * max(0, cached)
         if g4_tokens:
             t += g4_tokens * self.kv_bytes_per_token / self.g4_read_bytes_per_s
         return t
 
+    def chunk_s(self, new: int, context: int = 0) -> float:
+        """``new`` prompt tokens computed after ``context`` tokens already in the KV cache."""
+        u, c = max(0, new), max(0, context)
+        return self.a_s_per_token * u + self.b_s_per_token2 * u * (c + u / 2)
+
+    def step_s(self, decodes: int, compute_s: float = 0.0) -> float:
+        """One engine step: the base cost, ``decodes`` decode tokens, plus the chunk and start costs."""
+        return self.decode_s + self.decode_s_per_seq * max(0, decodes) + compute_s
+
     def decode_token_s(self, running: int) -> float:
-        return self.decode_s + self.decode_s_per_seq * max(0, running)
+        """One token of a decode-only step with ``running`` decodes."""
+        return self.step_s(running)
+
+    def lone_prefill_s(self, uncached: int, cached: int = 0, g4_tokens: int = 0) -> float:
+        """TTFT of a prefill alone on an idle engine, chunked by the step budget."""
+        steps = max(1, -(-max(0, uncached) // max(1, self.max_num_batched_tokens)))
+        return self.prefill_s(uncached, cached, g4_tokens) + steps * self.step_s(0)
 
     def ttft_cold(self, tokens: int) -> float:
         return self.prefill_s(tokens, 0)

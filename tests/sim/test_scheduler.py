@@ -1,0 +1,165 @@
+"""The simulated engine schedules like vLLM v1: one step loop, FCFS within a per-step token budget
+(chunked prefill), decodes sharing steps with prefills, first token at the end of the step that finishes a
+prefill. Checked on the engine's own clock (model seconds of steps run) and step counts, never on wall time."""
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+
+from bench.sim.cache import PrefixCache
+from bench.sim.engine import SimEngine
+from bench.sim.fleet import FleetConfig, SimFleet
+from bench.sim.timing import DEFAULT_TIMING
+
+
+@asynccontextmanager
+async def engine(budget: int = 8192, num_blocks: int = 20_000, scale: float = 1e4, **kw):
+    e = SimEngine(PrefixCache(num_blocks, 16), None,
+                  DEFAULT_TIMING.with_(time_scale=scale, max_num_batched_tokens=budget, **kw), stream_interval=4)
+    e.step_log = deque()
+    e.start()
+    try:
+        yield e
+    finally:
+        await e.stop()
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i) % 32000 for i in range(n)]
+
+
+async def drain(*reqs) -> None:
+    for r in reqs:
+        while await r.out.get() is not None:
+            pass
+
+
+def test_lone_chunked_prefill_stays_calibrated():
+    t = DEFAULT_TIMING
+    assert t.max_num_batched_tokens == 8192
+    # 16 steps of 8192 tokens add 16 x decode_s to the 32 s reference: well within a few percent
+    assert t.lone_prefill_s(130_000) == pytest.approx(32.0, rel=0.01)
+    assert t.lone_prefill_s(130_000) - t.prefill_s(130_000) == pytest.approx(16 * t.decode_s)
+    # chunking does not change the compute: the attention terms of the chunks add up to the whole
+    chunks = sum(t.chunk_s(8192 if c + 8192 <= 130_000 else 130_000 - c, c) for c in range(0, 130_000, 8192))
+    assert chunks == pytest.approx(t.chunk_s(130_000, 0), rel=1e-9)
+
+
+async def test_a_long_prefill_is_chunked_and_its_first_token_ends_the_last_chunk():
+    async with engine(budget=1000) as e:
+        r = e.submit(prompt(4500, 1), 3)
+        await drain(r)
+        assert [s[0] for s in list(e.step_log)[:5]] == [1000, 1000, 1000, 1000, 500]
+        assert len(r.generated) == 3 and e.steps == 5 + 2
+        t = e.timing
+        expected = t.start_s() + sum(t.chunk_s(u, c) for u, c in zip([1000] * 4 + [500], range(0, 4500, 1000)))
+        assert r.first_token_clock - r.scheduled_clock == pytest.approx(expected + 5 * t.decode_s)
+
+
+async def test_a_short_request_behind_a_long_one_shares_its_last_step():
+    async with engine() as e:
+        long = e.submit(prompt(20_000, 2), 2)
+        short = e.submit(prompt(100, 3), 2)
+        await drain(long, short)
+        # 8192 + 8192 + 3616 tokens of the long prompt; the short one fits in the last step's 4576 left
+        assert [s[0] for s in list(e.step_log)[:3]] == [8192, 8192, 3616 + 100]
+        assert short.first_token_clock == long.first_token_clock
+        serial = e.timing.lone_prefill_s(20_000) + e.timing.lone_prefill_s(100)
+        assert short.first_token_clock < serial  # FCFS: it never overtakes, but it does not queue for a lane
+        assert short.scheduled_clock > 0  # no budget left for it in the first two steps
+
+
+async def test_decodes_keep_streaming_during_a_long_prefill():
+    async with engine() as e:
+        d = e.submit(prompt(32, 40), 10_000)
+        while d.n_out == 0:
+            await asyncio.sleep(0.001)
+        before = d.n_out
+        e.step_log.clear()
+        long = e.submit(prompt(60_000, 41), 1)
+        await drain(long)
+        # 60000 = 7 x 8191 + 2663 (each step gives the decode its token first): 8 steps, each with a token
+        assert d.n_out - before >= 8
+        e.abort(d)
+        chunks = [s for s in e.step_log if s[0] > 1]
+        assert [s[0] for s in chunks] == [8192] * 7 + [60_000 - 7 * 8191 + 1]
+        assert all(s[1] == 1 for s in chunks)
+
+
+async def test_first_tokens_come_in_arrival_order():
+    async with engine(budget=2048) as e:
+        reqs = [e.submit(prompt(n, 10 + i), 2) for i, n in enumerate([3000, 100, 5000, 50, 1500])]
+        await drain(*reqs)
+        firsts = [r.first_token_clock for r in reqs]
+        assert firsts == sorted(firsts)
+        assert all(s[0] <= 2048 for s in e.step_log)
+
+
+async def test_running_decodes_slow_a_prefill():
+    async def ttft_with(decoders: int) -> float:
+        async with engine(budget=512) as e:
+            bg = [e.submit(prompt(32, 100 + i), 2000) for i in range(decoders)]
+            while any(r.n_out == 0 for r in bg):
+                await asyncio.sleep(0.001)
+            r = e.submit(prompt(4096, 5), 1)
+            await drain(r)
+            for b in bg:
+                e.abort(b)
+            return r.first_token_clock - r.scheduled_clock
+
+    idle, busy = await ttft_with(0), await ttft_with(32)
+    # 32 decodes take 32 tokens of each step's budget (more steps) and cost decode_s_per_seq each
+    assert busy > 1.3 * idle
+
+
+async def test_iteration_tokens_and_latency_histograms_count_like_vllm():
+    async with engine(budget=1000) as e:
+        a, b = e.submit(prompt(2500, 20), 6), e.submit(prompt(300, 21), 6)
+        await drain(a, b)
+        assert all(s[0] <= 1000 for s in e.step_log)
+        # vLLM counts a prompt's computed tokens in the step of its first token, plus each step's outputs
+        assert e.h_iteration_tokens.sum == 2500 + 300 + 12
+        steps_with_output = sum(n for tokens, decodes, n in e.step_log if decodes) + 1  # the first tokens' step
+        assert e.h_iteration_tokens.count == steps_with_output
+        assert e.h_ttft.count == 2 and e.h_itl.count == 2 * 5
+        assert e.h_prefill_time.count == e.h_queue_time.count == 2
+        assert e.h_prefill_kv_computed.sum == 2800
+
+
+async def test_decode_runs_stream_every_interval_and_an_arrival_joins_at_the_next_step():
+    async with engine(scale=50) as e:
+        r = e.submit(prompt(64, 30), 40)
+        first = await r.out.get()
+        assert len(first) == 1
+        chunk = await r.out.get()
+        assert len(chunk) == 4  # stream_interval
+        late = e.submit(prompt(64, 31), 2)
+        await drain(late)
+        assert not r.done  # it joined r's decode batch instead of waiting for r's end
+        await drain(r)
+        assert len(r.generated) == 40 and e.stats.generation_tokens == 42
+        assert sum(n for *_, n in e.step_log) == e.steps
+
+
+async def test_metrics_export_vllms_scheduler_histograms():
+    async with SimFleet(FleetConfig(workers=1, num_blocks=256,
+                                    timing=DEFAULT_TIMING.with_(time_scale=1000), stream_interval=4)) as f:
+        url = f.workers[0].url
+        async with httpx.AsyncClient(timeout=30) as c:
+            await c.post(url + "/v1/completions", json={"prompt": list(range(40)), "max_tokens": 5})
+            text = (await c.get(url + "/metrics")).text
+    for name in ("vllm:iteration_tokens_total", "vllm:inter_token_latency_seconds",
+                 "vllm:request_queue_time_seconds", "vllm:time_to_first_token_seconds",
+                 "vllm:request_prefill_time_seconds"):
+        assert f"# TYPE {name} histogram" in text
+        assert f'{name}_bucket{{engine="0",model_name="sim-model",le="+Inf"}}' in text
+    lab = '{engine="0",model_name="sim-model"}'
+    assert f"vllm:inter_token_latency_seconds_count{lab} 4.0" in text
+    assert f"vllm:time_to_first_token_seconds_count{lab} 1.0" in text
+    assert f'vllm:iteration_tokens_total_bucket{{engine="0",model_name="sim-model",le="8192.0"}}' in text
+    assert math.isfinite(float(text.split(f"vllm:request_queue_time_seconds_sum{lab} ")[1].split()[0]))
