@@ -242,6 +242,9 @@ def table(summaries: Sequence[dict], baseline: str | None = None) -> str:
             "req/s", "busiest worker", "failed"]
     if base:
         head.append(f"mean TTFT vs {baseline}")
+    pred = any(isinstance(s.get("prediction"), dict) for s in summaries)
+    if pred:  # kvgate's own accuracy (bench/prediction.py)
+        head += ["obs/pred TTFT p50", "p90", "cached = predicted"]
     rows = []
     for s in summaries:
         row = [s["name"], _fmt(s["hit_rate"], True), _fmt(s.get("ceiling"), True), _fmt(s["ttft_p50_s"]),
@@ -252,6 +255,9 @@ def table(summaries: Sequence[dict], baseline: str | None = None) -> str:
         if base:
             ratio = (s["ttft_mean_s"] / base["ttft_mean_s"]) if s["ttft_mean_s"] and base["ttft_mean_s"] else None
             row.append("-" if ratio is None else f"{ratio:.2f}x")
+        if pred:
+            p = s.get("prediction") or {}
+            row += [_fmt(p.get("ttft_ratio_p50")), _fmt(p.get("ttft_ratio_p90")), _fmt(p.get("cached_exact_share"), True)]
         rows.append(row)
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731

@@ -221,13 +221,17 @@ def surviving_blocks(local: int, queue_tokens: float, block_size: int, kv_usage:
 
     vLLM keeps cached blocks no request holds in its free queue and reuses the least recently used first
     (a request's blocks are freed tail first, so a prefix is cut from its end). The requests queued ahead
-    allocate about their prompt's blocks; beyond the free blocks (``(1 - kv_usage) * num_gpu_blocks``)
-    they evict everything free, and below it a share in proportion (no recency is known per block: its
-    expected position is the middle of the queue). Unknown capacity: nothing is discounted."""
+    allocate about their prompt's blocks; once that reaches the free blocks (``(1 - kv_usage) *
+    num_gpu_blocks``) they evict everything free. Below half of it a prefix the index shows is taken to
+    survive: it was announced recently, so it sits near the recent end of the free queue (discounting a
+    share in proportion under-predicted a shared hot prefix on 52% of the simulator's requests); in
+    between, a linearly growing share from its end. Unknown capacity: nothing is discounted."""
     if local <= 0 or not num_gpu_blocks or queue_tokens <= 0 or not 0.0 <= kv_usage <= 1.0:
         return local
     free = (1.0 - kv_usage) * num_gpu_blocks
-    demand = queue_tokens / max(1, block_size)
     if free <= 0:
         return 0
-    return max(0, min(local, int(local * (1.0 - demand / free) + 0.5)))
+    pressure = queue_tokens / max(1, block_size) / free
+    if pressure <= 0.5:
+        return local
+    return max(0, min(local, int(local * (1.0 - pressure) * 2.0 + 0.5)))

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench import prediction
 from bench import replay as rp
 from bench.sim import procs
 
@@ -81,6 +82,7 @@ def run_target(t: Target, items, *, log_dir: Path, workers: int, num_blocks: int
         urls = [w["url"] for w in desc["workers"]]
         if t.kind == "kvgate":
             settings = procs.gateway_settings(desc, t.policy, port, tokenizer_dir, t.index, redis_url)
+            settings["routing"].setdefault("decisions_kept", prediction.MAX_DECISIONS)  # the report reads them
             settings["routing"].update(routing or {})
             router = procs.start_gateway(log_dir, f"gateway-{t.name}", settings)
         else:
@@ -92,6 +94,9 @@ def run_target(t: Target, items, *, log_dir: Path, workers: int, num_blocks: int
         res.extra.update({"router": t.kind, "policy": t.policy, "index": t.index if t.kind == "kvgate" else None,
                           "workers": workers, "num_blocks": num_blocks, "block_size": block_size,
                           "prompts_as_text": t.text, "g4": t.g4})
+        if t.kind == "kvgate":
+            res.extra["prediction"] = prediction.fetch(f"http://127.0.0.1:{port}",
+                                                       save=log_dir / f"decisions-{t.name}.json")
         if t.kind == "kvgate" and t.g4:
             res.extra["gateway_g4"] = gateway_g4_view(f"http://127.0.0.1:{port}", desc["model"])
         return res

@@ -216,16 +216,20 @@ def test_near_tie_goes_to_the_cache_holder_clear_win_does_not():
 
 def test_a_prefix_the_queue_would_evict_is_not_counted_as_cached():
     """Capacity-bound: 100 free blocks (1000 at 90% use) and 1,600 tokens (100 blocks) queued ahead evict
-    everything free before this request is scheduled; half of that queue, half the prefix."""
+    everything free before this request is scheduled; three quarters of that queue, half the prefix; half
+    of it or less, none (a prefix in the index was used recently)."""
     cm = model(RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0))
     full = worker("a", prefilling=[1600])
     full.load.kv_usage, full.load.num_gpu_blocks = 0.9, 1000
     c = cm.score(full, WorkerMatch(gpu=40, local=40), 0, 1000, 16)
     assert c.evicted_blocks == 40 and c.cached_tokens == 0
+    most = worker("b", prefilling=[1200])
+    most.load.kv_usage, most.load.num_gpu_blocks = 0.9, 1000
+    c = cm.score(most, WorkerMatch(gpu=40, local=40), 0, 1000, 16)
+    assert c.evicted_blocks == 20 and c.cached_tokens == 20 * 16
     half = worker("b", prefilling=[800])
     half.load.kv_usage, half.load.num_gpu_blocks = 0.9, 1000
-    c = cm.score(half, WorkerMatch(gpu=40, local=40), 0, 1000, 16)
-    assert c.evicted_blocks == 20 and c.cached_tokens == 20 * 16
+    assert cm.score(half, WorkerMatch(gpu=40, local=40), 0, 1000, 16).evicted_blocks == 0
     roomy = worker("c", prefilling=[1600])
     roomy.load.kv_usage, roomy.load.num_gpu_blocks = 0.1, 100_000
     assert cm.score(roomy, WorkerMatch(gpu=40, local=40), 0, 1000, 16).evicted_blocks == 0
