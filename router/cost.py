@@ -118,13 +118,19 @@ class CostModel:
     def budget(self, worker) -> int:
         return getattr(worker.config, "max_num_batched_tokens", None) or self.cfg.max_num_batched_tokens
 
-    def score(self, worker, match: WorkerMatch, g4: int, num_tokens: int, block_size: int) -> Candidate:
+    def score(self, worker, match: WorkerMatch, g4: int, num_tokens: int, block_size: int,
+              pending_blocks: int = 0) -> Candidate:
+        """``pending_blocks``: the last of ``match.local`` are blocks the gateway sent the worker whose
+        events are not indexed yet (router/pending.py): being computed or just computed, not evictable."""
         cfg = self.cfg
         tps = self.prefill_speed(worker)
         load = worker.load
         v = worker.view()
         cal = self.engine_of(worker)
-        local = surviving_blocks(match.local, v.queue_tokens, block_size, load.kv_usage, load.num_gpu_blocks)
+        indexed = match.local - max(0, min(pending_blocks, match.local))
+        local = surviving_blocks(indexed, v.queue_tokens, block_size, load.kv_usage, load.num_gpu_blocks)
+        if local == indexed:  # nothing evicted ahead of them: the pending blocks extend the prefix
+            local = match.local
         g4_extra = max(0, g4 - local)
         cached = min(num_tokens, (local + g4_extra) * block_size)
         uncached = max(0, num_tokens - cached)

@@ -43,6 +43,7 @@ class Decision:
     new_bytes: int = 0  # prompt text tokenized for this request
     index_error: str | None = None
     g4_blocks: int = 0
+    stream: bool = False  # the client asked for a stream: its first token will be seen
     candidates: list[Candidate] = field(default_factory=list)  # best first
     chosen: str | None = None
     attempts: list[str] = field(default_factory=list)
@@ -172,7 +173,8 @@ class Router:
         headers = {k.lower(): v for k, v in (headers or {}).items()}
         ns, lora = reg.namespace(model) if model else ("", None)
         d = Decision(request_id=request_id or headers.get("x-request-id") or uuid.uuid4().hex,
-                     model=model or "", path=path, policy=policy.name, namespace=ns, lora_name=lora)
+                     model=model or "", path=path, policy=policy.name, namespace=ns, lora_name=lora,
+                     stream=body.get("stream") is True)
         kind = kind_of(path) if model else "other"
         bs = reg.block_size(model) if model else 0
         d.block_size = bs
@@ -207,18 +209,20 @@ class Router:
         d.g4_blocks = result.g4
         pending = self.pending
 
-        def match(w) -> WorkerMatch:
+        def match(w) -> tuple[WorkerMatch, int]:
+            """The worker's leading blocks, and how many of them were sent there but are not indexed yet."""
             # chat (and the APIs rendered as chat): also when only the chat probe failed, or the API's
             if w.blind_for(kind) or api_blind(w, api):
-                return WorkerMatch()
+                return WorkerMatch(), 0
             m = result.match(w.name)
             if d.hashes:
                 n = pending.leading(ns, d.hashes, w.name, m.local)
                 if n > m.local:  # sent there, events not indexed yet
-                    return WorkerMatch(gpu=max(m.gpu, n), cpu=m.cpu, local=n)
-            return m
+                    return WorkerMatch(gpu=max(m.gpu, n), cpu=m.cpu, local=n), n - m.local
+            return m, 0
 
-        scored = [self.cost.score(w, match(w), result.g4, d.num_tokens, bs) for w in workers]
+        scored = [self.cost.score(w, m, result.g4, d.num_tokens, bs, pending_blocks=p)
+                  for w in workers for m, p in (match(w),)]
         d.candidates = policy.order(RouteRequest(model, path, headers), scored)
         d.chosen = d.candidates[0].worker if d.candidates else None
         t4 = time.perf_counter()

@@ -252,3 +252,15 @@ def test_step_figures_are_fleet_wide_unless_per_worker():
     cm.cfg.per_worker_prefill_speed = True
     sa, sb = (cm.score(w, WorkerMatch(), 0, 100, 16) for w in (a, b))
     assert sa.predicted_ttft_ms < sb.predicted_ttft_ms
+
+
+def test_blocks_sent_but_not_indexed_yet_are_not_discounted():
+    """RAG under pressure: the queue ahead is computing the very document this request shares (the gateway
+    sent it there, router/pending.py): those blocks are in use, not evictable; only the indexed part is."""
+    cm = model(RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0))
+    w = worker("a", prefilling=[1600])
+    w.load.kv_usage, w.load.num_gpu_blocks = 0.9, 1000
+    c = cm.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16, pending_blocks=40)
+    assert c.evicted_blocks == 0 and c.cached_tokens == 640
+    c = cm.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16, pending_blocks=10)
+    assert c.cached_tokens == 0  # the indexed 30 are evicted: the run is cut before the pending ones

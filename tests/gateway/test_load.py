@@ -40,6 +40,18 @@ def test_phases_and_the_deadline_of_a_response_without_a_first_token():
     assert len(a) == 0 and a.view().inflight == 0
 
 
+def test_a_streamed_request_is_prefilling_until_its_first_token_however_late():
+    """Early predictions run on default figures and can be far too short (the capacity-bound run: 60-600 ms
+    predicted, 6-12 s observed); a stream's first token will be seen, so no deadline applies to it."""
+    clock = Clock()
+    a = ActiveSequences(clock=clock)
+    s = a.add(uncached=1000, work=1000.0, predicted_s=0.1, streamed=True)
+    clock.t += 60
+    assert a.view().prefill_requests == 1 and a.view().decodes == 0
+    a.first_token(s)
+    assert a.view().prefill_requests == 0 and a.view().decodes == 1
+
+
 def test_reconciled_with_what_vllm_reports():
     a = ActiveSequences(default_work=800.0)
     a.add(uncached=100, work=100.0, predicted_s=60)
