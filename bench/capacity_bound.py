@@ -127,8 +127,8 @@ def _f(v: float | None, fmt: str = "{:.2f}") -> str:
 def table(rows: list[dict]) -> str:
     lines = [
         "| target | hit rate (usage) | mean TTFT | p90 TTFT | total | mean TTFT vs sglang | vs round_robin "
-        "| hit rate vs sglang | obs/pred TTFT median | p90 | predicted cached == delivered |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| hit rate vs sglang | obs/pred TTFT median | p90 | predicted cached == delivered | router CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         vs, rr, pr = r.get("vs_sglang") or {}, r.get("vs_round_robin") or {}, r.get("prediction") or {}
@@ -136,12 +136,14 @@ def table(rows: list[dict]) -> str:
             f"| {r['label']} | {r['cached_share']:.1%} | {r['ttft_mean_s']:.2f} s | {r['ttft_p90_s']:.2f} s "
             f"| {r['total_s']:.1f} s | {_x(vs.get('ttft_mean'))} | {_x(rr.get('ttft_mean'))} "
             f"| {_f(vs.get('hit_rate_points'), '{:+.1f} pts')} | {_f(pr.get('ttft_ratio_median'))} "
-            f"| {_f(pr.get('ttft_ratio_p90'))} | {_f(pr.get('cached_exact_share'), '{:.0%}')} |"
+            f"| {_f(pr.get('ttft_ratio_p90'))} | {_f(pr.get('cached_exact_share'), '{:.0%}')} "
+            f"| {_f(r.get('router_cpu_s'), '{:.1f} s')} |"
         )
     return "\n".join(lines)
 
 
 def run_target(target: str, servers, model_dir: str, clients: list[mw.Client], args, workdir: Path) -> dict:
+    from bench.bench_gateway import tree_cpu_s
     from bench.bench_vllm_policies import MODEL, Gateway, reset_caches, scrape_prefix_cache, summarize
 
     reset_caches(servers)
@@ -151,15 +153,18 @@ def run_target(target: str, servers, model_dir: str, clients: list[mw.Client], a
     kind_of_session = mw.kinds(clients)
     requests = sum(len(s.users) for c in clients for s in c.sessions)
 
-    def drive(url: str) -> tuple[list[TurnResult], float, list, list]:
+    extra: dict = {}
+
+    def drive(url: str, pid: int) -> tuple[list[TurnResult], float, list, list]:
         before = [scrape_prefix_cache(s.url) for s in servers]
-        t0 = time.perf_counter()
+        cpu0, t0 = tree_cpu_s(pid), time.perf_counter()
         res = asyncio.run(run_clients(url, MODEL, [c.sessions for c in clients], max_tokens=args.max_tokens,
                                       stagger_s=args.stagger))
         total = time.perf_counter() - t0
+        # the router's own CPU: on a 2-core machine it is taken from the vLLM servers
+        extra["router_cpu_s"] = tree_cpu_s(pid) - cpu0
         return res, total, before, [scrape_prefix_cache(s.url) for s in servers]
 
-    extra: dict = {}
     if target == PEER:
         from bench.sim import procs
         from bench.sim.harness import Target, start_peer
@@ -168,14 +173,14 @@ def run_target(target: str, servers, model_dir: str, clients: list[mw.Client], a
         peer = start_peer(Target("sglang-router cache_aware", PEER, "cache_aware", text=True), workdir,
                           [s.url for s in servers], port, {})
         try:
-            results, total, before, after = drive(f"http://127.0.0.1:{port}")
+            results, total, before, after = drive(f"http://127.0.0.1:{port}", peer.p.pid)
         finally:
             peer.stop()
         label = "sglang-router cache_aware"
     else:
         routing = {"decisions_kept": max(1000, 2 * requests)}
         with Gateway(servers, model_dir, target, workdir, routing=routing) as gw:
-            results, total, before, after = drive(gw.url)
+            results, total, before, after = drive(gw.url, gw.proc.pid)
             decisions = httpx.get(f"{gw.url}/admin/decisions", params={"limit": 100_000}, timeout=60.0).json()
             workers = httpx.get(f"{gw.url}/admin/workers", timeout=60.0).json()
         kind_of_request = {r.request_id: kind_of_session.get(r.session, "?") for r in results if r.request_id}
