@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from bench import mixed_workload as mw
+from bench import prediction
 from bench.chat_workload import TurnResult, run_clients
 
 PEER = "sglang-router"
@@ -35,28 +36,19 @@ def quantile(xs: list[float], q: float) -> float | None:
 
 
 def prediction_stats(decisions: list[dict], kind_of: dict[str, str] | None = None) -> dict:
-    """Accuracy of the gateway's predictions over its decision records: observed / predicted TTFT
-    (median, p90, over streamed responses) and predicted cached tokens against vLLM's delivered ones;
+    """``bench.prediction.accuracy`` of the gateway's decision records (observed / predicted TTFT, predicted
+    cached tokens against vLLM's delivered ones), with the share under-predicted and the token sums;
     ``kind_of`` (request id -> workload kind) adds the same figures per kind."""
 
     def stats(ds: list[dict]) -> dict:
-        ratios = [d["observed_ttft_ms"] / d["predicted_ttft_ms"] for d in ds
-                  if d.get("observed_ttft_ms") is not None and d.get("predicted_ttft_ms")]
-        cached = [(d["predicted_cached_tokens"], d["delivered_cached_tokens"]) for d in ds
-                  if d.get("delivered_cached_tokens") is not None]
-        n = len(cached)
-        return {
-            "decisions": len(ds),
-            "ttft_samples": len(ratios),
-            "ttft_ratio_median": statistics.median(ratios) if ratios else None,
-            "ttft_ratio_p90": quantile(ratios, 0.9),
-            "cached_samples": n,
-            "cached_exact_share": sum(p == d for p, d in cached) / n if n else None,
-            "cached_over_share": sum(p > d for p, d in cached) / n if n else None,
-            "cached_under_share": sum(p < d for p, d in cached) / n if n else None,
-            "cached_predicted_sum": sum(p for p, _ in cached),
-            "cached_delivered_sum": sum(d for _, d in cached),
-        }
+        out = prediction.accuracy(ds)
+        cached = [((d.get("predicted_cached_tokens") or 0), d["delivered_cached_tokens"]) for d in ds
+                  if d.get("outcome") == "ok" and d.get("delivered_cached_tokens") is not None]
+        out["decisions"] = len(ds)
+        out["cached_under_share"] = sum(p < got for p, got in cached) / len(cached) if cached else None
+        out["cached_predicted_sum"] = sum(p for p, _ in cached)
+        out["cached_delivered_sum"] = sum(got for _, got in cached)
+        return out
 
     out = stats(decisions)
     if kind_of:
@@ -108,7 +100,7 @@ def goals(rows: list[dict]) -> dict:
     mine = [r for r in rows if r["target"] != PEER]
     out["kv_lowest_mean_ttft_of_kvgate_policies"] = min(mine, key=lambda r: r["ttft_mean_s"]) is kv
     pr = kv.get("prediction") or {}
-    med, p90 = pr.get("ttft_ratio_median"), pr.get("ttft_ratio_p90")
+    med, p90 = pr.get("ttft_ratio_p50"), pr.get("ttft_ratio_p90")
     out["kv_observed_over_predicted_median_in_0.8_1.25"] = med is not None and 0.8 <= med <= 1.25
     out["kv_observed_over_predicted_p90_le_2"] = p90 is not None and p90 <= 2.0
     ex = pr.get("cached_exact_share")
@@ -135,7 +127,7 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['label']} | {r['cached_share']:.1%} | {r['ttft_mean_s']:.2f} s | {r['ttft_p90_s']:.2f} s "
             f"| {r['total_s']:.1f} s | {_x(vs.get('ttft_mean'))} | {_x(rr.get('ttft_mean'))} "
-            f"| {_f(vs.get('hit_rate_points'), '{:+.1f} pts')} | {_f(pr.get('ttft_ratio_median'))} "
+            f"| {_f(vs.get('hit_rate_points'), '{:+.1f} pts')} | {_f(pr.get('ttft_ratio_p50'))} "
             f"| {_f(pr.get('ttft_ratio_p90'))} | {_f(pr.get('cached_exact_share'), '{:.0%}')} "
             f"| {_f(r.get('router_cpu_s'), '{:.1f} s')} |"
         )
@@ -181,7 +173,8 @@ def run_target(target: str, servers, model_dir: str, clients: list[mw.Client], a
         routing = {"decisions_kept": max(1000, 2 * requests)}
         with Gateway(servers, model_dir, target, workdir, routing=routing) as gw:
             results, total, before, after = drive(gw.url, gw.proc.pid)
-            decisions = httpx.get(f"{gw.url}/admin/decisions", params={"limit": 100_000}, timeout=60.0).json()
+            decisions = httpx.get(f"{gw.url}/admin/decisions", params={"limit": prediction.MAX_DECISIONS},
+                                  timeout=60.0).json()
             workers = httpx.get(f"{gw.url}/admin/workers", timeout=60.0).json()
         kind_of_request = {r.request_id: kind_of_session.get(r.session, "?") for r in results if r.request_id}
         mine = [d for d in decisions["decisions"] if d.get("request_id") in kind_of_request]
