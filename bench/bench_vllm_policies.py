@@ -10,6 +10,10 @@ whose context grows every turn (to ~4K tokens with the defaults). It reports mea
 seen by the client), total time, the cached share of prompt tokens that vLLM reported per request, and
 vLLM's own prefix-cache hit rate from its ``/metrics`` (hits/queries deltas over the run), with ratios
 against ``round_robin`` measured in the same run. Results go to ``bench/results/vllm_policies.json``.
+
+``--capacity-bound`` (issue #11, ``bench.capacity_bound``): servers whose KV cache is a third of the working
+set of a mixed workload (RAG over shared documents, agent loops, the chat sessions), and sglang-router
+``cache_aware`` beside kvgate's policies; results in ``bench/results/vllm_capacity_bound.json``.
 """
 
 from __future__ import annotations
@@ -28,27 +32,29 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench import tiny_model
-from bench.chat_workload import make_sessions, run_sessions
+from bench import capacity_bound, tiny_model
+from bench.chat_workload import TurnResult, make_sessions, run_sessions
 from bench.vllm_server import VllmServer, free_port, start_all
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "m152"
 
 
-def scrape_prefix_cache(url: str) -> tuple[float, float]:
-    """vLLM's cumulative prefix-cache (queries, hits), in tokens."""
+def scrape_prefix_cache(url: str) -> tuple[float, float, float]:
+    """vLLM's cumulative prefix-cache (queries, hits), in tokens, and finished requests."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{url}/metrics", timeout=30.0).text
-    q = h = 0.0
+    q = h = n = 0.0
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name == "vllm:prefix_cache_queries_total":
                 q += s.value
             elif s.name == "vllm:prefix_cache_hits_total":
                 h += s.value
-    return q, h
+            elif s.name == "vllm:request_success_total":
+                n += s.value
+    return q, h, n
 
 
 def reset_caches(servers: list[VllmServer]) -> None:
@@ -69,7 +75,9 @@ def reset_caches(servers: list[VllmServer]) -> None:
 class Gateway:
     """``kvgate serve`` in a subprocess with one policy in front of the servers."""
 
-    def __init__(self, servers: list[VllmServer], model_dir: str, policy: str, workdir: Path) -> None:
+    def __init__(
+        self, servers: list[VllmServer], model_dir: str, policy: str, workdir: Path, routing: dict | None = None
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config = workdir / f"kvgate-{policy}.yaml"
@@ -83,7 +91,7 @@ class Gateway:
                     "workers": [s.worker_config() for s in servers],
                     "models": {MODEL: {"tokenizer": model_dir}},
                     "index": {"backend": "memory"},
-                    "routing": {"policy": policy},
+                    "routing": {"policy": policy, **(routing or {})},
                     "health_interval_s": 1.0,
                 }
             )
@@ -126,8 +134,36 @@ class Gateway:
 
 
 def p90(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(0.9 * (len(xs) - 1))))] if xs else 0.0
+    return capacity_bound.quantile(xs, 0.9) or 0.0
+
+
+def summarize(results: list[TurnResult], total_s: float, before: list, after: list) -> dict:
+    """Client-side figures of one run: TTFT, vLLM's usage-reported cached share, and vLLM's own
+    prefix-cache hit rate from the /metrics deltas (``before``/``after`` per server)."""
+    dq = sum(a[0] - b[0] for a, b in zip(after, before))
+    dh = sum(a[1] - b[1] for a, b in zip(after, before))
+    ttfts = [r.ttft_s for r in results]
+    later = [r.ttft_s for r in results if r.turn > 0]
+    prompt = sum(r.prompt_tokens for r in results)
+    cached = sum(r.cached_tokens for r in results)
+    workers: dict[str, int] = {}
+    for r in results:
+        workers[r.worker or "?"] = workers.get(r.worker or "?", 0) + 1
+    return {
+        "turns": len(results),
+        "total_s": total_s,
+        "ttft_mean_s": statistics.fmean(ttfts) if ttfts else 0.0,
+        "ttft_p90_s": p90(ttfts),
+        "ttft_mean_later_turns_s": statistics.fmean(later) if later else 0.0,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "cached_share": cached / max(1, prompt),
+        "vllm_prefix_cache_hit_rate": dh / dq if dq else 0.0,
+        "max_prompt_tokens": max((r.prompt_tokens for r in results), default=0),
+        "requests_per_worker": workers,
+        # from each server's vllm:request_success_total (every target, peers included)
+        "requests_per_server": [round(a[2] - b[2]) for a, b in zip(after, before)],
+    }
 
 
 def run_policy(policy: str, servers: list[VllmServer], model_dir: str, args, workdir: Path) -> dict:
@@ -143,46 +179,34 @@ def run_policy(policy: str, servers: list[VllmServer], model_dir: str, args, wor
         )
         total = time.perf_counter() - t0
         after = [scrape_prefix_cache(s.url) for s in servers]
-    dq = sum(a[0] - b[0] for a, b in zip(after, before))
-    dh = sum(a[1] - b[1] for a, b in zip(after, before))
-    ttfts = [r.ttft_s for r in results]
-    later = [r.ttft_s for r in results if r.turn > 0]
-    prompt = sum(r.prompt_tokens for r in results)
-    cached = sum(r.cached_tokens for r in results)
-    workers: dict[str, int] = {}
-    for r in results:
-        workers[r.worker or "?"] = workers.get(r.worker or "?", 0) + 1
-    return {
-        "policy": policy,
-        "turns": len(results),
-        "total_s": total,
-        "ttft_mean_s": statistics.fmean(ttfts),
-        "ttft_p90_s": p90(ttfts),
-        "ttft_mean_later_turns_s": statistics.fmean(later) if later else 0.0,
-        "prompt_tokens": prompt,
-        "cached_tokens": cached,
-        "cached_share": cached / max(1, prompt),
-        "vllm_prefix_cache_hit_rate": dh / dq if dq else 0.0,
-        "max_prompt_tokens": max(r.prompt_tokens for r in results),
-        "requests_per_worker": workers,
-    }
+    return {"policy": policy, **summarize(results, total, before, after)}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m bench.bench_vllm_policies", description=__doc__.split("\n\n")[0]
     )
-    ap.add_argument("--policies", default="kv,round_robin,least_loaded")
-    ap.add_argument("--sessions", type=int, default=8)
-    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--policies", default=None,
+                    help="kvgate policies (default kv,round_robin,least_loaded); with --capacity-bound also "
+                    "'sglang-router' (the default there: kv,round_robin,least_loaded,sglang-router)")
+    ap.add_argument("--sessions", type=int, default=8, help="chat sessions")
+    ap.add_argument("--turns", type=int, default=5, help="turns per chat session")
     ap.add_argument("--first-tokens", type=int, default=1500)
     ap.add_argument("--turn-tokens", type=int, default=550)
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--stagger", type=float, default=0.5, help="seconds between session starts")
+    ap.add_argument("--stagger", type=float, default=0.5, help="seconds between session (client) starts")
     ap.add_argument("--size", default="152m", choices=sorted(tiny_model.SIZES))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "vllm_policies.json"))
+    ap.add_argument("--out", default=None, help="JSON results (default bench/results/vllm_policies.json, "
+                    "with --capacity-bound bench/results/vllm_capacity_bound.json)")
+    capacity_bound.add_arguments(ap)
     args = ap.parse_args(argv)
+    results_dir = ROOT / "bench" / "results"
+    if args.capacity_bound:
+        args.out = args.out or str(results_dir / "vllm_capacity_bound.json")
+        return capacity_bound.run(args, str(tiny_model.ensure(args.size)))
+    args.policies = args.policies or "kv,round_robin,least_loaded"
+    args.out = args.out or str(results_dir / "vllm_policies.json")
 
     model_dir = str(tiny_model.ensure(args.size))
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-bench-vllm-"))

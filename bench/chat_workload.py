@@ -185,26 +185,36 @@ async def run_session(
     return results
 
 
-async def run_sessions(
+async def run_sessions(base_url: str, model: str, sessions: list[Session], **kw) -> list[TurnResult]:
+    """Run sessions concurrently (one client each; options of ``run_clients``); results of every turn,
+    session by session."""
+    return await run_clients(base_url, model, [[s] for s in sessions], **kw)
+
+
+async def run_clients(
     base_url: str,
     model: str,
-    sessions: list[Session],
+    clients: list[list[Session]],
     max_tokens: int = 16,
     timeout_s: float = 600.0,
     stagger_s: float = 0.0,
     think_s: float = 0.0,
     before_turn=None,
 ) -> list[TurnResult]:
-    """Run sessions concurrently (one client each); results of every turn, session by session."""
-    limits = httpx.Limits(max_connections=len(sessions) + 4)
+    """Run clients concurrently, each one's sessions one after another (a user asking several one-turn
+    questions is a client of one-turn sessions); results of every turn, client by client."""
+    limits = httpx.Limits(max_connections=len(clients) + 4)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits, trust_env=False) as client:
 
-        async def one(i: int, s: Session) -> list[TurnResult]:
+        async def one(i: int, sessions: list[Session]) -> list[TurnResult]:
             if stagger_s:
                 await asyncio.sleep(i * stagger_s)
-            return await run_session(client, base_url, model, s, max_tokens, think_s, before_turn)
+            out = []
+            for s in sessions:
+                out += await run_session(client, base_url, model, s, max_tokens, think_s, before_turn)
+            return out
 
-        per = await asyncio.gather(*(one(i, s) for i, s in enumerate(sessions)))
+        per = await asyncio.gather(*(one(i, c) for i, c in enumerate(clients)))
     return [r for rs in per for r in rs]
 
 

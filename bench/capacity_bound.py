@@ -1,0 +1,308 @@
+"""Capacity-bound mode of ``bench.bench_vllm_policies`` (issue #11): ``--capacity-bound``.
+
+Two real vLLM CPU servers whose KV cache (``--num-gpu-blocks-override``) is a third of the mixed
+workload's working set (``--kv-ratio``), the mixed workload of ``bench.mixed_workload`` (RAG users over
+shared documents, agent loops, multi-turn chat, all concurrent), and on the same servers, emptying both
+prefix caches before each: kvgate ``kv``, ``round_robin``, ``least_loaded`` and sglang-router
+``cache_aware`` (the peer, from ``bench.sim.harness``). Per target: the hit rate by vLLM's usage
+(Σ cached / Σ prompt tokens), mean and p90 streamed TTFT, total time, ratios against sglang-router and
+round_robin; for kvgate targets, from ``/admin/decisions``, observed/predicted TTFT (median, p90) and the
+share of requests whose predicted cached tokens equal the delivered ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench import mixed_workload as mw
+from bench import prediction
+from bench.chat_workload import TurnResult, run_clients
+
+PEER = "sglang-router"
+TARGETS = f"kv,round_robin,least_loaded,{PEER}"
+
+
+def quantile(xs: list[float], q: float) -> float | None:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else None
+
+
+def prediction_stats(decisions: list[dict], kind_of: dict[str, str] | None = None) -> dict:
+    """``bench.prediction.accuracy`` of the gateway's decision records (observed / predicted TTFT, predicted
+    cached tokens against vLLM's delivered ones), with the share under-predicted and the token sums;
+    ``kind_of`` (request id -> workload kind) adds the same figures per kind."""
+
+    def stats(ds: list[dict]) -> dict:
+        out = prediction.accuracy(ds)
+        cached = [((d.get("predicted_cached_tokens") or 0), d["delivered_cached_tokens"]) for d in ds
+                  if d.get("outcome") == "ok" and d.get("delivered_cached_tokens") is not None]
+        out["decisions"] = len(ds)
+        out["cached_under_share"] = sum(p < got for p, got in cached) / len(cached) if cached else None
+        out["cached_predicted_sum"] = sum(p for p, _ in cached)
+        out["cached_delivered_sum"] = sum(got for _, got in cached)
+        return out
+
+    out = stats(decisions)
+    if kind_of:
+        by: dict[str, list[dict]] = {}
+        for d in decisions:
+            by.setdefault(kind_of.get(d.get("request_id") or "", "?"), []).append(d)
+        out["by_kind"] = {k: stats(v) for k, v in sorted(by.items())}
+    return out
+
+
+def by_kind(results: list[TurnResult], kind_of_session: dict[str, str]) -> dict:
+    out: dict[str, dict] = {}
+    for k in sorted(set(kind_of_session.values())):
+        rs = [r for r in results if kind_of_session.get(r.session) == k]
+        prompt = sum(r.prompt_tokens for r in rs)
+        out[k] = {
+            "requests": len(rs),
+            "hit_rate": sum(r.cached_tokens for r in rs) / max(1, prompt),
+            "ttft_mean_s": statistics.fmean(r.ttft_s for r in rs) if rs else None,
+        }
+    return out
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Ratios of every row against the peer and against round_robin (same run), when they ran."""
+    for base_name, key in ((PEER, "vs_sglang"), ("round_robin", "vs_round_robin")):
+        base = next((r for r in rows if r["target"] == base_name), None)
+        for r in rows:
+            if base is None:
+                continue
+            r[key] = {
+                "hit_rate_points": 100 * (r["cached_share"] - base["cached_share"]),
+                "ttft_mean": r["ttft_mean_s"] / base["ttft_mean_s"] if base["ttft_mean_s"] else None,
+                "ttft_p90": r["ttft_p90_s"] / base["ttft_p90_s"] if base["ttft_p90_s"] else None,
+                "total": r["total_s"] / base["total_s"] if base["total_s"] else None,
+            }
+
+
+def goals(rows: list[dict]) -> dict:
+    """Issue #11's goals, checked on this run's rows (None where a target did not run)."""
+    kv = next((r for r in rows if r["target"] == "kv"), None)
+    out: dict = {}
+    if kv is None:
+        return out
+    vs = kv.get("vs_sglang")
+    if vs:
+        out["kv_hit_rate_vs_sglang_ge_plus_5_points"] = vs["hit_rate_points"] >= 5.0
+        out["kv_mean_ttft_vs_sglang_le_0.8x"] = vs["ttft_mean"] is not None and vs["ttft_mean"] <= 0.8
+    mine = [r for r in rows if r["target"] != PEER]
+    out["kv_lowest_mean_ttft_of_kvgate_policies"] = min(mine, key=lambda r: r["ttft_mean_s"]) is kv
+    pr = kv.get("prediction") or {}
+    med, p90 = pr.get("ttft_ratio_p50"), pr.get("ttft_ratio_p90")
+    out["kv_observed_over_predicted_median_in_0.8_1.25"] = med is not None and 0.8 <= med <= 1.25
+    out["kv_observed_over_predicted_p90_le_2"] = p90 is not None and p90 <= 2.0
+    ex = pr.get("cached_exact_share")
+    out["kv_predicted_cached_eq_delivered_ge_90pct"] = ex is not None and ex >= 0.9
+    return out
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def _f(v: float | None, fmt: str = "{:.2f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| target | hit rate (usage) | mean TTFT | p90 TTFT | total | mean TTFT vs sglang | vs round_robin "
+        "| hit rate vs sglang | obs/pred TTFT median | p90 | predicted cached == delivered | router CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        vs, rr, pr = r.get("vs_sglang") or {}, r.get("vs_round_robin") or {}, r.get("prediction") or {}
+        lines.append(
+            f"| {r['label']} | {r['cached_share']:.1%} | {r['ttft_mean_s']:.2f} s | {r['ttft_p90_s']:.2f} s "
+            f"| {r['total_s']:.1f} s | {_x(vs.get('ttft_mean'))} | {_x(rr.get('ttft_mean'))} "
+            f"| {_f(vs.get('hit_rate_points'), '{:+.1f} pts')} | {_f(pr.get('ttft_ratio_p50'))} "
+            f"| {_f(pr.get('ttft_ratio_p90'))} | {_f(pr.get('cached_exact_share'), '{:.0%}')} "
+            f"| {_f(r.get('router_cpu_s'), '{:.1f} s')} |"
+        )
+    return "\n".join(lines)
+
+
+def run_target(target: str, servers, model_dir: str, clients: list[mw.Client], args, workdir: Path) -> dict:
+    from bench.bench_gateway import tree_cpu_s
+    from bench.bench_vllm_policies import MODEL, Gateway, reset_caches, scrape_prefix_cache, summarize
+
+    reset_caches(servers)
+    for c in clients:  # fresh conversations (run_session rebuilds each one's messages)
+        for s in c.sessions:
+            s.messages = []
+    kind_of_session = mw.kinds(clients)
+    requests = sum(len(s.users) for c in clients for s in c.sessions)
+
+    extra: dict = {}
+
+    def drive(url: str, pid: int) -> tuple[list[TurnResult], float, list, list]:
+        before = [scrape_prefix_cache(s.url) for s in servers]
+        cpu0, t0 = tree_cpu_s(pid), time.perf_counter()
+        res = asyncio.run(run_clients(url, MODEL, [c.sessions for c in clients], max_tokens=args.max_tokens,
+                                      stagger_s=args.stagger))
+        total = time.perf_counter() - t0
+        # the router's own CPU: on a 2-core machine it is taken from the vLLM servers
+        extra["router_cpu_s"] = tree_cpu_s(pid) - cpu0
+        return res, total, before, [scrape_prefix_cache(s.url) for s in servers]
+
+    if target == PEER:
+        from bench.sim import procs
+        from bench.sim.harness import Target, start_peer
+
+        port = procs.free_port()
+        peer = start_peer(Target("sglang-router cache_aware", PEER, "cache_aware", text=True), workdir,
+                          [s.url for s in servers], port, {})
+        try:
+            results, total, before, after = drive(f"http://127.0.0.1:{port}", peer.p.pid)
+        finally:
+            peer.stop()
+        label = "sglang-router cache_aware"
+    else:
+        routing = {"decisions_kept": max(1000, 2 * requests)}
+        with Gateway(servers, model_dir, target, workdir, routing=routing) as gw:
+            results, total, before, after = drive(gw.url, gw.proc.pid)
+            decisions = httpx.get(f"{gw.url}/admin/decisions", params={"limit": prediction.MAX_DECISIONS},
+                                  timeout=60.0).json()
+            workers = httpx.get(f"{gw.url}/admin/workers", timeout=60.0).json()
+        kind_of_request = {r.request_id: kind_of_session.get(r.session, "?") for r in results if r.request_id}
+        mine = [d for d in decisions["decisions"] if d.get("request_id") in kind_of_request]
+        extra["prediction"] = prediction_stats(mine, kind_of_request)
+        extra["decisions_seen"] = {"count": decisions["count"], "capacity": decisions["capacity"],
+                                   "matched": len(mine)}
+        extra["worker_prediction"] = {
+            w.get("name"): (w.get("load") or {}).get("prediction")
+            for w in (workers if isinstance(workers, list) else workers.get("workers", []))
+        }
+        label = f"kvgate {target}"
+        (workdir / f"decisions-{target}.json").write_text(json.dumps(decisions))
+    return {"target": target, "label": label, **summarize(results, total, before, after),
+            "by_kind": by_kind(results, kind_of_session), **extra}
+
+
+# MixSpec fields set by the chat options the default mode has too
+CHAT_ARGS = {"chats": "sessions", "chat_turns": "turns", "first_tokens": "first_tokens",
+             "turn_tokens": "turn_tokens"}
+HELP = {"rag_questions": "requests per RAG user", "tool_tokens": "mean tool result per agent turn"}
+
+
+def add_arguments(ap) -> None:
+    """The capacity-bound options of ``bench.bench_vllm_policies``."""
+    cap = ap.add_argument_group(
+        "capacity-bound mode (issue #11)",
+        "a mixed workload (RAG over shared documents, agent loops, the chat sessions above) against servers "
+        "whose KV cache is a fraction of its working set; targets kvgate kv, round_robin, least_loaded and "
+        "sglang-router cache_aware",
+    )
+    cap.add_argument("--capacity-bound", action="store_true")
+    cap.add_argument("--kv-ratio", type=float, default=3.0,
+                     help="working set (distinct prefix blocks) / one server's KV cache")
+    cap.add_argument("--num-gpu-blocks", type=int, default=0, help="override the computed blocks per server")
+    cap.add_argument("--block-size", type=int, default=32)
+    for f in dataclasses.fields(mw.MixSpec):
+        if f.name not in CHAT_ARGS:
+            cap.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default, help=HELP.get(f.name))
+
+
+def spec_from(args) -> mw.MixSpec:
+    return mw.MixSpec(**{f.name: getattr(args, CHAT_ARGS.get(f.name, f.name))
+                         for f in dataclasses.fields(mw.MixSpec)})
+
+
+def plan(model_dir: str, args) -> tuple[list[mw.Client], dict]:
+    """The workload and the sizes of the run: working set, max_model_len, KV blocks per server."""
+    clients = mw.make_mixed(model_dir, spec_from(args), seed=args.seed)
+    ws = mw.working_set(model_dir, clients, args.block_size, args.max_tokens)
+    max_model_len = -(-(ws["max_prompt_tokens"] + 2 * args.max_tokens + 64) // args.block_size) * args.block_size
+    blocks = args.num_gpu_blocks or mw.kv_blocks_for(ws["distinct_blocks"], args.kv_ratio, args.block_size,
+                                                       max_model_len)
+    ws.update({
+        "block_size": args.block_size, "max_model_len": max_model_len, "num_gpu_blocks": blocks,
+        "server_cache_tokens": blocks * args.block_size,
+        "working_set_over_one_server": ws["distinct_blocks"] / blocks,
+        "working_set_over_fleet": ws["distinct_blocks"] / (2 * blocks),
+        "clients": {k: sum(c.kind == k for c in clients) for k in ("rag", "agent", "chat")},
+    })
+    return clients, ws
+
+
+def warm_up(servers, model_dir: str, tokens: int, max_tokens: int) -> None:
+    """A long prompt through each fresh server (twice), so that the first target does not pay for the
+    servers' first prefills; ``reset_caches`` empties the caches before every target anyway."""
+    from bench.bench_vllm_policies import MODEL
+    from bench.chat_workload import TextMaker
+
+    tm = TextMaker(model_dir, 999)
+    for s in servers:
+        for _ in range(2):
+            httpx.post(f"{s.url}/v1/completions", timeout=300.0,
+                       json={"model": MODEL, "prompt": tm.text(tokens), "max_tokens": max_tokens}).raise_for_status()
+
+
+def run(args, model_dir: str) -> int:
+    from bench.bench_vllm_policies import MODEL
+    from bench.vllm_server import VllmServer, start_all
+
+    clients, ws = plan(model_dir, args)
+    print(
+        f"working set: {ws['distinct_blocks']} distinct blocks x {ws['block_size']} = "
+        f"{ws['distinct_prefix_tokens']} prefix tokens over {ws['requests']} requests "
+        f"({ws['prompt_tokens']} prompt tokens, longest {ws['max_prompt_tokens']}); clients {ws['clients']}\n"
+        f"KV cache per server: {ws['num_gpu_blocks']} blocks = {ws['server_cache_tokens']} tokens "
+        f"(--num-gpu-blocks-override, max_model_len {ws['max_model_len']}): working set = "
+        f"{ws['working_set_over_one_server']:.2f}x one server, {ws['working_set_over_fleet']:.2f}x both",
+        flush=True,
+    )
+    workdir = Path(tempfile.mkdtemp(prefix="kvgate-bench-capacity-"))
+    servers = [
+        VllmServer(model_dir, name=f"vllm-{i}", served_model_name=MODEL, omp_threads_bind=bind,
+                   block_size=args.block_size, max_model_len=ws["max_model_len"],
+                   num_gpu_blocks=ws["num_gpu_blocks"])
+        for i, bind in enumerate(["auto", "1"])
+    ]
+    print(f"starting two vLLM servers ({args.size}); logs under {workdir} and "
+          f"{[str(s.workdir) for s in servers]}", flush=True)
+    rows: list[dict] = []
+    failed: dict[str, str] = {}
+    t_run = time.perf_counter()
+    try:
+        start_all(servers)
+        warm_up(servers, model_dir, ws["max_prompt_tokens"], args.max_tokens)
+        for target in [t.strip() for t in (args.policies or TARGETS).split(",") if t.strip()]:
+            print(f"target {target}: {ws['requests']} requests ...", flush=True)
+            try:
+                rows.append(run_target(target, servers, model_dir, clients, args, workdir))
+            except Exception as e:  # noqa: BLE001 - one failed target must not lose the others
+                failed[target] = f"{type(e).__name__}: {e}"[:2000]
+                print(f"  {target} failed: {failed[target]}", flush=True)
+                continue
+            r = rows[-1]
+            print(f"  hit {r['cached_share']:.1%}  mean TTFT {r['ttft_mean_s']:.2f} s  total {r['total_s']:.1f} s"
+                  f"  per server {r['requests_per_server']}", flush=True)
+    finally:
+        for s in servers:
+            s.close()
+    add_ratios(rows)
+    checked = goals(rows)
+    print()
+    print(table(rows))
+    print()
+    for k, v in checked.items():
+        print(f"- {k}: {'met' if v else 'NOT met'}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "workload": ws, "wall_s": time.perf_counter() - t_run,
+                               "results": rows, "goals": checked, "failed": failed}, indent=2) + "\n")
+    print(f"\nwritten to {out}")
+    return 0 if rows and not failed else 1

@@ -1,0 +1,108 @@
+"""The capacity-bound benchmark's workload and summary (no vLLM): bench.mixed_workload, bench.capacity_bound."""
+from __future__ import annotations
+
+import pytest
+
+from bench import capacity_bound as cb
+from bench import mixed_workload as mw
+from bench import tiny_model
+
+SPEC = mw.MixSpec(rag_docs=2, rag_users=3, rag_questions=3, doc_tokens=200, question_tokens=20, agents=2,
+                  agent_turns=3, task_tokens=60, tool_tokens=50, chats=2, chat_turns=3, first_tokens=100,
+                  turn_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("tok")
+    tiny_model.build_tokenizer(out)
+    return str(out)
+
+
+def texts(clients: list[mw.Client]) -> list[tuple]:
+    return [(c.cid, c.kind, s.sid, s.system, tuple(s.users)) for c in clients for s in c.sessions]
+
+
+def test_mixed_workload_is_deterministic_by_seed(tok):
+    a, b, c = (mw.make_mixed(tok, SPEC, seed) for seed in (0, 0, 1))
+    assert texts(a) == texts(b)
+    assert texts(a) != texts(c)
+    assert {k: sum(x.kind == k for x in a) for k in ("rag", "agent", "chat")} == {"rag": 3, "agent": 2, "chat": 2}
+    kind_of = mw.kinds(a)
+    assert len(kind_of) == 3 * 3 + 2 + 2 and set(kind_of.values()) == {"rag", "agent", "chat"}
+
+
+def test_rag_requests_are_a_shared_document_plus_a_new_question(tok):
+    rag = [c for c in mw.make_mixed(tok, SPEC, 0) if c.kind == "rag"]
+    users = [s.users[0] for c in rag for s in c.sessions]
+    assert all(len(c.sessions) == 3 and all(len(s.users) == 1 for s in c.sessions) for c in rag)
+    docs = {u.split("\n\nQuestion")[0] for u in users}
+    assert len(docs) <= SPEC.rag_docs and len(set(users)) == len(users)
+
+
+def test_agent_turns_append_tool_results(tok):
+    agent = next(c for c in mw.make_mixed(tok, SPEC, 0) if c.kind == "agent")
+    (s,) = agent.sessions
+    assert len(s.users) == SPEC.agent_turns
+    assert s.users[0].startswith("Task") and all(u.startswith("Tool result") for u in s.users[1:])
+
+
+def test_working_set_counts_shared_prefixes_once(tok):
+    clients = mw.make_mixed(tok, SPEC, 0)
+    ws = mw.working_set(tok, clients, block_size=32, answer_tokens=8)
+    assert ws["requests"] == 3 * 3 + 2 * 3 + 2 * 3
+    # every request resends its prefix: the distinct blocks are far fewer than all prompts' blocks
+    assert 0 < ws["distinct_prefix_tokens"] < ws["prompt_tokens"] / 2
+    assert ws["distinct_prefix_tokens"] == 32 * ws["distinct_blocks"]
+    only_rag = [c for c in clients if c.kind == "rag"]
+    rag = mw.working_set(tok, only_rag, block_size=32, answer_tokens=8)
+    assert rag["distinct_prefix_tokens"] < SPEC.rag_docs * SPEC.doc_tokens + 9 * (SPEC.question_tokens + 120)
+
+
+def test_kv_blocks_for():
+    assert mw.kv_blocks_for(600, 3.0, 32, 2048) == 200
+    assert mw.kv_blocks_for(90, 3.0, 32, 2048) == 65  # at least one block more than max_model_len needs
+
+
+def decision(rid, pred_ms, obs_ms, pred_cached, delivered):
+    return {"request_id": rid, "predicted_ttft_ms": pred_ms, "observed_ttft_ms": obs_ms, "outcome": "ok",
+            "predicted_cached_tokens": pred_cached, "delivered_cached_tokens": delivered}
+
+
+def test_prediction_stats():
+    ds = [decision("a", 100, 100, 64, 64), decision("b", 100, 200, 64, 0), decision("c", 100, 50, 0, 32),
+          decision("d", 100, None, 32, 32), decision("e", 100, 300, 0, None)]
+    st = cb.prediction_stats(ds, {"a": "rag", "b": "rag", "c": "chat"})
+    assert st["ttft_ratio_samples"] == 4 and st["ttft_ratio_p50"] == pytest.approx(1.5)
+    assert 2.0 < st["ttft_ratio_p90"] <= 3.0
+    assert st["cached_samples"] == 4
+    assert (st["cached_exact_share"], st["cached_over_share"], st["cached_under_share"]) == (0.5, 0.25, 0.25)
+    assert st["by_kind"]["rag"]["cached_exact_share"] == 0.5 and st["by_kind"]["?"]["decisions"] == 2
+    assert st["cached_predicted_sum"] == 160 and st["cached_delivered_sum"] == 128
+    assert cb.prediction_stats([])["ttft_ratio_p50"] is None
+
+
+def row(target, share, mean, p90=1.0, total=10.0, prediction=None):
+    return {"target": target, "label": target, "cached_share": share, "ttft_mean_s": mean, "ttft_p90_s": p90,
+            "total_s": total, "prediction": prediction}
+
+
+def test_ratios_and_goals():
+    good = {"ttft_ratio_p50": 1.1, "ttft_ratio_p90": 1.9, "cached_exact_share": 0.95}
+    rows = [row("kv", 0.60, 0.7, prediction=good), row("round_robin", 0.30, 1.4, total=20.0),
+            row("least_loaded", 0.35, 1.2), row(cb.PEER, 0.50, 1.0)]
+    cb.add_ratios(rows)
+    kv = rows[0]
+    assert kv["vs_sglang"]["hit_rate_points"] == pytest.approx(10.0)
+    assert kv["vs_sglang"]["ttft_mean"] == pytest.approx(0.7)
+    assert kv["vs_round_robin"]["ttft_mean"] == pytest.approx(0.5)
+    assert kv["vs_round_robin"]["total"] == pytest.approx(0.5)
+    assert all(cb.goals(rows).values())
+    rows[0]["prediction"] = {"ttft_ratio_p50": 3.0, "ttft_ratio_p90": 9.0, "cached_exact_share": 0.7}
+    rows[2]["ttft_mean_s"] = 0.5
+    g = cb.goals(rows)
+    assert not g["kv_lowest_mean_ttft_of_kvgate_policies"]
+    assert not g["kv_observed_over_predicted_median_in_0.8_1.25"]
+    assert not g["kv_predicted_cached_eq_delivered_ge_90pct"]
+    assert g["kv_hit_rate_vs_sglang_ge_plus_5_points"]
+    assert "| kvgate" not in cb.table(rows) and "| kv |" in cb.table(rows)
