@@ -22,7 +22,6 @@ class Sequence:
 
     uncached: int
     work: float
-    sent_at: float
     deadline: float  # counted as prefilling until then when no first token is seen
     first_at: float | None = None
 
@@ -61,17 +60,14 @@ class ActiveSequences:
         self._clock = clock
         self.mean_work = default_work
         self.mean_tokens = default_work
-        self.sent = 0
 
     def add(self, uncached: int, work: float, predicted_s: float, streamed: bool = False) -> Sequence:
         """``streamed``: its first token will be seen, so it is prefilling until then however long that
         takes (early predictions, on default figures, can be far too short)."""
         now = self._clock()
         deadline = float("inf") if streamed else now + max(0.01, 2.0 * predicted_s)
-        seq = Sequence(uncached=max(0, int(uncached)), work=max(0.0, float(work)), sent_at=now,
-                       deadline=deadline)
+        seq = Sequence(uncached=max(0, int(uncached)), work=max(0.0, float(work)), deadline=deadline)
         self._live[id(seq)] = seq
-        self.sent += 1
         self.mean_work = 0.9 * self.mean_work + 0.1 * seq.work
         self.mean_tokens = 0.9 * self.mean_tokens + 0.1 * seq.uncached
         return seq

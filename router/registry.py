@@ -139,10 +139,6 @@ class Worker:
         return self.active.view(self.load.running, self.load.waiting)
 
     @property
-    def pending_requests(self) -> int:
-        return self.view().prefill_requests
-
-    @property
     def pending_tokens(self) -> int:
         """Prefill work sent and not yet prefilled (no first token), in tokens at context 0."""
         return round(self.view().prefill_work)
@@ -225,7 +221,6 @@ class RankTarget:
     # the load tracker's figures are the rank's own (the server's properties, read on the rank)
     inflight = Worker.inflight
     view = Worker.view
-    pending_requests = Worker.pending_requests
     pending_tokens = Worker.pending_tokens
 
     def __getattr__(self, attr):  # only called for what the rank does not own
