@@ -135,6 +135,10 @@ class TokenizerConfig(BaseModel):
     prefix_cut_bytes: int = Field(256, ge=16)
     # Every Nth request that reused cached ids is re-encoded whole off the loop to check (0: never).
     prefix_verify_every: int = Field(100, ge=0)
+    # New prompt text longer than twice this is encoded in stages (this many bytes, then 4x more each) only
+    # as far as some worker's, G4's or a pending send's prefix reaches; routing needs no ids past that, and
+    # the prompt's length is estimated from the part encoded (0: always encode the whole prompt).
+    defer_tail_bytes: int = Field(16384, ge=0)
 
     @model_validator(mode="after")
     def _chunk_multiple(self):

@@ -49,6 +49,7 @@ class _Snapshot:
                     "misses": "Prompts with no known prefix",
                     "reused_bytes": "Prompt bytes whose ids came from the cache",
                     "encoded_bytes": "Prompt bytes tokenized",
+                    "deferred_bytes": "Prompt bytes not tokenized: past every worker's cached prefix",
                     "saved_seconds": "Tokenizer time saved (reused bytes x measured encoding time per byte)",
                     "mismatches": "Cached encodings that differed from the whole text's (the cache turns off)"}
         fams = {k: CounterMetricFamily(f"kvgate_tokenize_cache_{k}", h, labels=["model"]) for k, h in counters.items()}

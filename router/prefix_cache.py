@@ -92,10 +92,11 @@ class Cuts:
         self.special = re.compile(b"|".join(map(re.escape, self.specials))) if self.specials else None
         self._back = max(map(len, self.specials), default=0)
 
-    def scan(self, data: bytes, start: int, step: int) -> list[int]:
-        """The first safe cut at or after every multiple of ``step`` past ``start``. The special tokens are
-        found in one pass; a word cut is looked for within ``step`` bytes of each target, so a text
-        without one costs one bounded search per step (the result depends only on the bytes there)."""
+    def scan(self, data: bytes, start: int, step: int, limit: int = 0) -> list[int]:
+        """The first safe cut at or after every multiple of ``step`` past ``start`` (the first ``limit``
+        of them when given). The special tokens are found in one pass; a word cut is looked for within
+        ``step`` bytes of each target, so a text without one costs one bounded search per step (the
+        result depends only on the bytes there)."""
         n = len(data)
         sp: list[int] = []
         if self.special is not None:
@@ -118,6 +119,8 @@ class Cuts:
                     best = sp[i]
             if 0 < best < n:
                 out.append(best)
+                if len(out) == limit:
+                    break
                 target = (best // step + 1) * step
             else:
                 target += step
@@ -210,9 +213,9 @@ class PrefixTokenCache:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def _cuts(self, data: bytes, start: int, step: int) -> list[int]:
+    def _cuts(self, data: bytes, start: int, step: int, limit: int = 0) -> list[int]:
         """First safe cut at or after every multiple of ``step`` past ``start`` (exclusive of both ends)."""
-        return self.cut.scan(data, start, step)
+        return self.cut.scan(data, start, step, limit)
 
     def lookup(self, text: str) -> Lookup:
         """Find the longest known prefix of ``text`` (raises UnicodeEncodeError for lone surrogates)."""
@@ -232,6 +235,11 @@ class PrefixTokenCache:
                 self._extend(lk, rec, a)
                 break
         return lk
+
+    def cut_after(self, data: bytes, pos: int) -> int | None:
+        """A fine cut of ``data`` at or after ``pos`` (the first past the cut spacing's next multiple)."""
+        found = self._cuts(data, max(0, pos - 1), self.step, 1)
+        return found[0] if found else None
 
     def pieces(self, lk: Lookup) -> tuple[list[int], list[str]]:
         """The text after the known prefix, cut at fine cuts: (start offsets, pieces). Pure: may run on

@@ -41,6 +41,7 @@ class Decision:
     tokenize_error: str | None = None
     reused_bytes: int = 0  # prompt text whose ids came from the prefix cache
     new_bytes: int = 0  # prompt text tokenized for this request
+    tokens_estimated: bool = False  # the tail was not tokenized (no cached prefix reaches it): num_tokens estimated
     index_error: str | None = None
     g4_blocks: int = 0
     stream: bool = False  # the client asked for a stream: its first token will be seen
@@ -82,6 +83,7 @@ class Decision:
             "num_tokens": self.num_tokens, "block_size": self.block_size, "num_blocks": self.num_blocks,
             "tokenizer": self.tokenizer, "tokenize_error": self.tokenize_error,
             "reused_bytes": self.reused_bytes, "new_bytes": self.new_bytes,
+            "tokens_estimated": self.tokens_estimated,
             "index_error": self.index_error, "g4_blocks": self.g4_blocks,
             "candidates": [c.to_dict() for c in self.candidates], "chosen": self.chosen,
             "attempts": list(self.attempts), "timings_ms": dict(self.timings_ms),
@@ -184,15 +186,29 @@ class Router:
         if view is not None and model:
             kind, tok_body = "chat", view
         res = None
+        pending = self.pending
+        names = [w.name for w in workers]
+        probed: list = []  # the last reach lookup: (hashes, result), reused when the plan ends on them
+
+        async def reach(hashes: list[int]) -> int:
+            """Leading blocks of ``hashes`` that any candidate (index or pending send) or G4 holds."""
+            try:
+                r = await self.index_guard.lookup(ns, hashes, names)
+            except IndexUnavailable:
+                return 0
+            probed[:] = [hashes, r]
+            return max([r.g4, *(pending.leading(ns, hashes, n, r.match(n).local) for n in names)])
+
         if kind != "other":
             tok_worker = min(workers, key=lambda w: w.inflight)
             res = await self.tokenizers.tokenize(model, kind, tok_body, size=size or 0, namespace=ns,
-                                               worker_url=tok_worker.url, hashing=(bs, lora, salt))
+                                               worker_url=tok_worker.url, hashing=(bs, lora, salt), reach=reach)
             d.tokenizer, d.tokenize_error = res.source, res.error
             d.reused_bytes, d.new_bytes = res.reused_bytes, res.new_bytes
         t1 = time.perf_counter()
         if res is not None and res.tokens:
-            d.num_tokens = len(res.tokens)
+            d.num_tokens = res.total_tokens or len(res.tokens)
+            d.tokens_estimated = res.total_tokens is not None
             try:
                 d.hashes = res.block_hashes(bs, lora, salt)
             except (OverflowError, TypeError, ValueError):  # ids outside uint32: vLLM will refuse the prompt
@@ -200,14 +216,15 @@ class Router:
             d.num_blocks = len(d.hashes)
         t2 = time.perf_counter()
         result = LookupResult(num_blocks=len(d.hashes))
-        if d.hashes:
+        if probed and probed[0] == d.hashes:
+            result = probed[1]
+        elif d.hashes:
             try:  # deadline, breaker, degraded counter and rate-limited log: router/index_guard.py
-                result = await self.index_guard.lookup(ns, d.hashes, [w.name for w in workers])
+                result = await self.index_guard.lookup(ns, d.hashes, names)
             except IndexUnavailable as e:  # an index outage degrades to load-only routing, never an error
                 d.index_error = str(e)
         t3 = time.perf_counter()
         d.g4_blocks = result.g4
-        pending = self.pending
 
         def match(w) -> tuple[WorkerMatch, int]:
             """The worker's leading blocks, and how many of them were sent there but are not indexed yet."""

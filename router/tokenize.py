@@ -59,9 +59,16 @@ class Tokenized:
     pre: tuple[int, ...] = ()
     post: tuple[int, ...] = ()
     cache: PrefixTokenCache | None = None
+    # Set when ``tokens`` are only the prompt's start (its tail was deferred: no worker's prefix reaches
+    # it): the prompt's length, estimated from the bytes per token of the part encoded.
+    total_tokens: int | None = None
 
     def block_hashes(self, block_size: int, lora_name: str | None, cache_salt: str | None) -> list[int]:
-        """kvgate's keys of the prompt's routable blocks (memoised on the prefix-cache record)."""
+        """kvgate's keys of the prompt's routable blocks (memoised on the prefix-cache record); of a
+        deferred prompt, every full block of its start."""
+        if self.total_tokens is not None:
+            return block_hashes(self.record, self.pre, (), block_size, lora_name, cache_salt,
+                                len(self.tokens) // block_size, self.cache)
         n = routable_blocks(len(self.tokens), block_size)
         if self.record is not None:
             return block_hashes(self.record, self.pre, self.post, block_size, lora_name, cache_salt, n,
@@ -141,6 +148,7 @@ class LocalTokenizer:
                                         cut_bytes=cfg.prefix_cut_bytes) if cut is not None and cfg.prefix_cache_bytes
                        else None)
         self.mismatches = 0
+        self.deferred_bytes = 0  # prompt bytes never encoded: past every cached prefix (Tokenizers._encode_start)
         self.seconds_per_byte = 0.0  # encoding speed (EWMA), for the time the cache saves
         self.saved_s = 0.0
         self.wrap = self._special_wrap()
@@ -247,6 +255,17 @@ class LocalTokenizer:
             pre, post = self.wrap if add_special_tokens else ((), ())
             n = len(pre) + len(rec.tokens) + len(post)
             block_hashes(rec, pre, post, hashing[0], hashing[1], hashing[2], routable_blocks(n, hashing[0]))
+        return rec
+
+    def build_start(self, lk: Lookup, add_special_tokens: bool, hashing: tuple, off_loop: bool = False) -> Record:
+        """:meth:`build` for the start of a prompt (``lk``'s text ends at a fine cut of the whole one):
+        the end is kept as a cut, so the whole prompt reuses every id, and every full block is hashed."""
+        rec = self.prefix.build(lk, lambda pieces: self.encode_pieces(pieces, off_loop))
+        if not lk.exact and (not rec.cut_pos or rec.cut_pos[-1] < len(rec.data)):
+            rec.cut_pos.append(len(rec.data))
+            rec.cut_tok.append(len(rec.tokens))
+        pre = self.wrap[0] if add_special_tokens else ()
+        block_hashes(rec, pre, (), hashing[0], hashing[1], hashing[2], (len(pre) + len(rec.tokens)) // hashing[0])
         return rec
 
     def finish(self, lk: Lookup, rec: Record, add_special_tokens: bool) -> Tokenized:
@@ -366,10 +385,13 @@ class Tokenizers:
         return self.local.get(model) or (self.local.get(namespace) if namespace else None)
 
     async def tokenize(self, model: str, kind: str, body: dict, *, size: int, namespace: str | None = None,
-                       worker_url: str | None = None, hashing: tuple | None = None) -> Tokenized:
+                       worker_url: str | None = None, hashing: tuple | None = None, reach=None) -> Tokenized:
         """Token ids of a request's prompt. ``kind`` is "chat" or "completion"; ``size`` the body's bytes
         (large chats are rendered on the thread pool); ``hashing`` (block size, LoRA name, cache_salt) has
-        the block hashes computed with the ids, on the pool when the new text is large. Returns ``tokens=None`` for a prompt it cannot
+        the block hashes computed with the ids, on the pool when the new text is large. ``reach``
+        (``async (block hashes) -> leading blocks some worker, G4 or a pending send holds``) lets a long
+        new text be encoded only as far as a cached prefix can extend (:meth:`_encode_start`).
+        Returns ``tokens=None`` for a prompt it cannot
         tokenize (the request is routed on load alone); raises a 400 for a template that refuses the
         conversation or a prompt that is not valid UTF-8."""
         if kind == "completion":
@@ -398,7 +420,7 @@ class Tokenizers:
                 add_special = bool(body.get("add_special_tokens", False))
             else:
                 text, add_special = prompt, bool(body.get("add_special_tokens", True))
-            return await self._encode(local, text, add_special, hashing)
+            return await self._encode(local, text, add_special, hashing, reach)
         except _NotText:
             return Tokenized(None, "none", error="non-text content")
         except APIError:
@@ -409,18 +431,57 @@ class Tokenizers:
         except Exception as e:  # anything else must not fail routing; vLLM will answer the client
             return Tokenized(None, "none", error=f"local tokenizer: {type(e).__name__}: {e}")
 
-    async def _encode(self, local: LocalTokenizer, text: str, add_special: bool, hashing: tuple | None) -> Tokenized:
+    async def _encode(self, local: LocalTokenizer, text: str, add_special: bool, hashing: tuple | None,
+                      reach=None) -> Tokenized:
         limit = self.settings.tokenizer.offload_chars
         lk = local.prepare(text, add_special)
         if lk is None:
             ids = (await self._off_loop(local.encode_released, text, add_special) if len(text) > limit
                    else local.encode(text, add_special))
             return Tokenized(array.array("I", ids), "local", 0, len(text))
+        stage = self.settings.tokenizer.defer_tail_bytes
+        if reach is not None and stage and hashing and hashing[0] > 0 and lk.new_bytes > 2 * stage:
+            res = await self._encode_start(local, lk, add_special, hashing, reach, stage)
+            if res is not None:
+                return res
+            lk = local.prepare(text, add_special)  # encoded in stages all the way: the cache knows them
         rec = (await self._off_loop(local.build, lk, add_special, hashing, True) if lk.new_bytes > limit
                else local.build(lk, add_special, hashing))
         res = local.finish(lk, rec, add_special)
         self._sample(local, res, text, add_special)
         return res
+
+    async def _encode_start(self, local: LocalTokenizer, lk: Lookup, add_special: bool, hashing: tuple,
+                            reach, stage: int) -> Tokenized | None:
+        """Encode a long new text in stages, ``stage`` bytes and then four times more each, while some
+        worker's (or G4's, or a pending send's) prefix covers every full block encoded so far. Where it
+        stops, the rest of the prompt can be cached nowhere, so its ids would change no routing choice:
+        the request is planned on the start's blocks and the estimated length, and nothing more is
+        encoded (the next request that extends further encodes from where this one stopped). Each start
+        is kept in the prefix cache. None: the stages reached the end; encode the rest as usual."""
+        data, known, known_tokens = lk.data, lk.known_bytes, lk.known_tokens
+        pre = local.wrap[0] if add_special else ()
+        post = local.wrap[1] if add_special else ()
+        limit = self.settings.tokenizer.offload_chars
+        while len(data) - known > 2 * stage:
+            cut = local.prefix.cut_after(data, known + stage)
+            if cut is None or cut >= len(data):
+                return None
+            sub = local.prepare(data[:cut].decode("utf-8"), add_special)
+            rec = (await self._off_loop(local.build_start, sub, add_special, hashing, True)
+                   if sub.new_bytes > limit else local.build_start(sub, add_special, hashing))
+            rec = local.prefix.commit(sub, rec)
+            per_byte = (len(rec.tokens) - known_tokens) / max(1, cut - known)
+            res = Tokenized(array.array("I", pre) + rec.tokens if pre else rec.tokens, "local", lk.known_bytes,
+                            cut - lk.known_bytes, record=rec, pre=pre, cache=local.prefix,
+                            total_tokens=len(pre) + len(rec.tokens) + round((len(data) - cut) * per_byte) + len(post))
+            hashes = res.block_hashes(*hashing)
+            if await reach(hashes) < len(hashes):
+                local.deferred_bytes += len(data) - cut
+                return res
+            known, known_tokens = cut, len(rec.tokens)
+            stage *= 4
+        return None
 
     def _sample(self, local: LocalTokenizer, res: Tokenized, text: str, add_special: bool) -> None:
         """Re-encode every ``verify_every``-th reused text whole, off the loop (a mismatch turns the cache off)."""
@@ -442,6 +503,7 @@ class Tokenizers:
         for model, lt in self.local.items():
             c = lt.prefix
             out[model] = {"cuts": lt.cuts, "mismatches": lt.mismatches, "saved_seconds": lt.saved_s,
+                          "deferred_bytes": lt.deferred_bytes,
                           **({"hits": c.hits, "misses": c.misses, "bytes": c.bytes, "records": len(c),
                               "reused_bytes": c.reused_bytes, "encoded_bytes": c.encoded_bytes} if c else {})}
         return out

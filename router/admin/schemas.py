@@ -285,6 +285,8 @@ class DecisionOut(_Open):
     tokenize_error: str | None = None
     reused_bytes: int = Field(0, description="prompt text whose token ids came from the prefix token cache")
     new_bytes: int = Field(0, description="prompt text tokenized for this request")
+    tokens_estimated: bool = Field(False, description="the prompt's tail was not tokenized (no worker's cached "
+                                   "prefix reaches it): num_tokens is estimated from its bytes")
     index_error: str | None = None
     g4_blocks: int = Field(0, description="leading prompt blocks on G4 (model-wide)")
     candidates: list[CandidateOut] = Field(default_factory=list)

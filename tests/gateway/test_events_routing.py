@@ -70,3 +70,46 @@ async def test_parity_is_checked_once_the_event_stream_is_known(fleet, start_gat
         assert not w.cache_blind and w.parity["matched_blocks"] == w.parity["expected_blocks"] > 0
     finally:
         pub.close()
+
+
+async def test_a_long_new_document_is_tokenized_as_far_as_a_worker_holds_it(fleet, start_gateway):
+    """A ~60 KB document nobody has seen: the gateway encodes its first stage only (no worker's prefix
+    reaches past it, so the rest changes no choice) and estimates the prompt's length. Once the worker
+    that served it announces the blocks, another question over the document is encoded in full, goes
+    there, and vLLM's (here the fake worker's) cached_tokens bear the prediction out."""
+    pubs = [EventPublisher("tcp://*:0", "tcp://127.0.0.1:0") for _ in range(2)]
+    try:
+        for name, pub in zip("ab", pubs):
+            fleet.add(name, publisher=pub)
+        gw = start_gateway(fleet, events=True)
+        await wait_until(lambda: set(gw.state.ingestor.statuses()) == {"a", "b"})
+        doc = " ".join(f"section {i} of the storage tier manual says block {i * 7} is kept" for i in range(1000))
+        first = chat_body(doc + "\nQuestion: what is kept?")
+        async with httpx.AsyncClient(timeout=30) as c:
+            r = await c.post(gw.url + "/v1/chat/completions", json=first, headers={"x-request-id": "d1"})
+            assert r.status_code == 200
+            owner = r.headers["x-kvgate-worker"]
+            d1 = gw.state.decisions.get("d1")
+            prompt_tokens = r.json()["usage"]["prompt_tokens"]
+            assert d1.tokens_estimated and d1.new_bytes < len(doc) / 2
+            assert 0.8 < d1.num_tokens / prompt_tokens < 1.25
+            m = (await c.get(gw.url + "/metrics")).text
+            assert 'kvgate_tokenize_cache_deferred_bytes_total{model="tiny"}' in m
+
+            def indexed():
+                d = gw.call(gw.state.router.plan("tiny", first, {}, "/v1/chat/completions"))
+                return not d.tokens_estimated and d.candidate(owner).local_blocks == d.num_blocks > 0
+
+            await wait_until(indexed, timeout=30)
+            second = chat_body(doc + "\nQuestion: which section?")
+            r = await c.post(gw.url + "/v1/chat/completions", json=second, headers={"x-request-id": "d2"})
+            assert r.headers["x-kvgate-worker"] == owner
+            d2 = gw.state.decisions.get("d2")
+            usage = r.json()["usage"]
+            assert not d2.tokens_estimated and d2.num_tokens == usage["prompt_tokens"]
+            delivered = usage["prompt_tokens_details"]["cached_tokens"]
+            assert 0 < d2.predicted_cached_tokens <= delivered
+            assert d2.predicted_cached_tokens > 0.9 * d1.num_tokens
+    finally:
+        for p in pubs:
+            p.close()

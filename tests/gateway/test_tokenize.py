@@ -83,3 +83,55 @@ async def test_token_ids_and_untokenizable(tokenizer_dir):
     r = await Tokenizers(Settings()).tokenize("m", "chat", {"messages": []}, size=1)
     assert r.tokens is None
     t.close()
+
+
+def _document(seed: int, n_words: int) -> str:
+    import random
+
+    rng = random.Random(seed)
+    words = ["cache", "block", "prefix", "worker", "gateway", "tier", "storage", "token", "Lustre", "12", "x9"]
+    return " ".join(rng.choice(words) + ("\n" if rng.random() < 0.05 else "") for _ in range(n_words))
+
+
+async def test_a_long_new_tail_no_cached_prefix_reaches_is_not_tokenized(tokenizer_dir):
+    """Routing needs a prompt's ids only as far as some worker's (or G4's, or a pending send's) prefix can
+    reach: past that, the text is estimated, not encoded. ``reach`` stands for the index here: a plain
+    function saying how many leading blocks some holder has (the gateway test below uses the real one)."""
+    t = Tokenizers(Settings(models={MODEL: ModelConfig(tokenizer=tokenizer_dir)}))
+    t.load()
+    local = t.for_model(MODEL)
+    text = _document(1, 20_000)  # ~150 KB, never seen
+    whole = local.encode(text, True)
+    whole_hashes = sequence_hashes(whole, BLOCK)
+    asked: list[int] = []
+
+    def holder(blocks: int):
+        async def reach(hashes):
+            asked.append(len(hashes))
+            assert hashes == whole_hashes[:len(hashes)], "the start's blocks are the whole prompt's"
+            return min(blocks, len(hashes))
+        return reach
+
+    stage = t.settings.tokenizer.defer_tail_bytes
+    body = {"prompt": text}
+    res = await t.tokenize(MODEL, "completion", body, size=len(text), hashing=(BLOCK, None, None), reach=holder(0))
+    # nobody holds even its first block: one stage encoded, the rest estimated
+    assert len(asked) == 1 and res.new_bytes < stage + 1024
+    assert list(res.tokens) == whole[:len(res.tokens)]
+    assert 0.8 < res.total_tokens / len(whole) < 1.25
+    assert res.block_hashes(BLOCK, None, None) == whole_hashes[:len(res.tokens) // BLOCK]
+    assert t.cache_stats()[MODEL]["deferred_bytes"] == len(text.encode()) - res.new_bytes
+    # A holder of the first 300 blocks: encoded in stages until past them, no further.
+    asked.clear()
+    res = await t.tokenize(MODEL, "completion", body, size=len(text), hashing=(BLOCK, None, None), reach=holder(300))
+    n = len(res.block_hashes(BLOCK, None, None))
+    assert res.total_tokens is not None and 300 < n < len(whole_hashes) and asked[-1] == n
+    assert res.reused_bytes > 0, "the first request's start came from the prefix cache"
+    # A holder of everything: the whole prompt, exact, its length known.
+    res = await t.tokenize(MODEL, "completion", body, size=len(text), hashing=(BLOCK, None, None),
+                           reach=holder(10**9))
+    assert res.total_tokens is None and list(res.tokens) == whole
+    # Without a reach (explain's probes, the tokenizer check), or a short text: the whole prompt.
+    res = await t.tokenize(MODEL, "completion", {"prompt": text + " more"}, size=len(text), hashing=(BLOCK, None, None))
+    assert res.total_tokens is None and list(res.tokens) == local.encode(text + " more", True)
+    t.close()
