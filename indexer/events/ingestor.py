@@ -87,6 +87,20 @@ class _Source:
         self.tasks: list[asyncio.Task] = []
 
 
+async def _cancel_until_done(tasks: list[asyncio.Task], tries: int = 100) -> None:
+    """Cancel until the tasks are done (at most ``tries`` x 0.1 s). One cancel is not always enough: a
+    client library that swallows a CancelledError (seen with redis-py mid-command), or Python 3.11's
+    ``wait_for`` returning its inner result when the cancel lands as it completes, leaves a loop running,
+    and ``stop()`` waiting on it for ever (a test hung for 300 s on that)."""
+    for _ in range(tries):
+        pending = [t for t in tasks if not t.done()]
+        if not pending:
+            return
+        for t in pending:
+            t.cancel()
+        await asyncio.wait(pending, timeout=0.1)
+
+
 class EventIngestor:
     def __init__(
         self,
@@ -115,6 +129,7 @@ class EventIngestor:
         self.sweep_idle_s = sweep_idle_s
         self.sweep_interval_s = sweep_interval_s
         self._last_sweep = time.monotonic()
+        self._stopping = False
         self._ctx: zmq.asyncio.Context | None = None
         self._sources: dict[str, _Source] = {}
         self._last_yield = 0.0
@@ -129,12 +144,13 @@ class EventIngestor:
             # context never waits, also when a context is collected without stop() (a loop that died).
             self._ctx.setsockopt(zmq.LINGER, 0)
         if self._watch is None:
+            self._stopping = False
             self._watch = asyncio.create_task(self._watch_index(), name="kv-events-index-epoch")
 
     async def stop(self) -> None:
         if self._watch is not None:
-            self._watch.cancel()
-            await asyncio.gather(self._watch, return_exceptions=True)
+            self._stopping = True  # the watch loop ends at its next turn even if a cancel is swallowed
+            await _cancel_until_done([self._watch])
             self._watch = None
         for worker in list(self._sources):
             try:
@@ -167,15 +183,7 @@ class EventIngestor:
         if s is None:
             return
         s.closed = True
-        # Cancel until the tasks are done: a client library that swallows one CancelledError (seen with
-        # redis-py mid-command) would otherwise leave the apply task waiting on its queue for ever.
-        for _ in range(100):
-            pending = [t for t in s.tasks if not t.done()]
-            if not pending:
-                break
-            for t in pending:
-                t.cancel()
-            await asyncio.wait(pending, timeout=0.1)
+        await _cancel_until_done(s.tasks)
         s.sub.close()
         if s.writer:  # a follower never touches the index: the writer (another gateway) still serves it
             try:
@@ -235,7 +243,7 @@ class EventIngestor:
         so each pushes its exact state back -- also the sources that had nothing to write meanwhile. An
         unreachable index changes nothing here (failed writes unsync their own source); renews leases and
         sweeps idle workers too."""
-        while True:
+        while not self._stopping:
             try:
                 epoch = await asyncio.wait_for(self.index.epoch(), 5.0)
             except asyncio.CancelledError:

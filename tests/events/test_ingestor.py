@@ -343,3 +343,31 @@ async def test_stop_closes_every_source_when_the_index_is_gone(index):
     finally:
         for pub in pubs:
             pub.close()
+
+
+async def test_stop_returns_when_the_index_client_swallows_a_cancel(index):
+    """Mock: an index whose call swallows the CancelledError (what redis-py did mid-command, and what
+    Python 3.11's wait_for does when the cancel lands as the inner call completes). stop() used to cancel
+    the index-watch task once and wait for it for ever: the suite hung 300 s in stop() twice."""
+    entered = asyncio.Event()
+
+    class Swallows:
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def models(self):
+            entered.set()
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                return []
+            return []
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    ing = EventIngestor(Swallows(index), sweep_interval_s=0.0, retry_s=0.05)
+    await ing.start()
+    await asyncio.wait_for(entered.wait(), 10)
+    await asyncio.wait_for(ing.stop(), 20)  # a hang detector, not a timing bound
+    assert ing._watch is None
