@@ -329,6 +329,13 @@ class PrefixTokenCache:
         self._insert(rec)
         return rec
 
+    def touch(self, lk: Lookup) -> None:
+        """Count a lookup whose known prefix is used as it is (nothing encoded, nothing kept)."""
+        if lk.source is not None and id(lk.source) in self._lru:
+            self._lru.move_to_end(id(lk.source))
+            self.hits += 1
+            self.reused_bytes += lk.known_bytes
+
     def _insert(self, rec: Record) -> None:
         rec.size = rec.nbytes
         if rec.size > self.max_bytes:

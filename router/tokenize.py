@@ -457,12 +457,33 @@ class Tokenizers:
         worker's (or G4's, or a pending send's) prefix covers every full block encoded so far. Where it
         stops, the rest of the prompt can be cached nowhere, so its ids would change no routing choice:
         the request is planned on the start's blocks and the estimated length, and nothing more is
-        encoded (the next request that extends further encodes from where this one stopped). Each start
-        is kept in the prefix cache. None: the stages reached the end; encode the rest as usual."""
-        data, known, known_tokens = lk.data, lk.known_bytes, lk.known_tokens
+        encoded (the next request that extends further encodes from where this one stopped). A known
+        start nobody holds is not extended at all. Each start is kept in the prefix cache. None: the
+        stages reached the end; encode the rest as usual."""
+        data = lk.data
         pre = local.wrap[0] if add_special else ()
         post = local.wrap[1] if add_special else ()
         limit = self.settings.tokenizer.offload_chars
+
+        async def held(rec: Record, nbytes: int, ntokens: int, per_byte: float) -> Tokenized | None:
+            """The start ``data[:nbytes]`` (``ntokens`` ids of ``rec``) as a deferred prompt when nobody
+            holds all its blocks, else None."""
+            toks = rec.tokens if ntokens == len(rec.tokens) else rec.tokens[:ntokens]
+            res = Tokenized(array.array("I", pre) + toks if pre else toks, "local", lk.known_bytes,
+                            nbytes - lk.known_bytes, record=rec, pre=pre, cache=local.prefix,
+                            total_tokens=len(pre) + ntokens + round((len(data) - nbytes) * per_byte) + len(post))
+            hashes = res.block_hashes(*hashing)
+            if hashes and await reach(hashes) >= len(hashes):
+                return None
+            local.deferred_bytes += len(data) - nbytes
+            return res
+
+        known, known_tokens = lk.known_bytes, lk.known_tokens
+        if lk.source is not None and known_tokens:
+            res = await held(lk.source, known, known_tokens, known_tokens / max(1, known))
+            if res is not None:
+                local.prefix.touch(lk)
+                return res
         while len(data) - known > 2 * stage:
             cut = local.prefix.cut_after(data, known + stage)
             if cut is None or cut >= len(data):
@@ -471,13 +492,8 @@ class Tokenizers:
             rec = (await self._off_loop(local.build_start, sub, add_special, hashing, True)
                    if sub.new_bytes > limit else local.build_start(sub, add_special, hashing))
             rec = local.prefix.commit(sub, rec)
-            per_byte = (len(rec.tokens) - known_tokens) / max(1, cut - known)
-            res = Tokenized(array.array("I", pre) + rec.tokens if pre else rec.tokens, "local", lk.known_bytes,
-                            cut - lk.known_bytes, record=rec, pre=pre, cache=local.prefix,
-                            total_tokens=len(pre) + len(rec.tokens) + round((len(data) - cut) * per_byte) + len(post))
-            hashes = res.block_hashes(*hashing)
-            if await reach(hashes) < len(hashes):
-                local.deferred_bytes += len(data) - cut
+            res = await held(rec, cut, len(rec.tokens), (len(rec.tokens) - known_tokens) / max(1, cut - known))
+            if res is not None:
                 return res
             known, known_tokens = cut, len(rec.tokens)
             stage *= 4

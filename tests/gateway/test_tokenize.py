@@ -121,6 +121,11 @@ async def test_a_long_new_tail_no_cached_prefix_reaches_is_not_tokenized(tokeniz
     assert 0.8 < res.total_tokens / len(whole) < 1.25
     assert res.block_hashes(BLOCK, None, None) == whole_hashes[:len(res.tokens) // BLOCK]
     assert t.cache_stats()[MODEL]["deferred_bytes"] == len(text.encode()) - res.new_bytes
+    # Again, still held nowhere: the known start is not extended (nothing encoded).
+    first = len(res.tokens)
+    asked.clear()
+    res = await t.tokenize(MODEL, "completion", body, size=len(text), hashing=(BLOCK, None, None), reach=holder(0))
+    assert len(asked) == 1 and res.new_bytes == 0 and len(res.tokens) == first and res.total_tokens
     # A holder of the first 300 blocks: encoded in stages until past them, no further.
     asked.clear()
     res = await t.tokenize(MODEL, "completion", body, size=len(text), hashing=(BLOCK, None, None), reach=holder(300))
