@@ -12,8 +12,8 @@ disk. Each server's GPU-tier KV cache is forced minimal (``--num-gpu-blocks-over
    the G4 directory's filesystem (``bench.redbook_noise``); its bandwidth is measured.
 
 It prints the table beside the Redbook's figures (ratios; ``bench.redbook_report``), and writes
-``redbook.json`` and ``redbook.png`` under ``--out``. ``--quick``: the 8.4M-parameter model, short
-prompts, a few requests: a smoke run of a couple of minutes.
+``redbook.json`` and ``redbook.png`` under ``--out``. ``--quick``: one server per fleet, contexts up to
+2K tokens, 8 short requests: a smoke run of a few minutes.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "m"  # the served model name
 
-FULL = dict(servers=2, size="152m", max_model_len=8192, sizes="2048,4096,6144,8160", reps=2, requests=32,
+FULL = dict(servers=2, size="152m", max_model_len=8192, sizes="2048,4096,6144,8160", reps=3, requests=32,
             prompt_tokens="3072,6144", max_tokens=8, noise_cap_mib=2048, noise_file_mib=64)
 QUICK = dict(servers=1, size="152m", max_model_len=2048, sizes="512,2016", reps=1, requests=8,
-             prompt_tokens="1024,2016", max_tokens=4, noise_cap_mib=256, noise_file_mib=16)
+             prompt_tokens="512,1024", max_tokens=4, noise_cap_mib=256, noise_file_mib=16)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-blocks", type=int, default=None,
                    help="KV blocks per server (default: max_model_len / 32 + 1, the least vLLM accepts)")
     p.add_argument("--sizes", default=None, help="TTFT prompt sizes (default 2048,4096,6144,8160)")
-    p.add_argument("--reps", type=int, default=None, help="fresh prompts per size (default 2)")
+    p.add_argument("--reps", type=int, default=None, help="fresh prompts per size (default 3)")
     p.add_argument("--requests", type=int, default=None,
                    help="requests of runs 2-3, over half as many unique prompts (default 32)")
     p.add_argument("--concurrency", type=int, default=None, help="in flight (default requests / 2)")
@@ -123,19 +123,21 @@ class Fleet:
             srv.close()
 
 
-def throughput(fleet: Fleet, s, seed: int, label: str, progress: bool) -> dict:
+def throughput(fleet: Fleet, s, variant: int, label: str, progress: bool) -> dict:
     from tqdm import tqdm
 
     from bench.bench_vllm_policies import reset_caches
     from bench.redbook_runs import concurrent, scrape, workload
 
     lo, hi = (int(x) for x in s.prompt_tokens.split(","))
-    prompts = workload(s.requests, lo, hi, seed)
+    prompts = workload(s.requests, lo, hi, s.seed, variant)
     reset_caches(fleet.servers)
     before = [scrape(x.url) for x in fleet.servers]
     with tqdm(total=len(prompts), desc=label, disable=not progress, unit="req") as bar:
         r = concurrent(fleet.gw.url, MODEL, prompts, s.concurrency, s.max_tokens, bar)
     after = [scrape(x.url) for x in fleet.servers]
+    # what reuse alone can save: prompt tokens sent / prompt tokens of the unique prompts
+    r["reuse_ceiling_x"] = sum(map(len, prompts)) / sum(len(p) for p in {tuple(p) for p in prompts})
     r["preemptions"] = sum(a[k] - b[k] for a, b in zip(after, before) for k in a)
     r["loadavg"] = os.getloadavg()
     if fleet.g4:
@@ -164,7 +166,7 @@ def run_all(s) -> dict:
     log(f"G4 off: starting {s.servers} vLLM server(s) without the connector and a kvgate gateway ...")
     with Fleet(model_dir, s, workdir, None) as fleet:
         res["phase_s"] = {"start_off": time.monotonic() - t0}
-        res["throughput"]["off"] = throughput(fleet, s, s.seed, "2. throughput, G4 off", progress)
+        res["throughput"]["off"] = throughput(fleet, s, 0, "2. throughput, G4 off", progress)
     log(f"G4 on: starting {s.servers} vLLM server(s) with kvgate's connector on {g4} ...")
     try:
         measure_g4(res, s, Fleet(model_dir, s, workdir, g4), g4_parent, progress)
@@ -189,13 +191,13 @@ def measure_g4(res: dict, s, fleet: Fleet, g4_parent: str, progress: bool) -> No
         with tqdm(total=len(sizes) * s.reps, desc="1. TTFT vs context", disable=not progress) as bar:
             res["ttft"] = ttft_curve(fleet.gw.url, MODEL, fleet.servers, sizes, s.reps, s.seed + 100, bar)
         res["ttft_loadavg"] = os.getloadavg()
-        res["throughput"]["on"] = throughput(fleet, s, s.seed, "2. throughput, G4 on", progress)
+        res["throughput"]["on"] = throughput(fleet, s, 0, "2. throughput, G4 on", progress)
         if not s.no_noise:
             with NoisyNeighbour(g4_parent, s.noise_writers, s.noise_readers, s.noise_file_mib,
                                 s.noise_cap_mib, max_s=1800) as nn:
                 time.sleep(2.0)  # readers write their files first
                 nn.mark()
-                res["throughput"]["noisy"] = throughput(fleet, s, s.seed + 1, "3. noisy neighbour", progress)
+                res["throughput"]["noisy"] = throughput(fleet, s, 1, "3. noisy neighbour", progress)
             res["noise"] = nn.result()
 
 

@@ -124,12 +124,13 @@ def growth(curve: list[dict], key: str) -> float:
     return curve[-1][key] - curve[0][key]
 
 
-def workload(n_requests: int, min_tokens: int, max_tokens: int, seed: int) -> list[list[int]]:
+def workload(n_requests: int, min_tokens: int, max_tokens: int, seed: int, variant: int = 0) -> list[list[int]]:
     """``n_requests`` prompts over ``n_requests // 2`` unique ones: every unique prompt once (shuffled),
     then every one again (shuffled), so a prompt's second use comes after the others have been through
-    the small GPU caches."""
-    rng = random.Random(seed)
-    uniques = [random_prompt(rng, rng.randint(min_tokens, max_tokens)) for _ in range(n_requests // 2)]
+    the small GPU caches. Lengths and order depend on ``seed`` only, token ids on ``variant`` too: another
+    variant is the same work with nothing in common with the first."""
+    rng, tokens = random.Random(seed), random.Random(f"{seed}/{variant}")
+    uniques = [random_prompt(tokens, rng.randint(min_tokens, max_tokens)) for _ in range(n_requests // 2)]
     first, second = list(range(len(uniques))), list(range(len(uniques)))
     rng.shuffle(first)
     rng.shuffle(second)
