@@ -216,9 +216,10 @@ def run(args) -> int:
     print(rr.table(res))
     on, off = res["throughput"]["on"], res["throughput"]["off"]
     print(f"\nthroughput runs: {off['requests']} requests over {off['requests'] // 2} unique prompts, "
-          f"{s.concurrency} concurrent; G4 off {off['total_s']:.1f} s (cached {off['cached_share']:.0%}, "
-          f"{off['preemptions']:.0f} preemptions), G4 on {on['total_s']:.1f} s "
-          f"(cached {on['cached_share']:.0%}, {on['preemptions']:.0f} preemptions)")
+          f"{s.concurrency} concurrent")
+    for name, r in res["throughput"].items():
+        print(f"  {name}: {r['total_s']:.1f} s, cached {r['cached_share']:.0%}, {r['preemptions']:.0f} preemptions, "
+              f"requests per worker {r['per_worker']}, load average {r['loadavg'][0]:.1f}")
     la = res["loadavg_start"], res["loadavg_end"]
     print(f"load average at start {la[0][0]:.2f}, at end {la[1][0]:.2f}; total {res['elapsed_s']:.0f} s")
     print(f"plot: {png}\nraw results: {out / 'redbook.json'}")
