@@ -76,7 +76,8 @@ class Gateway:
     """``kvgate serve`` in a subprocess with one policy in front of the servers."""
 
     def __init__(
-        self, servers: list[VllmServer], model_dir: str, policy: str, workdir: Path, routing: dict | None = None
+        self, servers: list[VllmServer], model_dir: str, policy: str, workdir: Path, routing: dict | None = None,
+        model: str = MODEL,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -89,7 +90,7 @@ class Gateway:
                     "port": self.port,
                     "log_level": "warning",
                     "workers": [s.worker_config() for s in servers],
-                    "models": {MODEL: {"tokenizer": model_dir}},
+                    "models": {model: {"tokenizer": model_dir}},
                     "index": {"backend": "memory"},
                     "routing": {"policy": policy, **(routing or {})},
                     "health_interval_s": 1.0,

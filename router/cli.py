@@ -12,6 +12,7 @@ COMMANDS = {
     "sim": ("bench.sim.cli", "run a simulated vLLM fleet"),
     "replay": ("bench.replay_cli", "replay a trace or synthetic workload against an endpoint"),
     "demo": ("bench.demo", "simulated fleet + gateway + trace replay, kv vs round_robin"),
+    "bench": ("router.commands.bench", "benchmarks on real vLLM servers (redbook: G4 beside the Redbook)"),
 }
 
 
