@@ -216,7 +216,9 @@ def test_3_both_restarted_p_still_served_from_g4(servers):
         assert s.g4_stats()["loads"] >= 0.9 * (len(P) // BLOCK)
 
 
-def test_5_store_over_capacity_evicts_oldest_and_index_forgets(model, tmp_path):
+def test_5_store_over_capacity_evicts_oldest_and_index_forgets(servers, model, tmp_path):
+    for s in (servers["a"], servers["b"]):  # the last test of the module: at most two servers at once
+        s.stop()
     g4 = str(tmp_path / "g4-small")
     probe = g4_server(model, g4, "g4-probe", g4_config={"capacity_bytes": 8 * 2**20})
     # capacity for 12 blocks of this model: computed from the block file size after the first save
