@@ -12,7 +12,7 @@ on the idle server, measured in the same run (median of the idle ones before eac
 A G4 load of a few thousand tokens takes tens of milliseconds from this machine's page cache, too short
 to overlap anything. The store's read throttle (``read_bytes_per_s`` in the connector's extra config,
 here ``--read-mbps``) makes the load last seconds, as on a slow or contended shared filesystem (a
-12.5 MB/s share is a 1 GbE NFS link split eight ways); the throttle paces every read thread of the
+12.5 MB/s share is a 1 GbE NFS link split ten ways); the throttle paces every read thread of the
 worker together, so it caps bandwidth, not concurrency.
 
 ``measure_short_during_long_load(...) -> dict`` is the entry point other benchmarks call.
