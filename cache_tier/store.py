@@ -153,6 +153,7 @@ class G4Store:
         touch_on_read: bool = True,
         fsync: bool = False,
         scan: bool = True,
+        read_bytes_per_s: float | None = None,
     ) -> None:
         self.root = os.fspath(root)
         self.ns = namespace
@@ -166,6 +167,7 @@ class G4Store:
         self._lock = threading.RLock()
         self._lru: OrderedDict[int, _Entry] = OrderedDict()
         self._tls = threading.local()
+        self._pace = _Pace(read_bytes_per_s) if read_bytes_per_s else None
         self._payload_len = namespace.payload_bytes
         self._tok_len = namespace.block_size * 4
         self._hdr_len = -(-(_HEADER.size + self._tok_len) // HEADER_ALIGN) * HEADER_ALIGN
@@ -297,6 +299,8 @@ class G4Store:
                 self.stats.misses += 1
                 self._lru.pop(h, None)
             raise BlockMissing(hash_hex(h)) from None
+        if self._pace is not None:
+            self._pace.wait(n)
         try:
             self._verify(h, view, n, bool(extra), token_ids)
         except BlockCorrupt:
@@ -463,6 +467,25 @@ class G4Store:
         d["capacity_bytes"] = self.capacity_bytes
         d["namespace"] = self.ns.dirname
         return d
+
+
+class _Pace:
+    """Caps one handle's read bandwidth, all threads together: each read takes the next slot of
+    ``bytes / rate`` seconds and sleeps until its slot ends. It emulates a slow or contended shared
+    filesystem (the ``read_bytes_per_s`` option) in benchmarks on a machine whose local disk and page
+    cache are far faster than a shared G4 mount."""
+
+    def __init__(self, bytes_per_s: float) -> None:
+        self.rate = float(bytes_per_s)
+        self._lock = threading.Lock()
+        self._free_at = 0.0
+
+    def wait(self, nbytes: int) -> None:
+        with self._lock:
+            now = time.monotonic()
+            end = max(now, self._free_at) + nbytes / self.rate
+            self._free_at = end
+        time.sleep(max(0.0, end - now))
 
 
 def _listdir(p: str) -> list[str]:

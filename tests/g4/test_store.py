@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -202,6 +203,24 @@ def test_stats_throughput(tmp_path):
     st = s.snapshot()
     assert st["write_bytes"] == 3 * s.file_bytes and st["read_bytes"] == 3 * s.file_bytes
     assert st["read_bytes_per_s"] > 0 and st["write_bytes_per_s"] > 0
+
+
+def test_read_throttle_paces_all_threads_together(tmp_path):
+    """``read_bytes_per_s`` (emulating a slow shared filesystem) caps the handle's reads, all threads
+    together: the bytes read can never exceed rate x elapsed, whatever the threads overlap."""
+    n = ns()
+    s = G4Store(tmp_path, n, read_bytes_per_s=2_000_000)  # 24 KiB blocks: about 80 a second
+    for h in range(1, 17):
+        s.put(h, toks(h), None, block(h, n))
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=lambda i=i: [s.read(h) for h in range(i, 17, 4)]) for i in (1, 2, 3, 4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.monotonic() - t0
+    assert s.snapshot()["read_bytes"] == 16 * s.file_bytes
+    assert elapsed >= (16 - 1) * s.file_bytes / 2_000_000  # a lower bound that sleep() guarantees
 
 
 def test_presence_cache_saves_stats_and_expires(tmp_path):

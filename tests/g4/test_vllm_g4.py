@@ -7,68 +7,32 @@ check. (Requests go to the workers directly until the gateway is on main.)
 
 from __future__ import annotations
 
-import glob
 import os
-import random
 import time
 
 import httpx
 import pytest
 
 from bench import tiny_model
-from bench.vllm_server import VllmServer, start_all, vllm_python
-from cache_tier.store import G4Store, store_for_dir
+from bench.vllm_server import start_all, vllm_python
 from indexer.hashing import routable_blocks, sequence_hashes
 from tests.g4.events import EventTap, IndexThread, g4_hashes_from_events
+from tests.g4.real_vllm import (
+    BLOCK,
+    MODEL,
+    cached,
+    complete,
+    corrupt,
+    g4_server,
+    prompt,
+    store_of,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 if not (vllm_python().parent.parent / ".kvgate-ready").exists():  # `make test` builds it
     pytestmark.append(pytest.mark.skip(reason="vLLM env missing: run `make vllm-env`"))
-
-BLOCK = 32
-MODEL = "tiny"  # the served model name
-
-
-def g4_server(model, g4: str, name: str, **kw) -> VllmServer:
-    """A vLLM CPU server of the tiny model running kvgate's connector on the G4 directory ``g4``."""
-    return VllmServer(
-        model, name=name, served_model_name=MODEL, block_size=BLOCK, max_model_len=8192,
-        extra_args=["--dtype", "bfloat16"], g4_path=g4, **kw,
-    )
-
-
-def complete(srv: VllmServer, prompt_ids: list[int], max_tokens: int = 8, **extra) -> dict:
-    r = httpx.post(srv.url + "/v1/completions", timeout=300, json={
-        "model": MODEL, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
-        "ignore_eos": True, "return_token_ids": True, **extra})
-    r.raise_for_status()
-    return r.json()
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 4000) for _ in range(n)]
-
-
-def wait_for(cond, timeout=60.0, every=0.3):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(every)
-    return cond()
-
-
-def store_of(g4: str) -> G4Store:
-    dirs = [d for d in glob.glob(os.path.join(g4, "*")) if os.path.isdir(d)]
-    assert len(dirs) == 1, dirs
-    return store_for_dir(dirs[0], scan=False)
-
-
-def cached(resp: dict) -> int:
-    return resp["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
 @pytest.fixture(scope="module")
@@ -191,11 +155,7 @@ def test_4_corrupted_block_is_recomputed_with_correct_output_and_counted(servers
     assert wait_for(lambda: all(st.contains(h) for h in hs))
     bad = hs[5]
     path = st.path(bad)
-    with open(path, "r+b") as f:  # flip one byte of the payload
-        f.seek(os.path.getsize(path) - 1000)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0x5A]))
+    corrupt(path)
     q = p2 + QUESTION
     ref = complete(b, q, max_tokens=12, cache_salt="no-g4-reference-4")
     before = b.g4_stats()
@@ -256,7 +216,9 @@ def test_3_both_restarted_p_still_served_from_g4(servers):
         assert s.g4_stats()["loads"] >= 0.9 * (len(P) // BLOCK)
 
 
-def test_5_store_over_capacity_evicts_oldest_and_index_forgets(model, tmp_path):
+def test_5_store_over_capacity_evicts_oldest_and_index_forgets(servers, model, tmp_path):
+    for s in (servers["a"], servers["b"]):  # the last test of the module: at most two servers at once
+        s.stop()
     g4 = str(tmp_path / "g4-small")
     probe = g4_server(model, g4, "g4-probe", g4_config={"capacity_bytes": 8 * 2**20})
     # capacity for 12 blocks of this model: computed from the block file size after the first save

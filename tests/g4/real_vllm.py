@@ -1,0 +1,67 @@
+"""Helpers shared by the real-vLLM G4 tests: a tiny-model server with kvgate's connector, requests, the
+store of a G4 directory."""
+
+from __future__ import annotations
+
+import glob
+import os
+import random
+import time
+
+import httpx
+
+from bench.vllm_server import VllmServer
+from cache_tier.store import G4Store, store_for_dir
+
+BLOCK = 32
+MODEL = "tiny"  # the served model name
+
+
+def g4_server(model, g4: str, name: str, **kw) -> VllmServer:
+    """A vLLM CPU server of the tiny model running kvgate's connector on the G4 directory ``g4``."""
+    return VllmServer(
+        model, name=name, served_model_name=MODEL, block_size=BLOCK, max_model_len=8192,
+        extra_args=["--dtype", "bfloat16"], g4_path=g4, **kw,
+    )
+
+
+def complete(srv: VllmServer, prompt_ids: list[int], max_tokens: int = 8, **extra) -> dict:
+    r = httpx.post(srv.url + "/v1/completions", timeout=300, json={
+        "model": MODEL, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True, **extra})
+    r.raise_for_status()
+    return r.json()
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 4000) for _ in range(n)]
+
+
+def wait_for(cond, timeout=60.0, every=0.3):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(every)
+    return cond()
+
+
+def store_of(g4: str) -> G4Store:
+    dirs = [d for d in glob.glob(os.path.join(g4, "*")) if os.path.isdir(d)]
+    assert len(dirs) == 1, dirs
+    return store_for_dir(dirs[0], scan=False)
+
+
+def cached(resp: dict) -> int:
+    return resp["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def corrupt(path: str) -> None:
+    """Flip one byte of a block file's payload."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 1000)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x5A]))
