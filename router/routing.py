@@ -200,13 +200,23 @@ class Router:
             d.num_blocks = len(d.hashes)
         t2 = time.perf_counter()
         result = LookupResult(num_blocks=len(d.hashes))
+        reads = {w.name: w.g4_reads() for w in workers}  # G4 entries each target loads from
         if d.hashes:
+            # the G4 pseudo-worker entries (named shared tiers, LOCAL storage) answer in the same lookup
+            g4_names = [m for r in reads.values() for m in r if m]
+            names = list(dict.fromkeys([w.name for w in workers] + g4_names))
             try:  # deadline, breaker, degraded counter and rate-limited log: router/index_guard.py
-                result = await self.index_guard.lookup(ns, d.hashes, [w.name for w in workers])
+                result = await self.index_guard.lookup(ns, d.hashes, names)
             except IndexUnavailable as e:  # an index outage degrades to load-only routing, never an error
                 d.index_error = str(e)
         t3 = time.perf_counter()
-        d.g4_blocks = result.g4
+
+        def g4_run(w) -> int:
+            """Leading blocks on the G4 tiers the target mounts (the model-wide set, or a named tier) and
+            on its own LOCAL storage."""
+            return max((result.g4 if m is None else result.match(m).local for m in reads[w.name]), default=0)
+
+        d.g4_blocks = max((g4_run(w) for w in workers), default=0)
         pending = self.pending
 
         def match(w) -> tuple[WorkerMatch, int]:
@@ -221,7 +231,7 @@ class Router:
                     return WorkerMatch(gpu=max(m.gpu, n), cpu=m.cpu, local=n), n - m.local
             return m, 0
 
-        scored = [self.cost.score(w, m, result.g4, d.num_tokens, bs, pending_blocks=p)
+        scored = [self.cost.score(w, m, g4_run(w), d.num_tokens, bs, pending_blocks=p)
                   for w in workers for m, p in (match(w),)]
         d.candidates = policy.order(RouteRequest(model, path, headers), scored)
         d.chosen = d.candidates[0].worker if d.candidates else None
