@@ -56,15 +56,32 @@ def storage_scope(locality):
     return _BAD
 
 
+_SHARED_PREFIX, _LOCAL_PREFIX = "#g4:", "#g4-local:"
+
+
 def shared_g4_member(tier: str) -> str:
     """The index entry (a pseudo-worker, tier GPU) of the blocks on the shared G4 tier ``tier`` other
     than the model-wide one: a lookup gives its leading run with the workers' in the same round trip."""
-    return f"#g4:{tier}"
+    return _SHARED_PREFIX + tier
 
 
 def local_g4_member(worker: str) -> str:
     """The index entry (a pseudo-worker, tier GPU) of the blocks on ``worker``'s own (LOCAL) storage."""
-    return f"#g4-local:{worker}"
+    return _LOCAL_PREFIX + worker
+
+
+def entries_per_tier(model_stats: dict) -> dict[str, int]:
+    """A model's index entries per tier (from ``BlockIndex.stats``) with the G4 pseudo-workers' entries
+    counted as ``G4_TIER`` (named shared tiers) and ``G4_LOCAL`` instead of GPU."""
+    out = dict(model_stats.get("entries_per_tier") or {})
+    for name, tiers in (model_stats.get("workers") or {}).items():
+        kind = ("G4_LOCAL" if name.startswith(_LOCAL_PREFIX)
+                else "G4_TIER" if name.startswith(_SHARED_PREFIX) else None)
+        if kind is not None:
+            n = sum(int(v) for v in tiers.values())
+            out["GPU"] = out.get("GPU", 0) - n
+            out[kind] = out.get(kind, 0) + n
+    return out
 
 
 @dataclass(slots=True)

@@ -186,8 +186,10 @@ class WorkerRemoved(BaseModel):
 class ModelIndexStats(BaseModel):
     model: str
     blocks: int = Field(0, description="distinct blocks known for the model (G4 included)")
-    entries_per_tier: dict[str, int] = Field(default_factory=dict)
-    g4_blocks: int = 0
+    entries_per_tier: dict[str, int] = Field(default_factory=dict, description="GPU, CPU, and the G4 tiers kept "
+                                             "as index entries: G4_TIER (named shared tiers), G4_LOCAL "
+                                             "(workers' LOCAL offload storage)")
+    g4_blocks: int = Field(0, description="blocks on the model-wide G4 tier (g4.tier)")
     workers: dict[str, dict[str, int]] = Field(default_factory=dict, description="worker (a data-parallel "
                                                "worker's ranks: <name>@dp<r>) -> tier -> entries")
     redis_used_memory: int | None = Field(None, description="Redis used_memory in bytes (Redis backend)")

@@ -100,9 +100,15 @@ async def test_vllm_fs_tier_blocks_are_credited_by_locality_and_tier(fleet, star
         assert st["bad_locality"] == 1 and st["skipped"] >= 1 and st["errors"] == 0
         async with httpx.AsyncClient(timeout=10) as c:
             out = {w["name"]: w for w in (await c.get(gw.url + "/admin/workers")).json()["workers"]}
+            stats = (await c.get(gw.url + "/admin/index/tiny/stats")).json()
+            metrics = (await c.get(gw.url + "/metrics")).text
         assert out["d"]["g4_tier"] == "other" and out["a"]["g4_tier"] == "shared"
         assert out["a"]["events"]["bad_locality"] == 1
         assert out["b"]["cached_blocks"].get("G4_LOCAL") == 4
+        tiers = stats["entries_per_tier"]
+        assert tiers["G4_LOCAL"] == 4 and tiers["G4_TIER"] == 4 and tiers["GPU"] == 4  # d's P3 copies
+        assert stats["g4_blocks"] == 4  # a's P1 on the model-wide tier
+        assert 'kvgate_index_blocks{model="tiny",tier="G4_LOCAL"} 4.0' in metrics
     finally:
         if proc.poll() is None:
             proc.stdin.close()
