@@ -153,6 +153,10 @@ class WorkerState:
         # offload tiers do (refcounted: a chunk re-announces shared hashes). Bounded: later events chain
         # from them.
         self._storage: LRUCache = LRUCache(maxsize=storage_handles)
+        # Handles whose last GPU/CPU copy went (handle key -> kvgate hash), bounded: an offload tier may
+        # finish storing a block after the engine evicted it (fs behind the CPU tier), and its event's
+        # parent is then only known from here.
+        self._gone: LRUCache = LRUCache(maxsize=storage_handles)
         self.counters = {"unknown_parent": 0, "size_mismatch": 0, "unmapped": 0, "skipped": 0,
                          "malformed": 0, "bad_locality": 0}
         self._changed: set = set()  # handle keys changed since take_changes (the index keeps the map too)
@@ -167,6 +171,7 @@ class WorkerState:
     def reset(self) -> None:
         """Forget everything but the G4 handles (the worker restarted or the index was cleared)."""
         self._handles.clear()
+        self._gone.clear()
         for held in self._held:
             held.clear()
         self._changed.clear()
@@ -210,7 +215,7 @@ class WorkerState:
         if h is not None:
             return h[0]
         st = self._storage.get(key)
-        return None if st is None else st[0]
+        return self._gone.get(key) if st is None else st[0]
 
     def _remember_storage(self, key, rh: int) -> None:
         st = self._storage.get(key)
@@ -263,6 +268,7 @@ class WorkerState:
                 held[rh] = n
             if h[1] == 0 and h[2] == 0:
                 del self._handles[key]
+                self._gone[key] = rh
 
     # -- events -----------------------------------------------------------------------------------------
     def apply(self, events: list[Event]) -> Ops:

@@ -231,3 +231,16 @@ def test_offload_tier_removals_are_refcounted_per_scope():
     assert s.apply([BlockRemoved(block_hashes=[11], **loc)]).items == []
     s.apply([stored([11], TOK[:B], medium="STORAGE")])
     assert s.apply([BlockRemoved(block_hashes=[11], medium="STORAGE")]).items == []
+
+
+def test_storage_after_the_gpu_copy_went_still_chains():
+    """The fs tier behind the CPU tier may finish a store after the engine evicted the block: the parent
+    of the chunk's event is resolved from the handles that went (bounded), not counted unknown."""
+    s = WorkerState(block_size=B)
+    s.apply([stored([11, 12], TOK[: 2 * B])])
+    s.apply([BlockRemoved(block_hashes=[11], medium="GPU"), BlockRemoved(block_hashes=[12], medium="GPU")])
+    ops = s.apply([stored([13, 14], TOK[2 * B: 4 * B], parent=12, medium="STORAGE", locality="REMOTE")])
+    assert ops.items == [("g4", None, SEQ[2:4])] and s.counters["unknown_parent"] == 0
+    s.reset()  # a restarted engine: what went before is forgotten
+    s.apply([stored([15], TOK[4 * B: 5 * B], parent=12, medium="STORAGE", locality="REMOTE")])
+    assert s.counters["unknown_parent"] == 1
