@@ -22,8 +22,9 @@ STATS_PATH = "/kvgate/g4/stats"
 
 
 def prefetch_base(worker: Any) -> str | None:
-    """The worker's connector endpoint: a URL string, or ``worker.prefetch_url`` /
-    ``worker.config.prefetch_url`` (None: that worker has no prefetch endpoint)."""
+    """The worker's connector endpoint: a URL string, or ``worker.prefetch_url`` (the registry resolves
+    it: the worker's own, else the fleet's port on its host) / ``worker.config.prefetch_url`` (None: that
+    worker has no prefetch endpoint)."""
     if worker is None:
         return None
     if isinstance(worker, str):

@@ -25,6 +25,14 @@ class WorkerConfig(BaseModel):
     replay_endpoint: str | None = None
     # The server's --max-num-batched-tokens when it differs from routing.max_num_batched_tokens.
     max_num_batched_tokens: int | None = Field(None, ge=16)
+    # kvgate's connector endpoint on this worker (prefetch orders, G4 counters), e.g.
+    # http://10.0.0.5:8201; None: the fleet default, g4.prefetch_port on the worker's host.
+    prefetch_url: str | None = None
+    # The shared G4 tier this worker mounts (docs/g4.md): None = the fleet's (g4.tier, the model-wide
+    # G4 set); another name = a tier only the workers naming it mount; "" = none. Blocks it publishes
+    # as shared (vLLM: locality REMOTE, or kvgate's connector) are credited to every worker of the model
+    # naming the same tier; LOCAL ones to this worker only.
+    g4_tier: str | None = None
 
 
 class DiscoveryConfig(BaseModel):
@@ -37,6 +45,9 @@ class DiscoveryConfig(BaseModel):
     scheme: str = "http"
     events_annotation: str = "kvgate.io/events-endpoint"
     replay_annotation: str = "kvgate.io/replay-endpoint"
+    # A pod's own prefetch URL (``http://*:8200``: ``*`` is the pod IP) and the shared G4 tier it mounts.
+    prefetch_annotation: str = "kvgate.io/prefetch-url"
+    g4_tier_annotation: str = "kvgate.io/g4-tier"
 
 
 class IndexConfig(BaseModel):
@@ -171,11 +182,15 @@ class G4Config(BaseModel):
     path: str | None = None
     capacity_bytes: int | None = None
     # The port of kvgate's connector endpoint on every worker (kv_connector_extra_config.prefetch_port):
-    # prefetch orders go there, and the connector's measured G4 load bandwidth is read from it.
+    # prefetch orders go there, and the connector's measured G4 load bandwidth is read from it. A worker's
+    # own prefetch_url (WorkerConfig, or the pod annotation) wins over it.
     prefetch_port: int | None = None
     prefetch_scheme: str = "http"
     # How often (at most) a worker's G4 load bandwidth is refreshed, piggybacked on prefetch orders.
     stats_interval_s: float = 10.0
+    # The name of the shared tier a worker mounts unless its g4_tier says otherwise: its blocks are the
+    # model-wide G4 set (kvgate's connector store and vLLM offloading tiers with locality REMOTE).
+    tier: str = "shared"
 
 
 class Settings(BaseSettings):

@@ -9,6 +9,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from indexer.events.state import entries_per_tier
+
 _OVERHEAD_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -155,7 +157,7 @@ class GatewayMetrics:
             stats = {}
         blocks: dict[tuple[str, str], float] = {}
         for model, st in stats.items():
-            for tier, n in (st.get("entries_per_tier") or {}).items():
+            for tier, n in entries_per_tier(st).items():
                 blocks[(model, tier)] = float(n)
             blocks[(model, "G4")] = float(st.get("g4_blocks", 0))
         snap.index_blocks = blocks

@@ -18,10 +18,12 @@ class NoopPrefetcher:
 
 
 class G4Prefetcher:
-    """Prefetch orders to kvgate's connector endpoint on each worker (``g4.prefetch_port``), see
-    docs/g4.md. After an order it refreshes, at most every ``g4.stats_interval_s``, the worker's G4 load
-    bandwidth and block size from the connector's counters (``worker.g4_bytes_per_s``,
-    ``worker.g4_bytes_per_block``), which the cost model uses to price G4 loads."""
+    """Prefetch orders to kvgate's connector endpoint on each worker -- its own ``prefetch_url``
+    (WorkerConfig, a pod annotation), else ``g4.prefetch_port`` on its host; a worker with neither gets
+    no order (vLLM's own offloading connector has no prefetch endpoint) -- see docs/g4.md. After an
+    order it refreshes, at most every ``g4.stats_interval_s``, the worker's G4 load bandwidth and block
+    size from the connector's counters (``worker.g4_bytes_per_s``, ``worker.g4_bytes_per_block``), which
+    the cost model uses to price G4 loads."""
 
     def __init__(self, settings) -> None:
         from cache_tier.prefetch_client import G4Bandwidth
@@ -35,13 +37,20 @@ class G4Prefetcher:
         self.bandwidth = G4Bandwidth(routing.g4_bytes_per_s, timeout_s=max(1.0, routing.prefetch_timeout_s))
         self._polled: dict[str, float] = {}
 
-    def base_url(self, worker) -> str:
-        return f"{self.scheme}://{worker.host}:{self.port}"
+    def base_url(self, worker) -> str | None:
+        from cache_tier.prefetch_client import prefetch_base
+
+        base = prefetch_base(worker)
+        if base is None and self.port:
+            base = f"{self.scheme}://{worker.host}:{self.port}"
+        return base
 
     async def order(self, worker, model: str, hashes: list[int]) -> bool:
         import time
 
         base = self.base_url(worker)
+        if base is None:
+            return False
         ok = await self.client.order(base, model, hashes)
         now = time.monotonic()
         if now - self._polled.get(worker.name, 0.0) >= self.interval_s:
@@ -57,7 +66,6 @@ class G4Prefetcher:
 
 
 def make_prefetcher(settings) -> Prefetcher:
-    """The G4 prefetcher when the workers run kvgate's connector endpoint, else the no-op."""
-    if settings.g4.prefetch_port:
-        return G4Prefetcher(settings)
-    return NoopPrefetcher()
+    """The G4 prefetcher: any worker may name its endpoint (configuration, discovery, the admin API);
+    one without an endpoint costs nothing (no order, no connection)."""
+    return G4Prefetcher(settings)

@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from indexer.events.state import local_g4_member, shared_g4_member
 from indexer.events.subscriber import resolve_endpoint
 from router.calibrate import EngineCalibration, PredictionErrors, default_calibration
 from router.config import Settings, WorkerConfig
@@ -100,6 +101,12 @@ class Worker:
     prefill_ratio: float = 1.0  # this worker's speed relative to the fleet-wide estimate (router/cost.py)
     g4_bytes_per_s: float = 0.0  # G4 load bandwidth measured by the worker's connector (0: use the default)
     g4_bytes_per_block: int = 0  # bytes of one block file on G4 (0: use the default)
+    # kvgate's connector endpoint (prefetch orders, G4 counters): the worker's own prefetch_url, else
+    # g4.prefetch_port on its host; None: no endpoint, no orders.
+    prefetch_url: str | None = None
+    # The shared G4 tier it mounts ("" none) and that tier's index entry (None: the model-wide G4 set).
+    g4_tier: str = "shared"
+    g4_member: str | None = None
     ttft_samples: int = 0
     prefill_samples: int = 0  # observations that calibrated it: streamed TTFTs, vLLM prefill histograms
     failures: int = 0
@@ -162,6 +169,17 @@ class Worker:
     def host(self) -> str:
         return urlsplit(self.url).hostname or "127.0.0.1"
 
+    def g4_reads(self) -> list[str | None]:
+        """The G4 index entries this target can load from: the shared tier it mounts (None: the
+        model-wide set) unless it mounts none, and its own LOCAL storage."""
+        own = local_g4_member(self.name)
+        return ([self.g4_member] if self.g4_tier else []) + [own]
+
+    def g4_writes(self) -> str | None:
+        """Where the shared G4 blocks this target publishes are indexed (one mounting no shared tier:
+        its own LOCAL entry)."""
+        return self.g4_member if self.g4_tier else local_g4_member(self.name)
+
     @property
     def routable(self) -> bool:
         return self.healthy and not self.draining and self.lost_at is None
@@ -186,6 +204,7 @@ class Worker:
             "failures": self.failures, "restarts": self.restarts, "last_error": self.last_error,
             "last_check": self.last_check, "cache_blind": self.cache_blind, "parity": self.parity,
             "ranks": [r.to_dict() for r in self.ranks], "skipped_sources": self.skipped_sources,
+            "prefetch_url": self.prefetch_url, "g4_tier": self.g4_tier,
         }
 
 
@@ -222,6 +241,8 @@ class RankTarget:
     inflight = Worker.inflight
     view = Worker.view
     pending_tokens = Worker.pending_tokens
+    g4_reads = Worker.g4_reads  # with the rank's own name: its LOCAL storage is its own
+    g4_writes = Worker.g4_writes
 
     def __getattr__(self, attr):  # only called for what the rank does not own
         return getattr(self.__dict__["server"], attr)
@@ -254,6 +275,17 @@ class RankTarget:
 def index_names(w: Worker) -> list[str]:
     """The names a server's entries are kept under in the index: its own, and each rank's."""
     return [w.name, *(t.name for t in w.ranks)]
+
+
+def resolve_g4(cfg: WorkerConfig, settings: Settings, host: str) -> tuple[str | None, str, str | None]:
+    """(prefetch URL, G4 tier, the tier's index entry) of a worker: its own settings, else the fleet's."""
+    g4 = settings.g4
+    url = cfg.prefetch_url.rstrip("/") if cfg.prefetch_url else None
+    if url is None and g4.prefetch_port:
+        url = f"{g4.prefetch_scheme}://{host}:{g4.prefetch_port}"
+    tier = g4.tier if cfg.g4_tier is None else cfg.g4_tier
+    member = None if tier == g4.tier or not tier else shared_g4_member(tier)
+    return url, tier, member
 
 
 def worker_name(cfg: WorkerConfig) -> str:
@@ -463,6 +495,7 @@ class WorkerRegistry:
                    active=ActiveSequences(float(r.queued_request_tokens)),
                    engine=EngineCalibration(r.step_ms / 1000.0, r.per_decode_ms / 1000.0,
                                             r.request_overhead_ms / 1000.0))
+        w.prefetch_url, w.g4_tier, w.g4_member = resolve_g4(cfg, self.settings, w.host)
         self._workers[name] = w
         if probe:
             await self._probe(w, full=True)
@@ -473,7 +506,7 @@ class WorkerRegistry:
         if w is None:
             raise KeyError(name)
         await self._unsubscribe(w)
-        await self._clear_index(w)
+        await self._clear_index(w, local_g4=True)
         if self.metrics is not None:
             for n in index_names(w):
                 self.metrics.forget_worker(n)
@@ -724,7 +757,7 @@ class WorkerRegistry:
             try:
                 await self.ingestor.add_source(EventSource(
                     worker=name, model=model, endpoint=key[1], replay_endpoint=key[2], topic=key[3],
-                    block_size=w.block_size, worker_url=w.url))
+                    block_size=w.block_size, worker_url=w.url, g4_member=self._g4_writes(w, name)))
             except Exception as e:  # a bad endpoint must not take the worker (or its other ranks) out
                 w.last_error = f"events of {name}: {type(e).__name__}: {e}"
                 log.warning("subscribing to the events of %s: %s", name, e)
@@ -732,6 +765,9 @@ class WorkerRegistry:
             have[name] = key
             new = True
         return new
+
+    def _g4_writes(self, w: Worker, name: str) -> str | None:
+        return next((t for t in w.targets() if t.name == name), w).g4_writes()
 
     async def _remove_source(self, have: dict[str, tuple], name: str, clear: bool) -> None:
         have.pop(name, None)
@@ -747,7 +783,9 @@ class WorkerRegistry:
         for name in list(have):
             await self._remove_source(have, name, clear)
 
-    async def _clear_index(self, w: Worker) -> None:
+    async def _clear_index(self, w: Worker, local_g4: bool = False) -> None:
+        """Drop the worker's entries; ``local_g4`` (it leaves the fleet) also its LOCAL G4 entries, which
+        a restart keeps (the files outlive the process)."""
         names = index_names(w)
         if self.on_cleared is not None:
             for n in names:
@@ -757,6 +795,8 @@ class WorkerRegistry:
             models.update(await self.index.models())
         except Exception:
             pass
+        if local_g4:
+            names = names + [local_g4_member(n) for n in names]
         for m in models:
             for n in names:
                 try:

@@ -187,17 +187,21 @@ class Router:
             kind, tok_body = "chat", view
         res = None
         pending = self.pending
-        names = [w.name for w in workers]
+        reads = {w.name: w.g4_reads() for w in workers}  # G4 entries each target loads from
+        # the G4 pseudo-worker entries (named shared tiers, LOCAL storage) answer in the same lookup
+        g4_names = [m for r in reads.values() for m in r if m]
+        names = list(dict.fromkeys([w.name for w in workers] + g4_names))
         probed: list = []  # the last reach lookup: (hashes, result), reused when the plan ends on them
 
         async def reach(hashes: list[int]) -> int:
-            """Leading blocks of ``hashes`` that any candidate (index or pending send) or G4 holds."""
+            """Leading blocks of ``hashes`` that any candidate (index or pending send) or a G4 tier holds."""
             try:
                 r = await self.index_guard.lookup(ns, hashes, names)
             except IndexUnavailable:
                 return 0
             probed[:] = [hashes, r]
-            return max([r.g4, *(pending.leading(ns, hashes, n, r.match(n).local) for n in names)])
+            return max([r.g4, *(pending.leading(ns, hashes, w.name, r.match(w.name).local) for w in workers),
+                        *(r.match(m).local for m in g4_names)])
 
         if kind != "other":
             tok_worker = min(workers, key=lambda w: w.inflight)
@@ -224,7 +228,13 @@ class Router:
             except IndexUnavailable as e:  # an index outage degrades to load-only routing, never an error
                 d.index_error = str(e)
         t3 = time.perf_counter()
-        d.g4_blocks = result.g4
+
+        def g4_run(w) -> int:
+            """Leading blocks on the G4 tiers the target mounts (the model-wide set, or a named tier) and
+            on its own LOCAL storage."""
+            return max((result.g4 if m is None else result.match(m).local for m in reads[w.name]), default=0)
+
+        d.g4_blocks = max((g4_run(w) for w in workers), default=0)
 
         def match(w) -> tuple[WorkerMatch, int]:
             """The worker's leading blocks, and how many of them were sent there but are not indexed yet."""
@@ -238,7 +248,7 @@ class Router:
                     return WorkerMatch(gpu=max(m.gpu, n), cpu=m.cpu, local=n), n - m.local
             return m, 0
 
-        scored = [self.cost.score(w, m, result.g4, d.num_tokens, bs, pending_blocks=p)
+        scored = [self.cost.score(w, m, g4_run(w), d.num_tokens, bs, pending_blocks=p)
                   for w in workers for m, p in (match(w),)]
         d.candidates = policy.order(RouteRequest(model, path, headers), scored)
         d.chosen = d.candidates[0].worker if d.candidates else None

@@ -21,6 +21,12 @@ source is marked *unsynced*, events keep updating the state (writes skipped), an
 again the worker's entries are rebuilt from the state (clear, then store what the state holds; the G4
 writes missed meanwhile are kept in a bounded backlog and replayed).
 Malformed messages are counted (``dropped``) and skipped.
+
+G4 (STORAGE) blocks go where their scope says (indexer/events/state.py): shared blocks to the tier the
+source's worker mounts -- ``EventSource.g4_member`` None is the model-wide G4 set (``store_g4``), a name is
+a pseudo-worker entry of the index (``shared_g4_member``) that every worker mounting that tier is credited
+with -- and LOCAL blocks to the worker's own pseudo-worker entry (``local_g4_member``). Resets leave both
+alone (files outlive the process); the registry drops a worker's LOCAL entry when it removes the worker.
 """
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from indexer.events.state import G4, WorkerState
+from indexer.events.state import G4, LOCAL, WorkerState, local_g4_member
 from indexer.events.subscriber import ReplayError, Subscriber, resolve_endpoint
 from indexer.events.wire import DecodeError, decode_batch, decode_seq
 from indexer.index.base import BlockIndex, LeaseLost, Tier
@@ -63,6 +69,9 @@ class EventSource:
     topic: str = ""
     block_size: int | None = None
     worker_url: str | None = None
+    # Where the worker's shared G4 blocks are indexed: None = the model-wide G4 set, else the index
+    # entry of the named tier it mounts (state.shared_g4_member).
+    g4_member: str | None = None
 
 
 class _Source:
@@ -230,6 +239,7 @@ class EventIngestor:
             "size_mismatch": st["size_mismatch"],
             "unmapped": st["unmapped"],
             "skipped": st["skipped"],
+            "bad_locality": st["bad_locality"],
             "handles": len(s.state),
             "queued": s.queue.qsize(),
         }
@@ -496,8 +506,7 @@ class EventIngestor:
                     await self.index.store(model, worker, tier, held[i:i + _PUSH_CHUNK])
             await self.index.save_handles(model, worker, s.state.export(), [], s.last_seq)
             while s.g4_backlog:
-                op, hashes = s.g4_backlog[0]
-                await (self.index.store_g4 if op == "g4" else self.index.remove_g4)(model, hashes)
+                await self._g4_call(model, *s.g4_backlog[0])
                 s.g4_backlog.popleft()
         except asyncio.CancelledError:
             raise
@@ -541,12 +550,9 @@ class EventIngestor:
                     self._observe(worker, G4, hashes)
                 if not s.writer:
                     continue
-                if s.synced:
-                    fn = self.index.store_g4 if op == "g4" else self.index.remove_g4
-                    if not await self._index_call(s, fn(model, hashes)):
-                        s.g4_backlog.append((op, hashes))
-                else:
-                    s.g4_backlog.append((op, hashes))
+                member = local_g4_member(worker) if tier == LOCAL else s.src.g4_member
+                if not s.synced or not await self._index_call(s, self._g4_call(model, op, member, hashes)):
+                    s.g4_backlog.append((op, member, hashes))
                 continue
             if op == "store":
                 s.counters["blocks_stored"] += len(hashes)
@@ -561,6 +567,12 @@ class EventIngestor:
                 await self._index_call(s, self.index.remove(model, worker, tier, hashes))
             elif op == "clear":
                 await self._index_call(s, self.index.clear_worker(model, worker))
+
+    def _g4_call(self, model: str, op: str, member: str | None, hashes: list[int]):
+        """The index write of a G4 op: the model-wide set (member None) or a G4 pseudo-worker entry."""
+        if member is None:
+            return (self.index.store_g4 if op == "g4" else self.index.remove_g4)(model, hashes)
+        return (self.index.store if op == "g4" else self.index.remove)(model, member, Tier.GPU, hashes)
 
     def _observe(self, worker: str, tier: str, hashes: list[int]) -> None:
         if self.observer is not None:

@@ -14,6 +14,16 @@ salts block 0 only, and the chain carries it on. Multimodal identifiers are not 
 
 ``apply(events)`` returns index operations coalesced per event batch (the last operation on a
 (tier, hash) wins), so one batch costs one write per tier.
+
+STORAGE blocks (G4) carry a *scope*: vLLM's offloading connector says where its secondary tier's storage
+is relative to the publishing instance (``locality``, vllm/v1/kv_offload/base.py ``Locality``): ``REMOTE``
+(a shared filesystem other instances mount too) and no locality (kvgate's connector, whose store is
+shared) give scope ``None`` -- the tier the worker mounts, credited to every worker of the model that
+mounts it; ``LOCAL`` gives scope ``"LOCAL"`` -- credited to the publishing worker only. Which index entry
+a scope becomes is the ingestor's business (it knows the worker's tier). Another locality is counted
+(``bad_locality``) and the event dropped. vLLM's engine hashes of STORAGE blocks resolve to kvgate's
+through the handles the worker's GPU events left (its offload events carry no extra keys, so a known
+handle is preferred to recomputing: it keeps the cache_salt), else through the parent and token ids.
 """
 from __future__ import annotations
 
@@ -30,12 +40,55 @@ G4 = "G4"
 # evicts blocks; its block_hashes are kvgate sequence hashes already (docs/g4.md).
 G4_OWNERSHIP = "kvgate-g4"
 ACCEPTED_KINDS = frozenset({None, "full_attention", "mla_attention"})
+LOCAL = "LOCAL"  # scope of a STORAGE block on the publishing worker's own storage
+# vLLM's locality (any case) -> scope: None = the shared tier the worker mounts, LOCAL = its own.
+_LOCALITIES = {None: None, "REMOTE": None, "LOCAL": LOCAL}
+_BAD = object()
+
+
+def storage_scope(locality):
+    """None (shared: REMOTE or no locality), ``LOCAL``, or ``_BAD`` for a locality vLLM does not define."""
+    if locality is None:
+        return None
+    if isinstance(locality, str):
+        scope = _LOCALITIES.get(locality.upper(), _BAD)
+        return scope
+    return _BAD
+
+
+_SHARED_PREFIX, _LOCAL_PREFIX = "#g4:", "#g4-local:"
+
+
+def shared_g4_member(tier: str) -> str:
+    """The index entry (a pseudo-worker, tier GPU) of the blocks on the shared G4 tier ``tier`` other
+    than the model-wide one: a lookup gives its leading run with the workers' in the same round trip."""
+    return _SHARED_PREFIX + tier
+
+
+def local_g4_member(worker: str) -> str:
+    """The index entry (a pseudo-worker, tier GPU) of the blocks on ``worker``'s own (LOCAL) storage."""
+    return _LOCAL_PREFIX + worker
+
+
+def entries_per_tier(model_stats: dict) -> dict[str, int]:
+    """A model's index entries per tier (from ``BlockIndex.stats``) with the G4 pseudo-workers' entries
+    counted as ``G4_TIER`` (named shared tiers) and ``G4_LOCAL`` instead of GPU."""
+    out = dict(model_stats.get("entries_per_tier") or {})
+    for name, tiers in (model_stats.get("workers") or {}).items():
+        kind = ("G4_LOCAL" if name.startswith(_LOCAL_PREFIX)
+                else "G4_TIER" if name.startswith(_SHARED_PREFIX) else None)
+        if kind is not None:
+            n = sum(int(v) for v in tiers.values())
+            out["GPU"] = out.get("GPU", 0) - n
+            out[kind] = out.get(kind, 0) + n
+    return out
 
 
 @dataclass(slots=True)
 class Ops:
     """Index writes for one batch, in order: ``("store"|"remove", Tier, hashes)``, ``("g4"|"g4_remove",
-    None, hashes)``, ``("clear", None, None)`` (drop the worker's local tiers)."""
+    scope, hashes)`` (scope None: the shared tier, ``LOCAL``: the worker's own storage), ``("clear", None,
+    None)`` (drop the worker's local tiers)."""
 
     items: list[tuple[str, Tier | None, list[int] | None]] = field(default_factory=list)
 
@@ -96,11 +149,16 @@ class WorkerState:
         self.block_size = block_size
         self._handles: dict = {}
         self._held: tuple[dict[int, int], dict[int, int]] = ({}, {})
-        # STORAGE blocks are never removed by vLLM; remember a bounded number of their handles so that
-        # later events can chain from them.
+        # STORAGE blocks: handle key -> [kvgate hash, announcements]. vLLM's fs tier never removes; other
+        # offload tiers do (refcounted: a chunk re-announces shared hashes). Bounded: later events chain
+        # from them.
         self._storage: LRUCache = LRUCache(maxsize=storage_handles)
+        # Handles whose last GPU/CPU copy went (handle key -> kvgate hash), bounded: an offload tier may
+        # finish storing a block after the engine evicted it (fs behind the CPU tier), and its event's
+        # parent is then only known from here.
+        self._gone: LRUCache = LRUCache(maxsize=storage_handles)
         self.counters = {"unknown_parent": 0, "size_mismatch": 0, "unmapped": 0, "skipped": 0,
-                         "malformed": 0}
+                         "malformed": 0, "bad_locality": 0}
         self._changed: set = set()  # handle keys changed since take_changes (the index keeps the map too)
 
     def __len__(self) -> int:
@@ -113,6 +171,7 @@ class WorkerState:
     def reset(self) -> None:
         """Forget everything but the G4 handles (the worker restarted or the index was cleared)."""
         self._handles.clear()
+        self._gone.clear()
         for held in self._held:
             held.clear()
         self._changed.clear()
@@ -155,10 +214,26 @@ class WorkerState:
         h = self._handles.get(key)
         if h is not None:
             return h[0]
-        return self._storage.get(key)
+        st = self._storage.get(key)
+        return self._gone.get(key) if st is None else st[0]
 
     def _remember_storage(self, key, rh: int) -> None:
-        self._storage[key] = rh
+        st = self._storage.get(key)
+        if st is None or st[0] != rh:
+            self._storage[key] = [rh, 1]
+        else:
+            st[1] += 1
+
+    def _forget_storage(self, key) -> int | None:
+        """One removal announcement of a STORAGE handle: its kvgate hash once no announcement holds it."""
+        st = self._storage.get(key)
+        if st is None:
+            return None
+        st[1] -= 1
+        if st[1] > 0:
+            return None
+        del self._storage[key]
+        return st[0]
 
     def _incr(self, key, rh: int, code: int, pending: dict[int, tuple[bool, bool]]) -> None:
         h = self._handles.get(key)
@@ -193,12 +268,13 @@ class WorkerState:
                 held[rh] = n
             if h[1] == 0 and h[2] == 0:
                 del self._handles[key]
+                self._gone[key] = rh
 
     # -- events -----------------------------------------------------------------------------------------
     def apply(self, events: list[Event]) -> Ops:
         ops = Ops()
         pending: tuple[dict, dict] = ({}, {})  # per tier code: kvgate hash -> (present before, present now)
-        g4: list[int] = []
+        g4: dict = {}  # scope -> kvgate hashes stored on G4 (in order)
         for ev in events:
             if isinstance(ev, BlockStored):
                 try:
@@ -207,11 +283,11 @@ class WorkerState:
                     self.counters["malformed"] += 1
             elif isinstance(ev, BlockRemoved):
                 code = medium_code(ev.medium)
-                if code is None or code == G4:  # only kvgate's G4 GC removes G4 entries
-                    if code == G4 and ev.ownership == G4_OWNERSHIP and ev.block_hashes:
-                        self._flush(ops, pending, g4)
-                        gone = [h & _MASK64 for h in ev.block_hashes if isinstance(h, int)]
-                        ops.items.append(("g4_remove", None, gone))
+                if code is None:
+                    self.counters["skipped"] += 1
+                    continue
+                if code == G4:
+                    self._storage_removed(ev, ops, pending, g4)
                     continue
                 g = ev.group_idx
                 for eh in ev.block_hashes:
@@ -223,8 +299,29 @@ class WorkerState:
         self._flush(ops, pending, g4)
         return ops
 
+    def _storage_removed(self, ev: BlockRemoved, ops: Ops, pending: tuple[dict, dict], g4: dict) -> None:
+        """kvgate's G4 GC (kvgate hashes) or an eviction from one of vLLM's offload tiers (engine hashes,
+        with a locality); a STORAGE removal without either names nothing kvgate can place."""
+        if ev.ownership == G4_OWNERSHIP:
+            if ev.block_hashes:
+                self._flush(ops, pending, g4)
+                gone = [h & _MASK64 for h in ev.block_hashes if isinstance(h, int)]
+                ops.items.append(("g4_remove", None, gone))
+            return
+        scope = storage_scope(ev.locality)
+        if scope is _BAD:
+            self.counters["bad_locality"] += 1
+            return
+        if ev.locality is None:
+            return
+        keys = [_key(ev.group_idx, eh) for eh in ev.block_hashes]
+        gone = [rh for rh in map(self._forget_storage, keys) if rh is not None]
+        if gone:
+            self._flush(ops, pending, g4)
+            ops.items.append(("g4_remove", scope, gone))
+
     @staticmethod
-    def _flush(ops: Ops, pending: tuple[dict, dict], g4: list[int]) -> None:
+    def _flush(ops: Ops, pending: tuple[dict, dict], g4: dict) -> None:
         for code, changes in enumerate(pending):
             if changes:
                 gone = [h for h, (was, on) in changes.items() if was and not on]
@@ -234,49 +331,39 @@ class WorkerState:
                 if new:
                     ops.items.append(("store", _TIERS[code], new))
                 changes.clear()
-        if g4:
-            ops.items.append(("g4", None, list(dict.fromkeys(g4))))
-            g4.clear()
+        for scope, hashes in g4.items():
+            if hashes:
+                ops.items.append(("g4", scope, list(dict.fromkeys(hashes))))
+        g4.clear()
 
-    def _stored(self, ev: BlockStored, pending: tuple[dict, dict], g4: list[int]) -> None:
+    def _stored(self, ev: BlockStored, pending: tuple[dict, dict], g4: dict) -> None:
         code = medium_code(ev.medium)
         if code is None or ev.kv_cache_spec_kind not in ACCEPTED_KINDS:
             self.counters["skipped"] += 1
             return
         g = ev.group_idx
+        if code == G4:
+            scope = storage_scope(ev.locality)
+            if scope is _BAD:
+                self.counters["bad_locality"] += 1
+                return
+            out = g4.setdefault(scope, [])
+            for eh, rh in zip(ev.block_hashes, self._storage_hashes(ev, g)):
+                if rh is not None:
+                    out.append(rh)
+                    self._remember_storage(_key(g, eh), rh)
+            return
         if not ev.token_ids:  # offload placeholder: only hashes we already know can be placed
             for eh in ev.block_hashes:
                 key = _key(g, eh)
                 rh = self._rh(key)
                 if rh is None:
                     self.counters["unmapped"] += 1
-                elif code == G4:
-                    g4.append(rh)
-                    self._remember_storage(key, rh)
                 else:
                     self._incr(key, rh, code, pending[code])
             return
-        bs = ev.block_size
-        if self.block_size is None and bs > 0:
-            self.block_size = bs
-        n = len(ev.block_hashes)
-        if bs != self.block_size or n == 0 or len(ev.token_ids) != n * bs:
-            self.counters["size_mismatch"] += 1
-            return
-        if ev.parent_block_hash is None:
-            parent = None
-            salt = cache_salt_of(ev.extra_keys, ev.lora_name)
-        else:
-            parent = self._rh(_key(g, ev.parent_block_hash))
-            if parent is None:
-                self.counters["unknown_parent"] += 1
-                return
-            salt = None
-        rhs = hashing.chain(hashing.local_hashes(ev.token_ids, bs, ev.lora_name, salt), parent)
-        if code == G4:
-            for eh, rh in zip(ev.block_hashes, rhs):
-                g4.append(rh)
-                self._remember_storage(_key(g, eh), rh)
+        rhs = self._computed(ev, g)
+        if rhs is None:
             return
         changes = pending[code]
         if g == 0:
@@ -285,3 +372,40 @@ class WorkerState:
         else:
             for eh, rh in zip(ev.block_hashes, rhs):
                 self._incr((g, eh), rh, code, changes)
+
+    def _computed(self, ev: BlockStored, g: int) -> list[int] | None:
+        """kvgate's hashes of a self-describing event's blocks, from its parent's handle and token ids;
+        None (counted) when its shape or parent does not fit."""
+        bs = ev.block_size
+        if self.block_size is None and bs > 0:
+            self.block_size = bs
+        n = len(ev.block_hashes)
+        if bs != self.block_size or n == 0 or len(ev.token_ids) != n * bs:
+            self.counters["size_mismatch"] += 1
+            return None
+        if ev.parent_block_hash is None:
+            parent = None
+            salt = cache_salt_of(ev.extra_keys, ev.lora_name)
+        else:
+            parent = self._rh(_key(g, ev.parent_block_hash))
+            if parent is None:
+                self.counters["unknown_parent"] += 1
+                return None
+            salt = None
+        return hashing.chain(hashing.local_hashes(ev.token_ids, bs, ev.lora_name, salt), parent)
+
+    def _storage_hashes(self, ev: BlockStored, g: int) -> list[int | None]:
+        """kvgate's hashes of a STORAGE event's blocks (None for a placeholder's unknown ones): the
+        worker's known handles first (vLLM's offload events carry no extra keys, so recomputing block 0
+        would lose its cache_salt), else computed from the parent and the token ids."""
+        known = [self._rh(_key(g, eh)) for eh in ev.block_hashes]
+        if all(rh is not None for rh in known):
+            return known
+        if not ev.token_ids:  # offload placeholder: only hashes we already know can be placed
+            self.counters["unmapped"] += sum(rh is None for rh in known)
+            return known
+        rhs = self._computed(ev, g)
+        if rhs is None:  # counted; the blocks whose handles are known still place
+            return known
+        # a block whose handle is known keeps it; the chain after it continues from the computed ones
+        return [k if k is not None else r for k, r in zip(known, rhs)]

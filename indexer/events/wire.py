@@ -40,12 +40,15 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False)
     extra_keys: list | None = None
     group_idx: int = 0
     kv_cache_spec_kind: str | None = None
+    locality: str | None = None  # offload tiers: "LOCAL" | "REMOTE" (relative to the publisher), or None
+    ownership: str | None = None  # offload tiers: the secondary tier's id (vLLM's fs tier sends None)
 
 
 class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False):
     block_hashes: list[int]
     medium: str | None = None
     group_idx: int = 0
+    locality: str | None = None
     ownership: str | None = None  # "kvgate-g4": a G4 store eviction carrying kvgate hashes (docs/g4.md)
 
 
@@ -138,6 +141,8 @@ def decode_event(ev: Any) -> Event | None:
             extra_keys=extra if isinstance(extra, list) else None,
             group_idx=_opt_int(f.get("group_idx")),
             kv_cache_spec_kind=_opt_str(f.get("kv_cache_spec_kind")),
+            locality=_opt_str(f.get("locality")),
+            ownership=_opt_str(f.get("ownership")),
         )
     if tag == "BlockRemoved":
         _, f = _fields(ev, _REMOVED_FIELDS)
@@ -145,6 +150,7 @@ def decode_event(ev: Any) -> Event | None:
             block_hashes=_hashes(f.get("block_hashes")),
             medium=_opt_str(f.get("medium")),
             group_idx=_opt_int(f.get("group_idx")),
+            locality=_opt_str(f.get("locality")),
             ownership=_opt_str(f.get("ownership")),
         )
     if tag == "AllBlocksCleared":

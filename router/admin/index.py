@@ -5,6 +5,7 @@ import logging
 
 from fastapi import APIRouter, Query, Request
 
+from indexer.events.state import entries_per_tier
 from indexer.index.base import Tier
 from router.admin import schemas
 from router.admin.common import index_stats, ingestor_statuses, kv_state, not_found
@@ -25,7 +26,7 @@ def _model_stats(state, model: str, st: dict, events: dict) -> schemas.ModelInde
                 dropped += int(ev.get("dropped", 0) or 0)
                 replays += int(ev.get("replays", 0) or 0)
     return schemas.ModelIndexStats(
-        model=model, blocks=int(st.get("blocks", 0)), entries_per_tier=st.get("entries_per_tier") or {},
+        model=model, blocks=int(st.get("blocks", 0)), entries_per_tier=entries_per_tier(st),
         g4_blocks=int(st.get("g4_blocks", 0)), workers=st.get("workers") or {},
         redis_used_memory=st.get("redis_used_memory"), events_applied=applied, events_dropped=dropped,
         events_replays=replays,

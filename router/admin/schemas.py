@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 
 class _Open(BaseModel):
@@ -27,6 +27,9 @@ class EventsStatus(_Open):
     synced: bool = Field(True, description="false while an index outage keeps writes back; the exact state "
                                            "is pushed back when the index answers")
     resyncs: int = Field(0, description="replays asked for after a health flap (no restart seen)")
+    skipped: int = Field(0, description="events of a medium or KV cache kind kvgate does not index, dropped")
+    bad_locality: int = Field(0, description="STORAGE events whose locality is neither LOCAL nor REMOTE, "
+                                             "dropped")
 
 
 class WorkerLoadOut(BaseModel):
@@ -65,7 +68,14 @@ class WorkerOut(BaseModel):
     block_size: int | None = None
     events: EventsStatus | None = Field(None, description="KV event ingestion status (None: not subscribed)")
     load: WorkerLoadOut
-    cached_blocks: dict[str, int] = Field(default_factory=dict, description="index entries per tier")
+    cached_blocks: dict[str, int] = Field(default_factory=dict, description="index entries per tier: GPU, "
+                                          "CPU, and G4_LOCAL (blocks on its own LOCAL offload storage)")
+    prefetch_url: str | None = Field(None, description="kvgate's connector endpoint prefetch orders go to: "
+                                     "the worker's own prefetch_url (configuration, pod annotation "
+                                     "kvgate.io/prefetch-url), else g4.prefetch_port on its host; null: none")
+    g4_tier: str = Field("shared", description="the shared G4 tier it mounts (g4_tier, pod annotation "
+                         "kvgate.io/g4-tier, else g4.tier; empty: none): it is credited with the blocks "
+                         "of every worker of its model mounting the same tier")
     parity: ParityOut | None = Field(None, description="last parity check (at registration or on demand)")
     cache_blind: bool = Field(False, description="parity failed: routing ignores its cache entries")
     chat_cache_blind: bool = Field(False, description="cache-blind, or the chat parity probe failed: chat "
@@ -142,15 +152,20 @@ class AddWorker(BaseModel):
                              description="unique name (default host:port); no '/' or spaces")
     events_endpoint: str | None = Field(None, description="ZMQ PUB endpoint; discovered when omitted")
     replay_endpoint: str | None = None
+    prefetch_url: str | None = Field(None, description="kvgate's connector endpoint on this worker (http(s) "
+                                     "URL); default: g4.prefetch_port on its host")
+    g4_tier: str | None = Field(None, max_length=200, description="the shared G4 tier it mounts (default "
+                                "g4.tier; empty: none)")
 
-    @field_validator("url")
+    @field_validator("url", "prefetch_url")
     @classmethod
-    def _http_url(cls, v: str) -> str:
+    def _http_url(cls, v: str | None, info: ValidationInfo) -> str | None:
         from urllib.parse import urlsplit
 
-        parts = urlsplit(v)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError("url must be an http(s) URL with a host, e.g. http://10.0.0.7:8000")
+        parts = urlsplit(v) if v is not None else None
+        if parts is not None and (parts.scheme not in ("http", "https") or not parts.hostname):
+            raise ValueError(f"{info.field_name} must be an http(s) URL with a host, "
+                             "e.g. http://10.0.0.7:8000")
         return v
 
     @field_validator("events_endpoint", "replay_endpoint")
@@ -171,8 +186,10 @@ class WorkerRemoved(BaseModel):
 class ModelIndexStats(BaseModel):
     model: str
     blocks: int = Field(0, description="distinct blocks known for the model (G4 included)")
-    entries_per_tier: dict[str, int] = Field(default_factory=dict)
-    g4_blocks: int = 0
+    entries_per_tier: dict[str, int] = Field(default_factory=dict, description="GPU, CPU, and the G4 tiers kept "
+                                             "as index entries: G4_TIER (named shared tiers), G4_LOCAL "
+                                             "(workers' LOCAL offload storage)")
+    g4_blocks: int = Field(0, description="blocks on the model-wide G4 tier (g4.tier)")
     workers: dict[str, dict[str, int]] = Field(default_factory=dict, description="worker (a data-parallel "
                                                "worker's ranks: <name>@dp<r>) -> tier -> entries")
     redis_used_memory: int | None = Field(None, description="Redis used_memory in bytes (Redis backend)")

@@ -9,6 +9,7 @@ from router.admin import schemas
 from router.admin.common import index_stats_or_error, ingestor_statuses, kv_state, not_found
 from router.config import WorkerConfig
 from router.errors import APIError
+from indexer.events.state import local_g4_member
 from router.registry import DuplicateWorker, index_names
 
 log = logging.getLogger("kvgate.admin")
@@ -21,8 +22,12 @@ def worker_out(state, w, stats: dict, events: dict) -> schemas.WorkerOut:
     cached: dict[str, int] = {}
     for model in {w.base_model(), *w.models} - {None}:
         for name in index_names(w) if w.dp_rank is None else [w.name]:  # a server adds up its ranks
-            for tier, n in ((stats.get(model) or {}).get("workers", {}).get(name) or {}).items():
+            per_worker = (stats.get(model) or {}).get("workers", {})
+            for tier, n in (per_worker.get(name) or {}).items():
                 cached[tier] = cached.get(tier, 0) + int(n)
+            local = sum(int(n) for n in (per_worker.get(local_g4_member(name)) or {}).values())
+            if local:
+                cached["G4_LOCAL"] = cached.get("G4_LOCAL", 0) + local
     ev = events.get(w.name)
     parity = getattr(w, "parity", None)
     view = w.view()
@@ -42,6 +47,7 @@ def worker_out(state, w, stats: dict, events: dict) -> schemas.WorkerOut:
         restarts=w.restarts, last_error=w.last_error, dp_rank=w.dp_rank,
         ranks=[worker_out(state, t, stats, events) for t in w.ranks] if w.dp_rank is None else [],
         skipped_sources=list(w.skipped_sources) if w.dp_rank is None else [],
+        prefetch_url=w.prefetch_url, g4_tier=w.g4_tier,
     )
 
 

@@ -15,7 +15,9 @@ the API server is unreachable the last known workers are kept: a stale list beat
 Each worker's events endpoint comes from its pod's annotation (``kvgate.io/events-endpoint``, and
 ``kvgate.io/replay-endpoint`` for replay) when present, with ``*`` replaced by the pod IP, so one pod
 template annotation such as ``tcp://*:5557`` fits every replica. Without it the gateway asks the worker's
-``/kv_event_sources``.
+``/kv_event_sources``. Two more annotations are read the same way: ``kvgate.io/prefetch-url`` (kvgate's
+connector endpoint on the pod, e.g. ``http://*:8200``; default: ``g4.prefetch_port`` on the pod IP) and
+``kvgate.io/g4-tier`` (the shared G4 tier the pod mounts; default ``g4.tier``), see docs/g4.md.
 """
 
 from __future__ import annotations
@@ -131,7 +133,8 @@ class KubernetesDiscovery:
         self._watch: Any = None
         # Thread-only state.
         self._slices: dict[str, list[dict[str, str]]] = {}
-        self._pod_endpoints: dict[tuple[str, str], tuple[str | None, str | None]] = {}
+        # (pod, IP) -> its annotated settings: events and replay endpoints, prefetch URL, G4 tier
+        self._pod_endpoints: dict[tuple[str, str], tuple[str | None, ...]] = {}
         # Loop-only state.
         self._announced: dict[str, WorkerConfig] = {}
         self._stopping = threading.Event()
@@ -361,23 +364,26 @@ class KubernetesDiscovery:
             for ep in self._slices[slice_name]:
                 if ep["name"] in workers:
                     continue
-                events, replay = (None, None)
+                events = replay = prefetch = tier = None
                 if ep["pod"]:
                     key = (ep["pod"], ep["address"])
                     seen_pods.add(key)
-                    events, replay = self._pod_event_endpoints(key)
+                    events, replay, prefetch, tier = self._pod_annotations(key)
                 workers[ep["name"]] = WorkerConfig(
                     url=ep["url"],
                     name=ep["name"],
                     events_endpoint=events,
                     replay_endpoint=replay,
+                    prefetch_url=prefetch,
+                    g4_tier=tier,
                 )
         for key in [k for k in self._pod_endpoints if k not in seen_pods]:  # keep the cache bounded
             del self._pod_endpoints[key]
         return workers
 
-    def _pod_event_endpoints(self, key: tuple[str, str]) -> tuple[str | None, str | None]:
-        """The pod's event endpoints from its annotations, read once per (pod, IP); errors are retried."""
+    def _pod_annotations(self, key: tuple[str, str]) -> tuple[str | None, ...]:
+        """The pod's event endpoints, prefetch URL and G4 tier from its annotations, read once per (pod,
+        IP); errors are retried."""
         if key in self._pod_endpoints:
             return self._pod_endpoints[key]
         from kubernetes import client
@@ -398,14 +404,16 @@ class KubernetesDiscovery:
                 f"HTTP {status} {getattr(exc, 'reason', '')}" if status else exc,
             )
             if status in (403, 404):  # will not change by asking again for this (pod, IP)
-                self._pod_endpoints[key] = (None, None)
-            return (None, None)
+                self._pod_endpoints[key] = (None,) * 4
+            return (None,) * 4
         annotations = (self._api_client.sanitize_for_serialization(pod).get("metadata") or {}).get(
             "annotations"
         ) or {}
         found = (
             _with_address(annotations.get(self._config.events_annotation), address),
             _with_address(annotations.get(self._config.replay_annotation), address),
+            _with_address(annotations.get(self._config.prefetch_annotation), address),
+            annotations.get(self._config.g4_tier_annotation),
         )
         self._pod_endpoints[key] = found
         return found

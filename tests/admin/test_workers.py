@@ -127,6 +127,7 @@ def test_worker_bad_inputs(admin_env):
         ({"url": "http://127.0.0.1:1", "bogus": 1}, "bogus"),
         ({"url": "http://127.0.0.1:1", "name": "a/b"}, "name"),
         ({"url": "http://127.0.0.1:1", "name": ""}, "name"),
+        ({"url": "http://127.0.0.1:1", "prefetch_url": "tcp://127.0.0.1:8200"}, "prefetch_url"),
     ]
     for body, param in cases:
         r = env.http.post("/admin/workers", json=body)
@@ -136,8 +137,11 @@ def test_worker_bad_inputs(admin_env):
     # Unreachable: accepted, shown unhealthy with the reason, never routed to.
     from tests.support.procs import free_port
 
-    r = env.http.post("/admin/workers", json={"url": f"http://127.0.0.1:{free_port()}", "name": "ghost"})
+    r = env.http.post("/admin/workers", json={"url": f"http://127.0.0.1:{free_port()}", "name": "ghost",
+                                              "prefetch_url": "http://127.0.0.1:8201/", "g4_tier": "fs-b"})
     assert r.status_code == 201 and r.json()["healthy"] is False and r.json()["last_error"]
+    ghost = env.http.get("/admin/workers/ghost").json()  # its own connector endpoint and G4 tier
+    assert ghost["prefetch_url"] == "http://127.0.0.1:8201" and ghost["g4_tier"] == "fs-b"
     assert served_by(env, complete(env, prompt(4, 1))) == "w1"
     assert env.http.delete("/admin/workers/ghost").status_code == 200
     r = env.http.post("/admin/workers", content=b"{not json", headers={"content-type": "application/json"})

@@ -181,3 +181,66 @@ def test_storage_handles_are_bounded_least_recently_used_first():
     assert items(s.apply([stored([21], TOK[B:2 * B], parent=11)])) == [("store", "GPU", SEQ[1:2])]
     assert s.apply([stored([22], TOK[2 * B:3 * B], parent=12)]).items == []  # 12 was forgotten
     assert s.counters["unknown_parent"] == 1
+
+
+# -- STORAGE blocks of vLLM's offloading tiers (locality LOCAL / REMOTE, docs/g4.md) ---------------------
+
+def test_storage_scope_follows_locality_and_bad_input_is_counted():
+    s = WorkerState(block_size=B)
+    s.apply([stored([11, 12], TOK[: 2 * B])])
+    ops = s.apply([stored([11], TOK[:B], medium="STORAGE", locality="REMOTE"),
+                   stored([12], TOK[B: 2 * B], parent=11, medium="STORAGE", locality="local"),
+                   stored([11], TOK[:B], medium="STORAGE", locality="NEARBY"),
+                   stored([11], TOK[:B], medium="TAPE")])
+    assert ops.items == [("g4", None, SEQ[:1]), ("g4", "LOCAL", SEQ[1:2])]
+    assert s.counters["bad_locality"] == 1 and s.counters["skipped"] == 1
+    ops = s.apply([BlockRemoved(block_hashes=[11], medium="STORAGE", locality="SIDEWAYS"),
+                   BlockRemoved(block_hashes=[11], medium="TAPE")])
+    assert ops.items == [] and s.counters["bad_locality"] == 2 and s.counters["skipped"] == 2
+
+
+def test_storage_prefers_known_handles_which_keep_the_cache_salt():
+    """vLLM's offload events carry no extra keys: block 0 of a salted request recomputed from its tokens
+    would get the unsalted key; the handle the GPU event left has the salted one."""
+    salted = sequence_hashes(TOK[: 3 * B], B, cache_salt="s1")
+    s2 = WorkerState(block_size=B)
+    s2.apply([stored([11, 12], TOK[: 2 * B], extra_keys=[["s1"], None])])
+    ops = s2.apply([stored([11, 12], TOK[: 2 * B], medium="STORAGE", locality="REMOTE"),
+                    stored([13], TOK[2 * B: 3 * B], parent=12, medium="STORAGE", locality="REMOTE")])
+    assert ops.items == [("g4", None, salted)]
+    assert salted[:2] != SEQ[:2]
+    # the handles outlive the GPU copies: a later STORAGE event still chains from them
+    s2.apply([BlockRemoved(block_hashes=[11, 12], medium="GPU")])
+    assert s2.apply([stored([12], TOK[B: 2 * B], parent=11, medium="STORAGE", locality="REMOTE")]).items == [
+        ("g4", None, salted[1:2])]
+    # without a handle the chain is computed from the tokens (an unsalted request: the same keys)
+    s3 = WorkerState(block_size=B)
+    assert s3.apply([stored([21, 22], TOK[: 2 * B], medium="STORAGE", locality="REMOTE")]).items == [
+        ("g4", None, SEQ[:2])]
+
+
+def test_offload_tier_removals_are_refcounted_per_scope():
+    """An offload tier re-announces a shared hash once per chunk; the block leaves that tier's entry only
+    when its last announcement is removed. A STORAGE removal without a locality (not an offload tier's)
+    and kvgate's GC removal keep their old meaning."""
+    s = WorkerState(block_size=B)
+    loc = dict(medium="STORAGE", locality="LOCAL")
+    s.apply([stored([11], TOK[:B], **loc), stored([11], TOK[:B], **loc)])
+    assert s.apply([BlockRemoved(block_hashes=[11], **loc)]).items == []
+    assert s.apply([BlockRemoved(block_hashes=[11], **loc)]).items == [("g4_remove", "LOCAL", SEQ[:1])]
+    assert s.apply([BlockRemoved(block_hashes=[11], **loc)]).items == []
+    s.apply([stored([11], TOK[:B], medium="STORAGE")])
+    assert s.apply([BlockRemoved(block_hashes=[11], medium="STORAGE")]).items == []
+
+
+def test_storage_after_the_gpu_copy_went_still_chains():
+    """The fs tier behind the CPU tier may finish a store after the engine evicted the block: the parent
+    of the chunk's event is resolved from the handles that went (bounded), not counted unknown."""
+    s = WorkerState(block_size=B)
+    s.apply([stored([11, 12], TOK[: 2 * B])])
+    s.apply([BlockRemoved(block_hashes=[11], medium="GPU"), BlockRemoved(block_hashes=[12], medium="GPU")])
+    ops = s.apply([stored([13, 14], TOK[2 * B: 4 * B], parent=12, medium="STORAGE", locality="REMOTE")])
+    assert ops.items == [("g4", None, SEQ[2:4])] and s.counters["unknown_parent"] == 0
+    s.reset()  # a restarted engine: what went before is forgotten
+    s.apply([stored([15], TOK[4 * B: 5 * B], parent=12, medium="STORAGE", locality="REMOTE")])
+    assert s.counters["unknown_parent"] == 1

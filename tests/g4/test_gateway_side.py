@@ -157,10 +157,14 @@ async def test_gateway_prefetcher_orders_and_calibrates_the_cost_model(endpoint)
     from router.config import Settings, WorkerConfig
     from router.cost import CostModel
     from router.prefetch import G4Prefetcher as GatewayPrefetcher
-    from router.prefetch import NoopPrefetcher, make_prefetcher
+    from router.prefetch import make_prefetcher
     from router.registry import Worker
 
-    assert isinstance(make_prefetcher(Settings()), NoopPrefetcher)
+    bare = make_prefetcher(Settings())  # no fleet port: a worker without its own endpoint gets no order
+    nowhere = Worker(name="w0", url="http://127.0.0.1:1", config=WorkerConfig(url="http://127.0.0.1:1"))
+    assert bare.base_url(nowhere) is None and not await bare.order(nowhere, "tiny", [1])
+    assert bare.client.counters["sent"] + bare.client.counters["failed"] == 0
+    await bare.aclose()
     port = urlsplit(endpoint.url).port
     settings = Settings(g4={"prefetch_port": port, "stats_interval_s": 0.0})
     pf = make_prefetcher(settings)
@@ -182,3 +186,57 @@ async def test_gateway_prefetcher_orders_and_calibrates_the_cost_model(endpoint)
                                          config=WorkerConfig(url="http://127.0.0.1:1")), "other", [21])
     finally:
         await pf.aclose()
+
+
+async def test_two_workers_on_one_host_each_get_their_own_prefetch_order(tmp_path):
+    """Per-worker prefetch endpoints (WorkerConfig.prefetch_url; issue #13): two workers on one host, two
+    connector endpoints on different ports (real prefetch servers around real stores and stagers). Each
+    plan's order goes to its own worker's endpoint; a worker without its own URL falls back to the
+    fleet's g4.prefetch_port on its host; one with neither gets none. /admin/workers shows the URLs."""
+    import httpx
+
+    from indexer.index.memory import MemoryIndex as Index
+    from router.config import Settings, WorkerConfig
+    from router.prefetch import make_prefetcher
+    from router.registry import WorkerRegistry
+
+    eps, servers = [], []
+    for i in range(3):
+        ep = Endpoint(G4Store(tmp_path / f"w{i}", NS))
+        port = free_port()
+        servers.append(serve_in_thread(ep, "127.0.0.1", port))
+        ep.url = f"http://127.0.0.1:{port}"
+        eps.append(ep)
+        fill(ep.store, [101, 102, 103])
+    fleet_port = int(eps[2].url.rsplit(":", 1)[1])
+    settings = Settings(g4={"prefetch_port": fleet_port, "stats_interval_s": 0.0}, workers=[
+        WorkerConfig(url="http://127.0.0.1:8001", name="a", prefetch_url=eps[0].url + "/"),
+        WorkerConfig(url="http://127.0.0.1:8002", name="b", prefetch_url=eps[1].url),
+        WorkerConfig(url="http://127.0.0.1:8003", name="c")])  # the fleet's port on its host
+    async with httpx.AsyncClient() as client:
+        reg = WorkerRegistry(settings, client, Index())
+        ws = [await reg.add(cfg, probe=False) for cfg in settings.workers]
+        assert [w.prefetch_url for w in ws] == [eps[0].url, eps[1].url, eps[2].url]
+        assert ws[0].to_dict()["prefetch_url"] == eps[0].url
+        pf = make_prefetcher(settings)
+        try:
+            assert await pf.order(ws[0], "tiny", [101])
+            assert await pf.order(ws[1], "tiny", [102, 103])
+            assert wait_for(lambda: eps[0].stager.stats()["staged"] == 1)
+            assert wait_for(lambda: eps[1].stager.stats()["staged"] == 2)
+            assert eps[2].stager.stats()["staged"] == 0  # nothing went to the fleet-wide port
+            assert await pf.order(ws[2], "tiny", [101, 102, 103])
+            assert wait_for(lambda: eps[2].stager.stats()["staged"] == 3)
+            assert eps[0].stager.stats()["staged"] == 1 and eps[1].stager.stats()["staged"] == 2
+            none = Settings(workers=[WorkerConfig(url="http://127.0.0.1:8004", name="d")])
+            d = await WorkerRegistry(none, client, Index()).add(none.workers[0], probe=False)
+            bare = make_prefetcher(none)
+            assert d.prefetch_url is None and not await bare.order(d, "tiny", [101])
+            assert bare.client.counters["skipped"] + bare.client.counters["sent"] == 0  # not even tried
+            await bare.aclose()
+        finally:
+            await pf.aclose()
+            for srv in servers:
+                srv.shutdown()
+            for ep in eps:
+                ep.stager.close()

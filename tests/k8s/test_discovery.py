@@ -87,7 +87,8 @@ async def test_lists_ready_pods_by_label_with_annotated_event_endpoints(apiserve
         endpoint_slice("other-xyz", [{"ip": "10.0.9.9", "pod": "other-0"}], labels={"app": "other"})
     )
     apiserver.put_pod(
-        "vllm-0", {"kvgate.io/events-endpoint": "tcp://*:5557", "kvgate.io/replay-endpoint": "tcp://*:6557"}
+        "vllm-0", {"kvgate.io/events-endpoint": "tcp://*:5557", "kvgate.io/replay-endpoint": "tcp://*:6557",
+                   "kvgate.io/prefetch-url": "http://*:8201", "kvgate.io/g4-tier": "cephfs-b"}
     )
     rec = Recorder()
     d = make_discovery(apiserver.url, rec)
@@ -100,6 +101,8 @@ async def test_lists_ready_pods_by_label_with_annotated_event_endpoints(apiserve
                 name="vllm-0",
                 events_endpoint="tcp://10.0.0.1:5557",
                 replay_endpoint="tcp://10.0.0.1:6557",
+                prefetch_url="http://10.0.0.1:8201",
+                g4_tier="cephfs-b",
             )
         }
         assert list_requests(apiserver)[0]["labelSelector"] == "app=vllm"
