@@ -60,6 +60,9 @@ def test_owner_gone_is_410_and_owner_down_is_503(fleet, start_gateway):
     gw = start_gateway(fleet)
     gw.call(gw.state.owners.put("resp_ghost", {"worker": "ghost", "model": MODEL, "parent": None, "delta": None}))
     gw.call(gw.state.owners.put("resp_b", {"worker": "b", "model": MODEL, "parent": None, "delta": None}))
+    # b answers its health checks with 503 (setting the flag alone raced the 0.2 s health loop under load:
+    # b was healthy again by the third request, which went there and got the fake's 404)
+    fleet.states[1].mode = "unhealthy"
     gw.state.registry.get("b").healthy = False
     with httpx.Client(base_url=gw.url, timeout=30) as c:
         for r in (c.post("/v1/responses", json={"model": MODEL, "input": "x", "previous_response_id": "resp_ghost"}),
