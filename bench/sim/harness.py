@@ -5,6 +5,7 @@ Every run starts from empty caches, so runs are comparable."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -88,9 +89,17 @@ def run_target(t: Target, items, *, log_dir: Path, workers: int, num_blocks: int
         else:
             router = start_peer(t, log_dir, urls, port, desc)
         time.sleep(settle_s)  # let event subscriptions connect (ZMQ slow joiner)
+        cpu0 = {"fleet": fleet.cpu_s(), "router": router.cpu_s()}
+        load0 = os.getloadavg()[0]
         res = asyncio.run(rp.replay(items, f"http://127.0.0.1:{port}", desc["model"], name=label or t.name,
                                     time_scale=time_scale, text=t.text, worker_urls=urls, ceiling=ceiling,
                                     progress=progress))
+        # CPU seconds each process used during the replay (wall x time scale = trace seconds of delay, when
+        # the machine's cores are short), and the 1-minute load average before and after
+        cpu1 = {"fleet": fleet.cpu_s(), "router": router.cpu_s()}
+        res.extra["cpu_s"] = {k: round(cpu1[k] - cpu0[k], 1) for k in cpu0
+                              if cpu0[k] is not None and cpu1[k] is not None}
+        res.extra["loadavg"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
         res.extra.update({"router": t.kind, "policy": t.policy, "index": t.index if t.kind == "kvgate" else None,
                           "workers": workers, "num_blocks": num_blocks, "block_size": block_size,
                           "prompts_as_text": t.text, "g4": t.g4})
@@ -99,11 +108,45 @@ def run_target(t: Target, items, *, log_dir: Path, workers: int, num_blocks: int
                                                        save=log_dir / f"decisions-{t.name}.json")
         if t.kind == "kvgate" and t.g4:
             res.extra["gateway_g4"] = gateway_g4_view(f"http://127.0.0.1:{port}", desc["model"])
+        res.extra["engine"] = engine_breakdown(urls, time_scale)
         return res
     finally:
         if router is not None:
             router.stop()
         fleet.stop()
+
+
+_HIST = {"vllm:request_queue_time_seconds": "queue", "vllm:request_prefill_time_seconds": "prefill",
+         "vllm:time_to_first_token_seconds": "ttft"}
+
+
+def engine_breakdown(worker_urls, time_scale: float = 1.0) -> dict:
+    """The workers' own view of TTFT, summed over the fleet from their vLLM histograms: mean queue time
+    (arrival -> scheduled), mean prefill time (scheduled -> first token, G4 loads included) and mean TTFT
+    at the engine, in trace seconds (wall x ``time_scale``), plus mean G4 and computed tokens per request.
+    The replayer's TTFT minus the engine's is what the gateway and the loopback added."""
+    import re
+
+    import httpx
+
+    sums: dict[str, float] = {}
+    line = re.compile(r'^(vllm:[a-z_]+?)(_sum|_count|_total)\{[^}]*\}\s+([0-9.eE+-]+)$', re.M)
+    for u in worker_urls:
+        try:
+            text = httpx.get(u.rstrip("/") + "/metrics", timeout=30).text
+        except httpx.HTTPError:
+            continue
+        for name, suffix, val in line.findall(text):
+            sums[name + suffix] = sums.get(name + suffix, 0.0) + float(val)
+    out: dict = {}
+    for name, key in _HIST.items():
+        n = sums.get(name + "_count", 0.0)
+        out[f"{key}_mean_s"] = sums.get(name + "_sum", 0.0) / n * time_scale if n else None
+    n = sums.get("vllm:request_prefill_kv_computed_tokens_count", 0.0)
+    if n:
+        out["computed_tokens_mean"] = sums.get("vllm:request_prefill_kv_computed_tokens_sum", 0.0) / n
+        out["g4_tokens_mean"] = sums.get("vllm:external_prefix_cache_hits_total", 0.0) / n
+    return out
 
 
 def gateway_g4_view(base_url: str, model: str) -> dict:
