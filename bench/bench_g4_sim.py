@@ -79,7 +79,7 @@ def breakdown(sums: Sequence[dict]) -> str:
     replayer's mean TTFT minus the engines'), and the CPU seconds each process used during the replay (on a
     machine short of cores every wall-clock delay counts time-scale times in trace seconds)."""
     head = ["target", "mean TTFT s", "engine TTFT s", "engine queue s", "engine prefill s", "outside engine s",
-            "G4 tokens / request", "computed tokens / request", "CPU s gateway", "CPU s fleet", "load avg"]
+            "G4 tokens / request", "computed tokens / request", "CPU s gateway", "CPU s fleet", "CPU s replayer", "load avg"]
     rows = []
     for s in sums:
         e = s.get("engine") or {}
@@ -91,6 +91,7 @@ def breakdown(sums: Sequence[dict]) -> str:
                      rp._fmt(e.get("queue_mean_s")), rp._fmt(e.get("prefill_mean_s")), rp._fmt(out),
                      rp._fmt(e.get("g4_tokens_mean"), digits=0), rp._fmt(e.get("computed_tokens_mean"), digits=0),
                      rp._fmt(cpu.get("router"), digits=0), rp._fmt(cpu.get("fleet"), digits=0),
+                     rp._fmt(cpu.get("replayer"), digits=0),
                      f"{la[0]:.1f}-{la[1]:.1f}" if la else "-"])
     return _md(head, rows)
 

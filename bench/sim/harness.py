@@ -91,14 +91,14 @@ def run_target(t: Target, items, *, log_dir: Path, workers: int, num_blocks: int
         else:
             router = start_peer(t, log_dir, urls, port, desc)
         time.sleep(settle_s)  # let event subscriptions connect (ZMQ slow joiner)
-        cpu0 = {"fleet": fleet.cpu_s(), "router": router.cpu_s()}
+        cpu0 = {"fleet": fleet.cpu_s(), "router": router.cpu_s(), "replayer": time.process_time()}
         load0 = os.getloadavg()[0]
         res = asyncio.run(rp.replay(items, f"http://127.0.0.1:{port}", desc["model"], name=label or t.name,
                                     time_scale=time_scale, text=t.text, worker_urls=urls, ceiling=ceiling,
                                     progress=progress))
         # CPU seconds each process used during the replay (wall x time scale = trace seconds of delay, when
         # the machine's cores are short), and the 1-minute load average before and after
-        cpu1 = {"fleet": fleet.cpu_s(), "router": router.cpu_s()}
+        cpu1 = {"fleet": fleet.cpu_s(), "router": router.cpu_s(), "replayer": time.process_time()}
         res.extra["cpu_s"] = {k: round(cpu1[k] - cpu0[k], 1) for k in cpu0
                               if cpu0[k] is not None and cpu1[k] is not None}
         res.extra["loadavg"] = [round(load0, 2), round(os.getloadavg()[0], 2)]

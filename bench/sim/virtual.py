@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bench.sim.cache import PrefixCache, SharedG4Store
+from bench.sim.cache import PrefixCache, SharedG4Store, external
 from bench.sim.engine import SimEngine
 from bench.sim.timing import DEFAULT_TIMING, TimingModel
 
@@ -72,23 +72,26 @@ class Outcome:
 
 
 def _place(engines: Sequence[SimEngine], tokens: list[int]) -> int:
-    """Least work ahead of it, counting this prompt's uncached tokens on each engine (local hit, then G4)."""
+    """Least prefill time ahead of it and of its own, on the timing model: its local hit, then G4.
+    Every engine has the same chain root, so the prompt is hashed once."""
+    c0 = engines[0].cache
+    digests = c0.digests(tokens)
+    limit = min(len(digests), (len(tokens) - 1) // c0.block_size)
+    hashes = [external(d) for d in digests[:limit]]
     best, best_cost = 0, None
     for i, e in enumerate(engines):
-        c = e.cache
-        digests = c.digests(tokens)
-        hit = c.longest_hit(digests, len(tokens))
+        c, t = e.cache, e.timing
+        hit = c.longest_hit(digests, len(tokens), hashes)
         g4 = 0
         if c.g4 is not None:
-            from bench.sim.cache import external
-
-            limit = min(len(digests), (len(tokens) - 1) // c.block_size)
-            while hit + g4 < limit and external(digests[hit + g4]) in c.g4:
+            while hit + g4 < limit and hashes[hit + g4] in c.g4:
                 g4 += 1
-        own = len(tokens) - (hit + g4) * c.block_size
-        ahead = sum(len(r.tokens) - r.computed for r in e.waiting)
-        ahead += sum(len(r.tokens) - r.computed for r in e._running if not r.n_out)
-        cost = ahead + own + 0.05 * len(e.waiting)
+        cached = (hit + g4) * c.block_size
+        # model seconds of prefill ahead of it (queued and unfinished prompts), then its own
+        cost = sum(t.chunk_s(len(r.tokens) - r.computed, r.computed) + t.start_s(r.computed)
+                   for r in e.waiting)
+        cost += sum(t.chunk_s(len(r.tokens) - r.computed, r.computed) for r in e._running if not r.n_out)
+        cost += t.prefill_s(len(tokens) - cached, cached, g4 * c.block_size)
         if best_cost is None or cost < best_cost:
             best, best_cost = i, cost
     return best
@@ -108,9 +111,7 @@ async def replay_engines(items, *, workers: int, num_blocks: int, block_size: in
     t0 = loop.time()
     out: list[Outcome] = []
 
-    async def one(item, w: int):
-        e = engines[w]
-        r = e.submit([int(x) for x in item.tokens], int(item.max_tokens))
+    async def one(item, r, w: int):
         while await r.out.get() is not None:
             pass
         a = r.alloc
@@ -123,7 +124,9 @@ async def replay_engines(items, *, workers: int, num_blocks: int, block_size: in
             delay = t0 + item.at - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(item, _place(engines, [int(x) for x in item.tokens]))))
+            tokens = [int(x) for x in item.tokens]
+            w = _place(engines, tokens)  # submitted now: the next placement sees it queued
+            tasks.append(asyncio.create_task(one(item, engines[w].submit(tokens, int(item.max_tokens)), w)))
         await asyncio.gather(*tasks)
     finally:
         for e in engines:
