@@ -6,7 +6,9 @@ index) with the fleet's shared G4 store off, then on (capacity large enough to n
 ``round_robin`` with G4 on for reference. Reports hit rate (the workers' own ``cached_tokens`` over prompt
 tokens; G4 loads count as cached, as vLLM reports external hits), the slice's ceiling (an unlimited single
 cache, ``trace_ceiling``), hit rate as a share of that ceiling, TTFT p50/p90 and mean latency, and what the
-gateway saw of G4 (index G4 blocks learnt from the workers' STORAGE events; decisions that counted G4 blocks).
+gateway saw of G4 (index G4 blocks learnt from the workers' STORAGE events; decisions that counted G4 blocks),
+and where TTFT went (``breakdown``: the engines' own queue and prefill time, the time outside them, CPU seconds
+per process). ``python -m bench.sim.virtual`` runs the same engines on a virtual clock, without the gateway.
 Each target runs on a fresh fleet and gateway (empty caches) through ``bench.sim.harness.run_target``."""
 from __future__ import annotations
 
