@@ -51,8 +51,11 @@ class LookupGuard:
             self._breaker = await self._factory.get_breaker("index")
         breaker = self._breaker
         try:
-            async with breaker:
-                return await asyncio.wait_for(self.index.lookup(model, hashes, workers), self.timeout_s)
+            # asyncio.timeout, not wait_for: the lookup runs in this task, so an index that answers without
+            # suspending (the in-memory one) answers without a trip through the event loop, where the
+            # request would queue behind every ready callback (event batches, other requests' streams)
+            async with breaker, asyncio.timeout(self.timeout_s):
+                return await self.index.lookup(model, hashes, workers)
         except OpenedState:
             raise self._degraded("breaker_open", "index circuit breaker open") from None
         except TimeoutError:

@@ -10,6 +10,7 @@ cache's events go out on the engine's publisher once per step."""
 from __future__ import annotations
 
 import asyncio
+import math
 import zlib
 from bisect import bisect_left
 from collections import deque
@@ -93,6 +94,7 @@ class SimRequest:
     # The engine's clock (model seconds of steps run) when it was scheduled and at its first token.
     scheduled_clock: float = 0.0
     first_token_clock: float | None = None
+    load_done: float | None = None      # loop time its async G4 load completes
 
 
 @dataclass
@@ -120,6 +122,10 @@ class SimEngine:
         self.stream_interval = max(1, stream_interval)
         self.waiting: deque[SimRequest] = deque()
         self._running: list[SimRequest] = []   # admission order
+        # Admitted, blocks held, waiting for their async G4 load (vLLM's WAITING_FOR_REMOTE_KVS), in load
+        # order; the worker's G4 reads are served one after another, so a load starts when the previous ends.
+        self._loading: deque[SimRequest] = deque()
+        self._g4_free_at = 0.0
         self._wake: asyncio.Future | None = None
         self._task: asyncio.Task | None = None
         self.stats = EngineStats()
@@ -147,6 +153,12 @@ class SimEngine:
     @property
     def running(self) -> int:
         return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        """vllm:num_requests_waiting: the queue, plus requests waiting for their G4 blocks (vLLM keeps
+        those in its waiting queue)."""
+        return len(self.waiting) + len(self._loading)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -209,8 +221,13 @@ class SimEngine:
             self._publish()
             if not step.prefills and not step.decodes:
                 end = None
-                self._wake = loop.create_future()
-                await self._wake
+                self._wake = fut = loop.create_future()
+                timer = None
+                if self._loading:  # the next load to complete ends the idle wait
+                    timer = loop.call_at(self._loading[0].load_done, lambda: fut.done() or fut.set_result(None))
+                await fut
+                if timer is not None:
+                    timer.cancel()
                 continue
             step.model_s = t.step_s(len(step.decodes), step.compute_s)
             dt = t.wall(step.model_s)
@@ -220,6 +237,8 @@ class SimEngine:
             if not step.prefills and len(step.decodes) == len(self._running):
                 k = self.stream_interval
                 n = min(min(r.max_tokens, len(r.generated) + k) - r.n_out for r in step.decodes)
+                if self._loading and dt > 0:  # a finished load joins the next step
+                    n = max(1, min(n, math.ceil((self._loading[0].load_done - start) / dt)))
             done = await self._sleep_steps(loop, start, dt, n)
             end = start + done * dt
             self._apply(step, done, dt)
@@ -259,17 +278,31 @@ class SimEngine:
             compute += t.chunk_s(u, r.computed)
             prefills.append((r, u))
             budget -= u
+        # requests whose G4 load has completed join first, as they were admitted earlier
+        while budget > 0 and self._loading and self._loading[0].load_done <= start + 1e-9 \
+                and len(self._running) < t.max_num_seqs:
+            r = self._loading.popleft()
+            self._running.append(r)
+            u = min(len(r.tokens) - r.computed, budget)
+            compute += t.start_s(r.computed) + t.chunk_s(u, r.computed)
+            prefills.append((r, u))
+            budget -= u
         while budget > 0 and self.waiting and len(self._running) < t.max_num_seqs:
             r = self.waiting[0]
             a = self.cache.allocate(r.tokens, len(r.tokens) + r.max_tokens, r.cache_salt)
             if a is None:
                 break  # FIFO, like vLLM's waiting queue: the head waits for room
             self.waiting.popleft()
-            self._running.append(r)
             r.alloc, r.scheduled_at, r.scheduled_clock = a, start, self.clock
             g4 = a.g4_blocks * self.block_size
             r.cached_tokens = r.computed = a.hit_blocks * self.block_size + g4
             self.stats.prompt_tokens += len(r.tokens)
+            if g4 and t.g4_async_load:  # loads outside the step; joins once its blocks are in
+                begin = max(start, self._g4_free_at)
+                r.load_done = self._g4_free_at = begin + t.wall(t.g4_load_s(g4))
+                self._loading.append(r)
+                continue
+            self._running.append(r)
             u = min(len(r.tokens) - r.computed, budget)
             compute += t.start_s(r.computed, g4) + t.chunk_s(u, r.computed)
             prefills.append((r, u))
@@ -318,7 +351,12 @@ class SimEngine:
         r.out.put_nowait(chunk)
 
     def _reap(self) -> None:
-        """Free the running requests aborted since the last step."""
+        """Free the running (and loading) requests aborted since the last step."""
+        if any(r.cancelled for r in self._loading):
+            for r in self._loading:
+                if r.cancelled:
+                    self._finish(r)
+            self._loading = deque(r for r in self._loading if not r.done)
         if any(r.cancelled for r in self._running):
             for r in self._running:
                 if r.cancelled:

@@ -5,11 +5,14 @@ Every run starts from empty caches, so runs are comparable."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from bench import prediction
 from bench import replay as rp
@@ -88,9 +91,17 @@ def run_target(t: Target, items, *, log_dir: Path, workers: int, num_blocks: int
         else:
             router = start_peer(t, log_dir, urls, port, desc)
         time.sleep(settle_s)  # let event subscriptions connect (ZMQ slow joiner)
+        cpu0 = {"fleet": fleet.cpu_s(), "router": router.cpu_s(), "replayer": time.process_time()}
+        load0 = os.getloadavg()[0]
         res = asyncio.run(rp.replay(items, f"http://127.0.0.1:{port}", desc["model"], name=label or t.name,
                                     time_scale=time_scale, text=t.text, worker_urls=urls, ceiling=ceiling,
                                     progress=progress))
+        # CPU seconds each process used during the replay (wall x time scale = trace seconds of delay, when
+        # the machine's cores are short), and the 1-minute load average before and after
+        cpu1 = {"fleet": fleet.cpu_s(), "router": router.cpu_s(), "replayer": time.process_time()}
+        res.extra["cpu_s"] = {k: round(cpu1[k] - cpu0[k], 1) for k in cpu0
+                              if cpu0[k] is not None and cpu1[k] is not None}
+        res.extra["loadavg"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
         res.extra.update({"router": t.kind, "policy": t.policy, "index": t.index if t.kind == "kvgate" else None,
                           "workers": workers, "num_blocks": num_blocks, "block_size": block_size,
                           "prompts_as_text": t.text, "g4": t.g4})
@@ -99,11 +110,45 @@ def run_target(t: Target, items, *, log_dir: Path, workers: int, num_blocks: int
                                                        save=log_dir / f"decisions-{t.name}.json")
         if t.kind == "kvgate" and t.g4:
             res.extra["gateway_g4"] = gateway_g4_view(f"http://127.0.0.1:{port}", desc["model"])
+        res.extra["engine"] = engine_breakdown(urls, time_scale)
         return res
     finally:
         if router is not None:
             router.stop()
         fleet.stop()
+
+
+_HIST = {"vllm:request_queue_time_seconds": "queue", "vllm:request_prefill_time_seconds": "prefill",
+         "vllm:time_to_first_token_seconds": "ttft"}
+
+
+def engine_breakdown(worker_urls, time_scale: float = 1.0) -> dict:
+    """The workers' own view of TTFT, summed over the fleet from their vLLM histograms: mean queue time
+    (arrival -> scheduled), mean prefill time (scheduled -> first token, G4 loads included) and mean TTFT
+    at the engine, in trace seconds (wall x ``time_scale``), plus mean G4 and computed tokens per request.
+    The replayer's TTFT minus the engine's is what the gateway and the loopback added."""
+    import re
+
+    import httpx
+
+    sums: dict[str, float] = {}
+    line = re.compile(r'^(vllm:[a-z_]+?)(_sum|_count|_total)\{[^}]*\}\s+([0-9.eE+-]+)$', re.M)
+    for u in worker_urls:
+        try:
+            text = httpx.get(u.rstrip("/") + "/metrics", timeout=30).text
+        except httpx.HTTPError:
+            continue
+        for name, suffix, val in line.findall(text):
+            sums[name + suffix] = sums.get(name + suffix, 0.0) + float(val)
+    out: dict = {}
+    for name, key in _HIST.items():
+        n = sums.get(name + "_count", 0.0)
+        out[f"{key}_mean_s"] = sums.get(name + "_sum", 0.0) / n * time_scale if n else None
+    n = sums.get("vllm:request_prefill_kv_computed_tokens_count", 0.0)
+    if n:
+        out["computed_tokens_mean"] = sums.get("vllm:request_prefill_kv_computed_tokens_sum", 0.0) / n
+        out["g4_tokens_mean"] = sums.get("vllm:external_prefix_cache_hits_total", 0.0) / n
+    return out
 
 
 def gateway_g4_view(base_url: str, model: str) -> dict:
@@ -119,6 +164,18 @@ def gateway_g4_view(base_url: str, model: str) -> dict:
         g4 = [d.get("g4_blocks") or 0 for d in dec["decisions"]]
         out.update(decisions=len(g4), decisions_with_g4=sum(1 for x in g4 if x > 0),
                    decision_g4_blocks=sum(g4))
+        # what the chosen worker's prediction charged per block loaded from G4, and per block computed
+        # (at context 0, the gateway's calibrated speed), wall milliseconds: medians over the decisions
+        g4_ms, compute_ms = [], []
+        for d in dec["decisions"]:
+            c = next((c for c in d.get("candidates") or [] if c.get("worker") == d.get("chosen")), None)
+            if c and c.get("g4_blocks") and c.get("prefill_tokens_per_s"):
+                g4_ms.append(c["g4_load_ms"] / c["g4_blocks"])
+                compute_ms.append(1000.0 * (d.get("block_size") or 16) / c["prefill_tokens_per_s"])
+        out["chosen_g4_loads"] = len(g4_ms)  # decisions whose chosen worker loads blocks from G4
+        if g4_ms:
+            out["g4_ms_per_block"] = float(np.median(g4_ms))
+            out["compute_ms_per_block"] = float(np.median(compute_ms))
     except (httpx.HTTPError, ValueError, KeyError) as e:
         out["error"] = f"{type(e).__name__}: {e}"[:200]
     return out

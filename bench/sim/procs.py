@@ -41,6 +41,20 @@ class Proc:
         except OSError:
             return ""
 
+    def cpu_s(self) -> float | None:
+        """CPU seconds (user + system) the process and its children have used so far; None if gone."""
+        total = 0.0
+        for pid in [self.p.pid, *children(self.p.pid)]:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                if pid == self.p.pid:
+                    return None
+                continue
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total
+
     def stop(self, timeout: float = 10.0) -> None:
         if self.p.poll() is None:
             try:

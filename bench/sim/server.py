@@ -57,7 +57,7 @@ def render_metrics(w: WorkerInfo) -> str:
                     f"{name}_total{{{lab}}} {float(value)}", f"{name}_created{{{lab}}} {now}"])
 
     gauge("vllm:num_requests_running", e.running, "Number of requests in model execution batches.")
-    gauge("vllm:num_requests_waiting", len(e.waiting), "Number of requests waiting to be processed.")
+    gauge("vllm:num_requests_waiting", e.num_waiting, "Number of requests waiting to be processed.")
     gauge("vllm:kv_cache_usage_perc", c.usage(), "KV-cache usage. 1 means 100 percent usage.")
     counter("vllm:prefix_cache_queries", c.queries,
             "Prefix cache queries, in terms of number of queried tokens.")
@@ -304,7 +304,7 @@ def create_worker_app(w: WorkerInfo, kv_event_sources: dict | None = None) -> Fa
 
     @app.get("/load")
     async def load():
-        return {"server_load": engine.running + len(engine.waiting)}
+        return {"server_load": engine.running + engine.num_waiting}
 
     @app.get("/version")
     async def version():

@@ -46,6 +46,11 @@ class TimingModel:
     max_num_seqs: int = 64                  # continuous-batching concurrency cap
     max_num_batched_tokens: int = 8192      # per-step token budget (chunked prefill), vLLM's common default
     time_scale: float = 1.0                 # >1 runs faster than real time (divides every sleep)
+    # G4 loads as with an async-loading KV connector (vLLM's WAITING_FOR_REMOTE_KVS): the request waits for
+    # its blocks outside the step, one load at a time per worker at g4_read_bytes_per_s, and joins a step
+    # once they are in; False: the load runs inside the step that starts the prefill, stalling that step
+    # (a synchronous ``start_load_kv``).
+    g4_async_load: bool = True
 
     def prefill_s(self, uncached: int, cached: int = 0, g4_tokens: int = 0) -> float:
         """Compute time of a prefill as one piece (no step overhead): its start cost plus one chunk."""
@@ -53,11 +58,12 @@ class TimingModel:
 
     def start_s(self, cached: int = 0, g4_tokens: int = 0) -> float:
         """Paid once per request, in the step its prefill starts: the fixed overhead, reading its cached KV
-        and loading its G4 blocks."""
-        t = self.overhead_s + self.d_s_per_cached_token * max(0, cached)
-        if g4_tokens:
-            t += g4_tokens * self.kv_bytes_per_token / self.g4_read_bytes_per_s
-        return t
+        and (``g4_tokens``, a synchronous load) loading its G4 blocks."""
+        return self.overhead_s + self.d_s_per_cached_token * max(0, cached) + self.g4_load_s(g4_tokens)
+
+    def g4_load_s(self, g4_tokens: int) -> float:
+        """Reading ``g4_tokens`` tokens of KV from G4 at the worker's G4 read bandwidth."""
+        return max(0, g4_tokens) * self.kv_bytes_per_token / self.g4_read_bytes_per_s
 
     def chunk_s(self, new: int, context: int = 0) -> float:
         """``new`` prompt tokens computed after ``context`` tokens already in the KV cache."""

@@ -18,8 +18,8 @@ from bench.sim.timing import DEFAULT_TIMING
 
 
 @asynccontextmanager
-async def engine(budget: int = 8192, num_blocks: int = 20_000, scale: float = 1e4, **kw):
-    e = SimEngine(PrefixCache(num_blocks, 16), None,
+async def engine(budget: int = 8192, num_blocks: int = 20_000, scale: float = 1e4, g4=None, **kw):
+    e = SimEngine(PrefixCache(num_blocks, 16, g4=g4), None,
                   DEFAULT_TIMING.with_(time_scale=scale, max_num_batched_tokens=budget, **kw), stream_interval=4)
     e.step_log = deque()
     e.start()

@@ -1,0 +1,114 @@
+"""G4 loads in the simulated engine, as vLLM runs them with an async-loading KV connector: the request waits
+for its blocks outside the step loop (WAITING_FOR_REMOTE_KVS), so the load adds to its own TTFT only; the
+worker's G4 reads are served one after another at its bandwidth; other requests keep their steps.
+
+Checked on the engine's own clock (model seconds of steps run), on lower bounds of scaled wall time (a sleep
+never ends early), and on the virtual clock of ``bench.sim.virtual``; never on wall-time upper bounds."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from bench.replay_workloads import WorkItem
+from bench.sim import virtual
+from bench.sim.cache import PrefixCache, SharedG4Store
+from tests.sim import test_scheduler as sched
+from tests.sim.test_scheduler import drain, prompt
+
+B = 16
+SCALE = 1e3
+
+
+def on_g4(store: SharedG4Store, tokens: list[int]) -> int:
+    """Put ``tokens``' full blocks on the shared store (as another worker that computed them would);
+    returns the tokens a lookup can load (never the last one)."""
+    other = PrefixCache(len(tokens) // B + 8, B, g4=store)
+    a = other.allocate(tokens, len(tokens))
+    other.write_g4(a, tokens)
+    return (len(tokens) - 1) // B * B
+
+
+def engine(store: SharedG4Store, **timing):
+    return sched.engine(scale=SCALE, g4=store, **timing)
+
+
+async def test_a_g4_load_does_not_stall_the_requests_beside_it():
+    store = SharedG4Store()
+    big = prompt(100_000, 1)
+    g4_tokens = on_g4(store, big)
+    async with engine(store) as e:
+        loaded = e.submit(big, 1)
+        cold = e.submit(prompt(200, 2), 1)
+        await drain(loaded, cold)
+    t = e.timing
+    load_s = t.g4_load_s(g4_tokens)
+    assert loaded.cached_tokens == g4_tokens and load_s > 0.3
+    # the short cold prompt computed in its own step, without waiting for the 100K-token load
+    assert cold.first_token_clock - cold.scheduled_clock < load_s
+    assert cold.prefill_s < loaded.prefill_s
+    # the loaded request paid its load (wall x scale: a sleep never ends early), far less than recomputing
+    assert loaded.prefill_s * SCALE >= load_s
+    assert t.g4_load_s(g4_tokens) + t.prefill_s(100_000 - g4_tokens, g4_tokens) < t.prefill_s(100_000) / 10
+
+
+async def test_a_synchronous_load_stalls_its_step():
+    store = SharedG4Store()
+    big = prompt(100_000, 1)
+    g4_tokens = on_g4(store, big)
+    async with engine(store, g4_async_load=False) as e:
+        loaded = e.submit(big, 1)
+        cold = e.submit(prompt(200, 2), 1)
+        await drain(loaded, cold)
+    # batched with the load: its first token waits for the whole step
+    assert cold.first_token_clock - cold.scheduled_clock >= e.timing.g4_load_s(g4_tokens)
+
+
+async def test_g4_loads_on_one_worker_share_its_bandwidth():
+    store = SharedG4Store()
+    p1, p2 = prompt(50_000, 3), prompt(50_000, 4)
+    g1, g2 = on_g4(store, p1), on_g4(store, p2)
+    async with engine(store) as e:
+        r1, r2 = e.submit(p1, 1), e.submit(p2, 1)
+        await drain(r1, r2)
+    t = e.timing
+    # the second load starts when the first ends
+    assert r2.prefill_s * SCALE >= t.g4_load_s(g1) + t.g4_load_s(g2)
+    assert r1.first_token_clock <= r2.first_token_clock
+
+
+async def test_a_request_aborted_during_its_load_frees_its_blocks():
+    store = SharedG4Store()
+    big = prompt(100_000, 5)
+    on_g4(store, big)
+    async with engine(store, g4_read_bytes_per_s=1e6) as e:  # a very slow tier: the load outlasts the abort
+        r = e.submit(big, 1)
+        while r.alloc is None:
+            await asyncio.sleep(0.0001)
+        assert e.num_waiting == 1 and e.running == 0
+        e.abort(r)
+        nxt = e.submit(prompt(100, 6), 1)
+        await drain(nxt)
+        assert r.done and e.num_waiting == 0
+        assert e.cache.num_free == e.cache.num_blocks
+
+
+def _sessions(n: int, turns: int, first: int, per_turn: int, gap_s: float, seed: int = 3) -> list[WorkItem]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for s in range(n):
+        hist = rng.integers(0, 32000, first).astype(np.uint32)
+        for k in range(turns):
+            out.append(WorkItem(at=s * 0.7 + k * gap_s, tokens=hist.copy(), max_tokens=16, session=f"s{s}"))
+            hist = np.concatenate([hist, rng.integers(0, 32000, per_turn).astype(np.uint32)])
+    return sorted(out, key=lambda w: w.at)
+
+
+def test_g4_lowers_the_ttft_of_sessions_whose_history_was_evicted():
+    # 12 long sessions on 2 workers that hold about one history each: their next turns find their history
+    # evicted locally, and (with G4) on the shared store
+    items = _sessions(12, 3, first=20_000, per_turn=500, gap_s=30.0)
+    off = virtual.summary(virtual.run(virtual.replay_engines(items, workers=2, num_blocks=2_000, g4=False)))
+    on = virtual.summary(virtual.run(virtual.replay_engines(items, workers=2, num_blocks=2_000, g4=True)))
+    assert on["hit_rate"] > off["hit_rate"] + 0.4, (on, off)
+    assert on["ttft_mean_s"] < 0.5 * off["ttft_mean_s"], (on, off)
