@@ -72,9 +72,8 @@ def test_output_equals_the_reference_and_cached_tokens_show_the_g4_hit(srv):
     assert after["async_loads"] - before["async_loads"] == (1 if srv["mode"] == "async" else 0)
 
 
+@pytest.mark.parametrize("srv", ["async"], indirect=True)  # a synchronous load stalls the step: bench/g4_async.py
 def test_a_short_request_is_served_while_a_long_load_is_in_flight(srv):
-    if srv["mode"] != "async":
-        pytest.skip("a synchronous load stalls the engine step: what bench/g4_async.py measures")
     s = srv["server"]
     long_p = prompt(12, 64 * BLOCK + 3)  # 64 blocks: about 8 s through the read throttle
     put_on_g4_only(s, srv["g4"], long_p)
