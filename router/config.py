@@ -147,7 +147,7 @@ class TokenizerConfig(BaseModel):
     # Every Nth request that reused cached ids is re-encoded whole off the loop to check (0: never).
     prefix_verify_every: int = Field(100, ge=0)
     # New prompt text longer than twice this is encoded in stages (this many bytes, then 4x more each) only
-    # as far as some worker's, G4's or a pending send's prefix reaches; routing needs no ids past that, and
+    # as far as the index shows some worker's or G4's prefix reaching; routing needs no ids past that, and
     # the prompt's length is estimated from the part encoded (0: always encode the whole prompt).
     defer_tail_bytes: int = Field(16384, ge=0)
 

@@ -194,14 +194,15 @@ class Router:
         probed: list = []  # the last reach lookup: (hashes, result), reused when the plan ends on them
 
         async def reach(hashes: list[int]) -> int:
-            """Leading blocks of ``hashes`` that any candidate (index or pending send) or a G4 tier holds."""
+            """Leading blocks of ``hashes`` the index shows on any candidate or G4 tier. Not the pending
+            sends: a deferred prompt's record covers only the start it encoded (the worker got all of it),
+            so extending through them would encode one more stage per request and learn nothing."""
             try:
                 r = await self.index_guard.lookup(ns, hashes, names)
             except IndexUnavailable:
                 return 0
             probed[:] = [hashes, r]
-            return max([r.g4, *(pending.leading(ns, hashes, w.name, r.match(w.name).local) for w in workers),
-                        *(r.match(m).local for m in g4_names)])
+            return max([r.g4, *(r.match(n).local for n in names)])
 
         if kind != "other":
             tok_worker = min(workers, key=lambda w: w.inflight)

@@ -389,7 +389,7 @@ class Tokenizers:
         """Token ids of a request's prompt. ``kind`` is "chat" or "completion"; ``size`` the body's bytes
         (large chats are rendered on the thread pool); ``hashing`` (block size, LoRA name, cache_salt) has
         the block hashes computed with the ids, on the pool when the new text is large. ``reach``
-        (``async (block hashes) -> leading blocks some worker, G4 or a pending send holds``) lets a long
+        (``async (block hashes) -> leading blocks the index shows on some worker or G4``) lets a long
         new text be encoded only as far as a cached prefix can extend (:meth:`_encode_start`).
         Returns ``tokens=None`` for a prompt it cannot
         tokenize (the request is routed on load alone); raises a 400 for a template that refuses the
@@ -454,7 +454,7 @@ class Tokenizers:
     async def _encode_start(self, local: LocalTokenizer, lk: Lookup, add_special: bool, hashing: tuple,
                             reach, stage: int) -> Tokenized | None:
         """Encode a long new text in stages, ``stage`` bytes and then four times more each, while some
-        worker's (or G4's, or a pending send's) prefix covers every full block encoded so far. Where it
+        worker's (or G4's) indexed prefix covers every full block encoded so far. Where it
         stops, the rest of the prompt can be cached nowhere, so its ids would change no routing choice:
         the request is planned on the start's blocks and the estimated length, and nothing more is
         encoded (the next request that extends further encodes from where this one stopped). A known
