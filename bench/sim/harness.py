@@ -164,15 +164,17 @@ def gateway_g4_view(base_url: str, model: str) -> dict:
         g4 = [d.get("g4_blocks") or 0 for d in dec["decisions"]]
         out.update(decisions=len(g4), decisions_with_g4=sum(1 for x in g4 if x > 0),
                    decision_g4_blocks=sum(g4))
-        # what the chosen worker's prediction charged per block loaded from G4, and per block computed
-        # (at context 0, the gateway's calibrated speed), wall milliseconds: medians over the decisions
-        g4_ms, compute_ms = [], []
+        # what a candidate's prediction charged per block loaded from G4, and per block computed (at
+        # context 0, the gateway's calibrated speed), wall milliseconds: medians over every candidate that
+        # would load from G4 (chosen or not: whether the chosen one does depends on the run's timing)
+        g4_ms, compute_ms, chosen = [], [], 0
         for d in dec["decisions"]:
-            c = next((c for c in d.get("candidates") or [] if c.get("worker") == d.get("chosen")), None)
-            if c and c.get("g4_blocks") and c.get("prefill_tokens_per_s"):
-                g4_ms.append(c["g4_load_ms"] / c["g4_blocks"])
-                compute_ms.append(1000.0 * (d.get("block_size") or 16) / c["prefill_tokens_per_s"])
-        out["chosen_g4_loads"] = len(g4_ms)  # decisions whose chosen worker loads blocks from G4
+            for c in d.get("candidates") or []:
+                if c.get("g4_blocks") and c.get("prefill_tokens_per_s"):
+                    g4_ms.append(c["g4_load_ms"] / c["g4_blocks"])
+                    compute_ms.append(1000.0 * (d.get("block_size") or 16) / c["prefill_tokens_per_s"])
+                    chosen += c.get("worker") == d.get("chosen")
+        out["chosen_g4_loads"] = chosen  # decisions whose chosen worker loads blocks from G4
         if g4_ms:
             out["g4_ms_per_block"] = float(np.median(g4_ms))
             out["compute_ms_per_block"] = float(np.median(compute_ms))
