@@ -148,6 +148,7 @@ class EventPublisher:
         self.topic = topic.encode()
         self.dp_rank = dp_rank
         self._ctx = zmq.Context()
+        self._ctx.setsockopt(zmq.LINGER, 0)  # term() in close() never waits on unsent frames
         # XPUB sends exactly what vLLM's PUB sends; it also lets tests wait until a subscription arrived
         # (a PUB silently drops what it publishes before that: ZMQ's slow-joiner effect).
         self._pub = self._ctx.socket(zmq.XPUB)

@@ -209,6 +209,7 @@ async def test_workers_do_not_block_each_other(index):
     import zmq
 
     silent = zmq.Context()
+    silent.setsockopt(zmq.LINGER, 0)
     mute = silent.socket(zmq.ROUTER)  # accepts replay requests and never answers
     mport = free_port()
     mute.bind(f"tcp://127.0.0.1:{mport}")

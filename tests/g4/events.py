@@ -15,6 +15,7 @@ from indexer import hashing
 class EventTap:
     def __init__(self, port: int, topic: str = "kv"):
         self.ctx = zmq.Context()
+        self.ctx.setsockopt(zmq.LINGER, 0)
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self.sock.setsockopt(zmq.RCVTIMEO, 200)
