@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     results_dir = ROOT / "bench" / "results"
     if args.capacity_bound:
-        args.out = args.out or str(results_dir / "vllm_capacity_bound.json")
+        args.out = args.out or str(results_dir / ("vllm_capacity_bound_g4.json" if args.g4 else "vllm_capacity_bound.json"))
         return capacity_bound.run(args, str(tiny_model.ensure(args.size)))
     args.policies = args.policies or "kv,round_robin,least_loaded"
     args.out = args.out or str(results_dir / "vllm_policies.json")

@@ -87,14 +87,21 @@ def add_ratios(rows: list[dict]) -> None:
             }
 
 
-def goals(rows: list[dict]) -> dict:
-    """Issue #11's goals, checked on this run's rows (None where a target did not run)."""
+def goals(rows: list[dict], g4: bool = False) -> dict:
+    """Issue #11's goals, checked on this run's rows (None where a target did not run). With G4 on both
+    servers the hit rate no longer depends on placement, so there the goals are on mean TTFT alone."""
     kv = next((r for r in rows if r["target"] == "kv"), None)
     out: dict = {}
     if kv is None:
         return out
     vs = kv.get("vs_sglang")
-    if vs:
+    if g4:
+        rr = kv.get("vs_round_robin")
+        if rr:
+            out["g4_kv_mean_ttft_vs_round_robin_le_0.85x"] = rr["ttft_mean"] is not None and rr["ttft_mean"] <= 0.85
+        if vs:
+            out["g4_kv_mean_ttft_vs_sglang_le_0.8x"] = vs["ttft_mean"] is not None and vs["ttft_mean"] <= 0.8
+    elif vs:
         out["kv_hit_rate_vs_sglang_ge_plus_5_points"] = vs["hit_rate_points"] >= 5.0
         out["kv_mean_ttft_vs_sglang_le_0.8x"] = vs["ttft_mean"] is not None and vs["ttft_mean"] <= 0.8
     mine = [r for r in rows if r["target"] != PEER]
@@ -139,6 +146,8 @@ def run_target(target: str, servers, model_dir: str, clients: list[mw.Client], a
     from bench.bench_vllm_policies import MODEL, Gateway, reset_caches, scrape_prefix_cache, summarize
 
     reset_caches(servers)
+    if args.g4:
+        clear_g4(servers, args.g4_dir)
     for c in clients:  # fresh conversations (run_session rebuilds each one's messages)
         for s in c.sessions:
             s.messages = []
@@ -149,12 +158,16 @@ def run_target(target: str, servers, model_dir: str, clients: list[mw.Client], a
 
     def drive(url: str, pid: int) -> tuple[list[TurnResult], float, list, list]:
         before = [scrape_prefix_cache(s.url) for s in servers]
+        g4_before = [s.g4_stats() for s in servers] if args.g4 else []
         cpu0, t0 = tree_cpu_s(pid), time.perf_counter()
         res = asyncio.run(run_clients(url, MODEL, [c.sessions for c in clients], max_tokens=args.max_tokens,
                                       stagger_s=args.stagger))
         total = time.perf_counter() - t0
         # the router's own CPU: on a 2-core machine it is taken from the vLLM servers
         extra["router_cpu_s"] = tree_cpu_s(pid) - cpu0
+        if args.g4:  # what the connectors did during this target (counter deltas per server)
+            extra["g4_stats"] = [{k: v - b.get(k, 0) for k, v in s.g4_stats().items() if isinstance(v, int)}
+                                 for s, b in zip(servers, g4_before)]
         return res, total, before, [scrape_prefix_cache(s.url) for s in servers]
 
     if target == PEER:
@@ -210,6 +223,8 @@ def add_arguments(ap) -> None:
                      help="working set (distinct prefix blocks) / one server's KV cache")
     cap.add_argument("--num-gpu-blocks", type=int, default=0, help="override the computed blocks per server")
     cap.add_argument("--block-size", type=int, default=32)
+    cap.add_argument("--g4", action="store_true",
+                     help="both servers run kvgate's connector on one shared G4 directory (emptied before each target)")
     for f in dataclasses.fields(mw.MixSpec):
         if f.name not in CHAT_ARGS:
             cap.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default, help=HELP.get(f.name))
@@ -250,6 +265,24 @@ def warm_up(servers, model_dir: str, tokens: int, max_tokens: int) -> None:
                        json={"model": MODEL, "prompt": tm.text(tokens), "max_tokens": max_tokens}).raise_for_status()
 
 
+def clear_g4(servers, g4_dir: str) -> None:
+    """Empty the shared G4 directory between targets (its namespace files stay, the servers keep running):
+    wait for the connectors' planned saves, delete every block file, then wait out the scheduler side's
+    presence cache (a block it saw within its TTL would be offered, fail to load and be recomputed)."""
+    import inspect
+
+    from bench.redbook_runs import wait_saves
+    from cache_tier.store import PresenceCache
+
+    wait_saves(servers)
+    for ns in Path(g4_dir).iterdir():
+        if ns.is_dir():
+            for p in ns.rglob("*"):
+                if p.is_file() and p.suffix != ".json":
+                    p.unlink(missing_ok=True)
+    time.sleep(inspect.signature(PresenceCache).parameters["ttl_s"].default + 1.0)
+
+
 def run(args, model_dir: str) -> int:
     from bench.bench_vllm_policies import MODEL
     from bench.vllm_server import VllmServer, start_all
@@ -265,10 +298,11 @@ def run(args, model_dir: str) -> int:
         flush=True,
     )
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-bench-capacity-"))
+    args.g4_dir = str(workdir / "g4") if args.g4 else None
     servers = [
         VllmServer(model_dir, name=f"vllm-{i}", served_model_name=MODEL, omp_threads_bind=bind,
                    block_size=args.block_size, max_model_len=ws["max_model_len"],
-                   num_gpu_blocks=ws["num_gpu_blocks"])
+                   num_gpu_blocks=ws["num_gpu_blocks"], g4_path=args.g4_dir)
         for i, bind in enumerate(["auto", "1"])
     ]
     print(f"starting two vLLM servers ({args.size}); logs under {workdir} and "
@@ -294,7 +328,7 @@ def run(args, model_dir: str) -> int:
         for s in servers:
             s.close()
     add_ratios(rows)
-    checked = goals(rows)
+    checked = goals(rows, g4=bool(args.g4))
     print()
     print(table(rows))
     print()

@@ -106,3 +106,17 @@ def test_ratios_and_goals():
     assert not g["kv_predicted_cached_eq_delivered_ge_90pct"]
     assert g["kv_hit_rate_vs_sglang_ge_plus_5_points"]
     assert "| kvgate" not in cb.table(rows) and "| kv |" in cb.table(rows)
+
+
+def test_g4_goals_are_on_mean_ttft_against_round_robin_and_the_peer():
+    """With G4 on both servers every router reaches the same hit rate, so the G4 run's goals are TTFT
+    ratios (issue #11: kv <= 0.85x round_robin and <= 0.8x sglang-router), not the hit-rate margin."""
+    rows = [row("kv", 0.80, 0.8), row("round_robin", 0.80, 1.0), row(cb.PEER, 0.80, 1.1)]
+    cb.add_ratios(rows)
+    g = cb.goals(rows, g4=True)
+    assert "kv_hit_rate_vs_sglang_ge_plus_5_points" not in g
+    assert g["g4_kv_mean_ttft_vs_sglang_le_0.8x"] and g["g4_kv_mean_ttft_vs_round_robin_le_0.85x"]
+    rows[1]["ttft_mean_s"] = 0.9  # kv at 0.89x round_robin: not enough
+    cb.add_ratios(rows)
+    g = cb.goals(rows, g4=True)
+    assert not g["g4_kv_mean_ttft_vs_round_robin_le_0.85x"] and g["g4_kv_mean_ttft_vs_sglang_le_0.8x"]
