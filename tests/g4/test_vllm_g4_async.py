@@ -112,9 +112,9 @@ def test_a_corrupt_block_is_recomputed_with_the_reference_output(srv, bad_block)
     got = complete(s, p + QUESTION, max_tokens=12)
     after = s.g4_stats()
     assert got["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
-    assert after["corruptions"] - before["corruptions"] == 1
+    assert after["load_failures_by_reason"]["corrupt"] - before["load_failures_by_reason"]["corrupt"] == 1
     assert not os.path.exists(path), "a corrupt block file must not be served again"
     # every other block was read once; the request was not offered the bad block again (vLLM's
     # cached_tokens still counts the whole planned hit: it is recorded when the request is admitted)
     assert after["loads"] - before["loads"] == len(hs) - 1
-    assert after["missing"] == before["missing"]
+    assert after["load_failures_by_reason"]["missing"] == before["load_failures_by_reason"]["missing"]
