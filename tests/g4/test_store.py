@@ -161,6 +161,19 @@ def test_a_removed_directory_is_recreated_with_its_namespace_by_the_next_write(t
     assert again.ns == s.ns and again.contains(2)
 
 
+def test_a_store_that_cannot_be_created_opens_and_fails_each_read_and_write(tmp_path):
+    """A vLLM server whose G4 directory cannot be made at start keeps running: reads fail (recomputed),
+    writes fail (counted), nothing raises at construction."""
+    (tmp_path / "file").write_text("")
+    s = G4Store(tmp_path / "file" / "g4", ns())  # below a file: ENOTDIR, as root too
+    assert isinstance(s.init_error, NotADirectoryError)
+    with pytest.raises(BlockIOError):
+        s.read(1)
+    with pytest.raises(OSError) as e:
+        s.put(1, toks(1), None, block(1, s.ns))
+    assert save_failure_reason(e.value) == "io_error"
+
+
 def test_a_full_disk_fails_the_write_with_enospc_and_leaves_no_temp_file(tmp_path):
     """A real full filesystem: a 1 MiB tmpfs (mount needs CAP_SYS_ADMIN, as root here and in CI)."""
     import subprocess
