@@ -67,7 +67,8 @@ TMPFS_BYTES = 256 * 2**20
 def srv(request, model, tmp_path_factory):
     base = tmp_path_factory.mktemp(f"g4fs-{request.param}")
     r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={TMPFS_BYTES}", "tmpfs", str(base)], capture_output=True, text=True
+        ["mount", "-t", "tmpfs", "-o", f"size={TMPFS_BYTES}", "tmpfs", str(base)],
+        capture_output=True, text=True,
     )
     no_tmpfs = r.stderr.strip() or f"mount exited {r.returncode}" if r.returncode else None
     g4 = str(base / "g4")  # below the mount point: the whole G4 root can be removed
@@ -217,7 +218,7 @@ def test_a_store_removed_under_the_server_costs_a_recompute_and_is_recreated(srv
     assert got["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
     assert failures(before, after) == {r: (len(hs) if r == "missing" else 0) for r in LOAD_REASONS}
     assert after["kvgate_g4_loads_total"] == before["kvgate_g4_loads_total"]
-    assert wait_for(lambda: os.path.exists(ns_json)), "the G4 directory was not recreated with its namespace.json"
+    assert wait_for(lambda: os.path.exists(ns_json)), "the G4 directory was not recreated (namespace.json)"
     st = store_of(g4)
     assert wait_for(lambda: all(st.contains(h) for h in hs)), "saves did not resume after the removal"
 
