@@ -118,6 +118,11 @@ class WorkerSide:
             fsync=cfg.fsync,
             read_bytes_per_s=cfg.read_bytes_per_s,
         )
+        if self.store.init_error is not None:
+            logger.warning(
+                "kvgate G4: %s cannot be written (%s); loads go on, saves fail until it can",
+                self.store.dir, self.store.init_error,
+            )
         self.stager = Stager(self.store, cfg.staging_bytes, cfg.max_prefetch_hashes)
         self.kv: list[torch.Tensor] = []
         self.bdim = 0
