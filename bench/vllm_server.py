@@ -55,7 +55,11 @@ class VllmServer:
 
     With ``g4_path`` it runs kvgate's KV connector (``cache_tier.connector``) on that G4 directory, with
     its prefetch/stats endpoint on ``prefetch_port`` and ``g4_config`` as further
-    ``kv_connector_extra_config`` keys (e.g. ``capacity_bytes``)."""
+    ``kv_connector_extra_config`` keys (e.g. ``capacity_bytes``).
+
+    ``obey_file_permissions`` runs it, when root, without ``CAP_DAC_OVERRIDE`` and ``CAP_DAC_READ_SEARCH``
+    (``setpriv``), so file permission bits bind it as they bind any other user: a test can make its G4
+    directory unwritable with ``chmod`` (``self.obeys_file_permissions`` says whether that holds)."""
 
     def __init__(
         self,
@@ -76,6 +80,7 @@ class VllmServer:
         workdir: str | os.PathLike | None = None,
         g4_path: str | os.PathLike | None = None,
         g4_config: Mapping[str, object] | None = None,
+        obey_file_permissions: bool = False,
     ) -> None:
         self.model_dir = str(model_dir)
         self.name = name
@@ -98,6 +103,8 @@ class VllmServer:
         self.g4_path = None if g4_path is None else str(g4_path)
         self.g4_config = dict(g4_config or {})
         self.prefetch_port = free_port() if g4_path is not None else None
+        self._drop_dac = obey_file_permissions and os.geteuid() == 0 and shutil.which("setpriv") is not None
+        self.obeys_file_permissions = obey_file_permissions and (os.geteuid() != 0 or self._drop_dac)
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
@@ -171,6 +178,9 @@ class VllmServer:
                 "kv_connector_extra_config": extra,
             }
             cmd += ["--kv-transfer-config", json.dumps(transfer)]
+        if self._drop_dac:
+            caps = "-dac_override,-dac_read_search"
+            cmd = ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", "--", *cmd]
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:
@@ -235,6 +245,13 @@ class VllmServer:
         url = f"http://127.0.0.1:{self.prefetch_port}/kvgate/g4/stats"
         with urllib.request.urlopen(url, timeout=timeout_s) as r:
             return json.load(r)
+
+    def g4_metrics(self, timeout_s: float = 10.0) -> str:
+        """The connector's counters in Prometheus' text format (``GET /metrics`` on ``prefetch_port``)."""
+        if self.prefetch_port is None:
+            raise RuntimeError(f"{self.name} runs without the G4 connector")
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.prefetch_port}/metrics", timeout=timeout_s) as r:
+            return r.read().decode()
 
     def wait_ready(self, timeout_s: float | None = None) -> "VllmServer":
         """Block until /health answers 200; raise :class:`VllmStartError` with the log on failure."""

@@ -60,14 +60,16 @@ class KvgateMetadata(KVConnectorMetadata):
 
 @dataclass
 class KvgateWorkerMeta(KVConnectorWorkerMetadata):
-    """Workers -> scheduler, once per step: blocks written, saves dropped, blocks evicted by GC, and the
+    """Workers -> scheduler, once per step: blocks written, saves dropped, blocks evicted by GC, the
     requests whose G4 load failed (the scheduler stops offering G4 to them, so a recompute after a failed
-    first block does not load the same bad block again)."""
+    first block does not load the same bad block again) and the blocks that failed to load (no longer
+    offered to any request, announced as removed from G4)."""
 
     saved: list[int] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)
     evicted: list[int] = field(default_factory=list)
     failed_loads: list[str] = field(default_factory=list)
+    lost: list[int] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KvgateWorkerMeta):
@@ -76,6 +78,7 @@ class KvgateWorkerMeta(KVConnectorWorkerMetadata):
                 self.dropped + other.dropped,
                 self.evicted + other.evicted,
                 self.failed_loads + other.failed_loads,
+                self.lost + other.lost,
             )
         return self
 
@@ -237,7 +240,7 @@ class KvgateConnector(KVConnectorBase_V1):
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
-        if isinstance(meta, KvgateMetadata) and meta.saves:
+        if isinstance(meta, KvgateMetadata):  # every step: it also closes the step's failed sync loads
             self._worker.save(meta.saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

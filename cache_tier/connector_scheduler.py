@@ -207,10 +207,17 @@ class SchedulerSide:
             self.pending.pop(h, None)
         for h in wm.evicted:
             self.present.discard(h)
+        for h in wm.lost:
+            self.present.discard(h)
+        lost = set(wm.lost)
         for req_id in wm.failed_loads:
             st = self.reqs.get(req_id)
             if st is not None:
                 st.load_failed = True
+                # vLLM recomputes from the first failed block: save the recomputed blocks again
+                bad = [i for i, h in enumerate(st.hashes) if h in lost]
+                if bad:
+                    st.saved_upto = min(st.saved_upto, bad[0])
         if BlockStored is None:
             return
         for eh, ep, tk, _, _, lora, extra in stored:
@@ -226,11 +233,10 @@ class SchedulerSide:
                     extra_keys=extra,
                 )
             )
-        if wm.evicted:
+        gone = set(wm.evicted) | lost
+        if gone:
             self.events.append(
-                BlockRemoved(
-                    block_hashes=sorted(set(wm.evicted)), medium=MEDIUM_STORAGE, ownership=G4_OWNERSHIP
-                )
+                BlockRemoved(block_hashes=sorted(gone), medium=MEDIUM_STORAGE, ownership=G4_OWNERSHIP)
             )
 
     def take_events(self):

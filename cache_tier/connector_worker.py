@@ -9,6 +9,14 @@ and vLLM recomputes from it. Synchronous loads (``load_async: false``) finish in
 before the forward pass. Saves are copied out of the paged KV to host memory after the forward pass (the
 blocks may be reused next step) and written by one background thread; the writer's queue is bounded in
 blocks and bytes, and a save that does not fit is dropped before it is copied, never waited for.
+
+Bad G4 state never yields a wrong token: a block that is missing, truncated, corrupt, of another
+namespace or unreadable is reported to vLLM (which recomputes it), counted by reason, removed when the
+file is bad, and reported to the scheduler (which stops offering it and rewinds the request's saves so
+the recomputed blocks are written again). In sync mode the blocks a request computes in the step of its
+failed load attended to the unloaded block, so that step's saves of the request are dropped. A write
+that fails (full disk, unwritable or vanished directory) is a dropped save, counted by reason; the next
+writes retry, so saves resume when the store is writable again.
 """
 
 from __future__ import annotations
@@ -26,7 +34,14 @@ import torch
 from cache_tier.connector import BlockOp, ConnectorConfig, KvgateWorkerMeta, namespace_for
 from cache_tier.kv_copy import block_dim, gather_blocks, scatter_block
 from cache_tier.stager import Stager
-from cache_tier.store import BlockCorrupt, G4Store
+from cache_tier.store import (
+    LOAD_FAILURE_REASONS,
+    SAVE_FAILURE_REASONS,
+    BlockCorrupt,
+    G4Error,
+    G4Store,
+    save_failure_reason,
+)
 
 logger = logging.getLogger("kvgate.g4")
 
@@ -72,9 +87,11 @@ class WorkerSide:
         self.saved: list[int] = []
         self.dropped: list[int] = []
         self.evicted: list[int] = []
+        self.lost: list[int] = []  # hashes whose load failed: no longer offered from G4
         self.load_errors: set[int] = set()
         self.failed_loads: list[str] = []  # requests with a failed block, for the scheduler
         self.loaded_reqs: set[str] = set()  # async loads finished since the last get_finished
+        self._failed_this_step: set[str] = set()  # sync loads that failed in this step: no saves
         self.counters = {
             "loads": 0,
             "load_failures": 0,
@@ -87,9 +104,11 @@ class WorkerSide:
             "saves_written": 0,
             "saves_dropped": 0,
             "save_copy_seconds": 0.0,
-            "corruptions": 0,
-            "missing": 0,
+            "save_failures": 0,
         }
+        self.load_failure_reasons = dict.fromkeys(LOAD_FAILURE_REASONS, 0)
+        self.save_failure_reasons = dict.fromkeys(SAVE_FAILURE_REASONS, 0)
+        self._warned: dict[str, float] = {}
         self.store = G4Store(
             cfg.g4_path,
             self.ns,
@@ -99,6 +118,11 @@ class WorkerSide:
             fsync=cfg.fsync,
             read_bytes_per_s=cfg.read_bytes_per_s,
         )
+        if self.store.init_error is not None:
+            logger.warning(
+                "kvgate G4: %s cannot be written (%s); loads go on, saves fail until it can",
+                self.store.dir, self.store.init_error,
+            )
         self.stager = Stager(self.store, cfg.staging_bytes, cfg.max_prefetch_hashes)
         self.kv: list[torch.Tensor] = []
         self.bdim = 0
@@ -189,6 +213,7 @@ class WorkerSide:
             job.add(op, res)
         bad = {id(op) for op in job.failed}
         job.failed_reqs = [r for r, lst in loads.items() if any(id(op) in bad for op in lst)]
+        self._failed_this_step = set(job.failed_reqs)
         self._settle(job)
 
     def _load_in_job(self, job: _LoadJob, op: BlockOp) -> None:
@@ -218,8 +243,9 @@ class WorkerSide:
             c["load_seconds"] += time.perf_counter() - job.t0
             for op, err in job.errors:
                 c["load_failures"] += 1
-                c["corruptions" if isinstance(err, BlockCorrupt) else "missing"] += 1
+                self.load_failure_reasons[err.reason if isinstance(err, G4Error) else "error"] += 1
                 self.load_errors.add(op.block_id)
+                self.lost.append(op.hash)
             self.failed_loads.extend(job.failed_reqs)
             if job.req_id is not None:
                 c["loads_in_flight"] -= 1
@@ -245,7 +271,17 @@ class WorkerSide:
         The writer's queue is bounded by ``writer_queue_blocks`` and ``writer_queue_bytes``: room is
         reserved before the copy, and the saves that do not fit are dropped uncopied (counted, reported
         to the scheduler, retried only when a later request computes the same blocks). The engine never
-        waits for the store."""
+        waits for the store. Called every step (``saves`` may be empty): it also ends the step's record
+        of failed sync loads, whose requests' saves of this step are dropped."""
+        failed, self._failed_this_step = self._failed_this_step, set()
+        if failed:
+            unsafe = [op for r, lst in saves.items() if r in failed for op in lst]
+            if unsafe:
+                with self.lock:
+                    self.counters["saves_planned"] += len(unsafe)
+                    self.counters["saves_dropped"] += len(unsafe)
+                    self.dropped.extend(op.hash for op in unsafe)
+            saves = {r: lst for r, lst in saves.items() if r not in failed}
         ops = [op for lst in saves.values() for op in lst]
         if not ops:
             return
@@ -283,10 +319,13 @@ class WorkerSide:
                     self.saved.append(op.hash)
                     self.counters["saves_written"] += 1
             except Exception as e:  # noqa: BLE001 - a failed write is a dropped save, never fatal
-                logger.warning("kvgate G4: write of block %016x failed: %s", op.hash, e)
+                reason = save_failure_reason(e)
+                self._warn_once(reason, "kvgate G4: write of block %016x failed (%s): %s", op.hash, reason, e)
                 with self.lock:
                     self.dropped.append(op.hash)
                     self.counters["saves_dropped"] += 1
+                    self.counters["save_failures"] += 1
+                    self.save_failure_reasons[reason] += 1
             finally:
                 with self.lock:
                     self._queued_blocks -= 1
@@ -294,16 +333,23 @@ class WorkerSide:
             if self.q.empty():
                 self._maybe_write_stats(force=True)
 
+    def _warn_once(self, key: str, msg: str, *args) -> None:
+        """A warning per kind of failure per minute: a full disk fails every write."""
+        now = time.monotonic()
+        if now - self._warned.get(key, -1e9) >= 60.0:
+            self._warned[key] = now
+            logger.warning(msg, *args)
+
     def _on_evict(self, hashes: list[int]) -> None:
         with self.lock:
             self.evicted.extend(hashes)
 
     def take_worker_meta(self) -> KvgateWorkerMeta | None:
         with self.lock:
-            if not (self.saved or self.dropped or self.evicted or self.failed_loads):
+            if not (self.saved or self.dropped or self.evicted or self.failed_loads or self.lost):
                 return None
-            m = KvgateWorkerMeta(self.saved, self.dropped, self.evicted, self.failed_loads)
-            self.saved, self.dropped, self.evicted, self.failed_loads = [], [], [], []
+            m = KvgateWorkerMeta(self.saved, self.dropped, self.evicted, self.failed_loads, self.lost)
+            self.saved, self.dropped, self.evicted, self.failed_loads, self.lost = [], [], [], [], []
         self._maybe_write_stats()
         return m
 
@@ -311,6 +357,8 @@ class WorkerSide:
     def stats(self) -> dict:
         with self.lock:
             c = dict(self.counters)
+            c["load_failures_by_reason"] = dict(self.load_failure_reasons)
+            c["save_failures_by_reason"] = dict(self.save_failure_reasons)
         c["load_bytes_per_s"] = c["load_bytes"] / c["load_seconds"] if c["load_seconds"] else 0.0
         c["writer_queue"] = self.q.qsize()
         c["writer_queue_bytes"] = self._queued_bytes

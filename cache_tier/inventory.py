@@ -15,15 +15,18 @@ import asyncio
 import os
 from collections.abc import Iterator
 
-from cache_tier.store import G4Store, open_namespaces, store_for_dir
+from cache_tier.store import FORMAT_VERSION, G4Store, open_namespaces, store_for_dir
 
 
 def model_namespaces(root: str, model: str, tp_rank: int | None = 0) -> list[str]:
-    """Namespace directories of ``model`` for one TP rank (rank 0 stands for the TP group) or all (None)."""
+    """Namespace directories of ``model`` for one TP rank (rank 0 stands for the TP group) or all (None),
+    in this file format (a directory of an older format is never read by the connector)."""
     return sorted(
         d
         for d, ns in open_namespaces(root)
-        if ns.get("model") == model and (tp_rank is None or ns.get("tp_rank", 0) == tp_rank)
+        if ns.get("model") == model
+        and ns.get("format_version") == FORMAT_VERSION
+        and (tp_rank is None or ns.get("tp_rank", 0) == tp_rank)
     )
 
 

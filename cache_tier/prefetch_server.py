@@ -1,12 +1,25 @@
 """The worker's small HTTP endpoint: prefetch orders in, connector counters out.
 
 Served from a daemon thread inside vLLM's worker process (``prefetch_port`` in the connector's extra
-config), with the standard library only, so it adds nothing to vLLM's environment:
+config), with the standard library and ``prometheus_client`` (a dependency of vLLM) only, so it adds
+nothing to vLLM's environment:
 
 - ``POST /kvgate/prefetch {"model": str, "hashes": [int | "hex16", ...]}`` -> 202 ``{"accepted", ...}``;
   404 for another model, 400/413 for bad bodies;
-- ``GET /kvgate/g4/stats`` -> the connector's counters (loads, failures, staged blocks, prefetch hits,
-  store stats, measured load bandwidth);
+- ``GET /kvgate/g4/stats`` -> the connector's counters as JSON (loads, failures by reason, staged
+  blocks, prefetch hits, store stats, measured load bandwidth);
+- ``GET /metrics`` -> the same counters in Prometheus' text format, from a private registry (vLLM's own
+  metrics stay on its API port), every series labelled ``model``:
+  ``kvgate_g4_loads_total`` (blocks), ``kvgate_g4_load_failures_total{reason="missing|truncated|corrupt|
+  foreign|io_error|error"}`` (blocks vLLM recomputed), ``kvgate_g4_load_bytes_total``,
+  ``kvgate_g4_load_seconds_total``, ``kvgate_g4_async_loads_total`` (requests),
+  ``kvgate_g4_loads_in_flight``, ``kvgate_g4_prefetch_hits_total``, ``kvgate_g4_saves_planned_total``,
+  ``kvgate_g4_saves_written_total``, ``kvgate_g4_saves_dropped_total`` (every planned save not written:
+  writer queue full or write failed), ``kvgate_g4_save_failures_total{reason="disk_full|unwritable|
+  io_error|error"}``, ``kvgate_g4_save_copy_seconds_total``, ``kvgate_g4_writer_queue_blocks``,
+  ``kvgate_g4_writer_queue_bytes``, ``kvgate_g4_store_blocks``, ``kvgate_g4_store_bytes``,
+  ``kvgate_g4_store_evictions_total``, ``kvgate_g4_prefetch_orders_total``,
+  ``kvgate_g4_prefetch_staged_total``, ``kvgate_g4_staging_bytes``;
 - ``GET /health`` -> 200.
 """
 
@@ -18,6 +31,64 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 MAX_BODY = 1 << 20
+
+# (name, kind, help, path into the stats dict); a dict value is one series per key, labelled ``reason``
+_METRICS = (
+    ("loads", "counter", "G4 blocks loaded into vLLM's KV cache", ("loads",)),
+    ("load_failures", "counter", "G4 blocks that failed to load (vLLM recomputed them), by reason",
+     ("load_failures_by_reason",)),
+    ("load_bytes", "counter", "bytes loaded from G4", ("load_bytes",)),
+    ("load_seconds", "counter", "seconds spent in G4 loads (start to last block)", ("load_seconds",)),
+    ("async_loads", "counter", "requests whose G4 load ran in the background", ("async_loads",)),
+    ("loads_in_flight", "gauge", "background G4 loads not finished", ("loads_in_flight",)),
+    ("prefetch_hits", "counter", "blocks loaded from prefetch staging", ("prefetch_hits",)),
+    ("saves_planned", "counter", "blocks planned for saving to G4", ("saves_planned",)),
+    ("saves_written", "counter", "blocks written to G4", ("saves_written",)),
+    ("saves_dropped", "counter", "planned saves not written (writer queue full or write failed)",
+     ("saves_dropped",)),
+    ("save_failures", "counter", "G4 block writes that failed, by reason", ("save_failures_by_reason",)),
+    ("save_copy_seconds", "counter", "seconds copying saved blocks out of the KV cache",
+     ("save_copy_seconds",)),
+    ("writer_queue_blocks", "gauge", "blocks waiting for the G4 writer", ("writer_queue",)),
+    ("writer_queue_bytes", "gauge", "bytes reserved by the G4 writer's queue", ("writer_queue_bytes",)),
+    ("store_blocks", "gauge", "blocks in the namespace, as this worker sees it", ("store", "blocks")),
+    ("store_bytes", "gauge", "bytes in the namespace, as this worker sees it", ("store", "bytes")),
+    ("store_evictions", "counter", "blocks evicted by the store's capacity GC", ("store", "evictions")),
+    ("prefetch_orders", "counter", "prefetch orders received", ("staging", "orders")),
+    ("prefetch_staged", "counter", "blocks staged by prefetch orders", ("staging", "staged")),
+    ("staging_bytes", "gauge", "bytes held in prefetch staging", ("staging", "bytes")),
+)
+
+
+def metrics_text(stats: dict) -> tuple[bytes, str]:
+    """``stats`` (``WorkerSide.stats()``) in Prometheus' text format, and its content type."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.exposition import CONTENT_TYPE_LATEST
+    from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
+
+    model = str(stats.get("model", ""))
+
+    class _Collector:
+        def collect(self):
+            for name, kind, doc, path in _METRICS:
+                v = stats
+                for k in path:
+                    v = v.get(k) if isinstance(v, dict) else None
+                if v is None:
+                    continue
+                cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                if isinstance(v, dict):
+                    fam = cls(f"kvgate_g4_{name}", doc, labels=["model", "reason"])
+                    for reason, n in v.items():
+                        fam.add_metric([model, reason], n)
+                else:
+                    fam = cls(f"kvgate_g4_{name}", doc, labels=["model"])
+                    fam.add_metric([model], v)
+                yield fam
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(_Collector())
+    return generate_latest(reg), CONTENT_TYPE_LATEST
 
 
 def _parse_hash(h: Any) -> int:
@@ -43,10 +114,10 @@ def make_handler(worker) -> type[BaseHTTPRequestHandler]:
         def log_message(self, fmt, *args):  # quiet: vLLM's logs are busy enough
             return
 
-        def _send(self, code: int, obj: dict) -> None:
-            body = json.dumps(obj).encode()
+        def _send(self, code: int, obj: dict | bytes, ctype: str = "application/json") -> None:
+            body = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
             self.send_response(code)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -54,8 +125,11 @@ def make_handler(worker) -> type[BaseHTTPRequestHandler]:
         def do_GET(self):
             if self.path == "/health":
                 return self._send(200, {"status": "ok"})
-            if self.path.split("?")[0] == "/kvgate/g4/stats":
+            path = self.path.split("?")[0]
+            if path == "/kvgate/g4/stats":
                 return self._send(200, worker.stats())
+            if path == "/metrics":
+                return self._send(200, *metrics_text(worker.stats()))
             return self._send(404, _error("not found", 404, "not_found_error"))
 
         def do_POST(self):

@@ -9,13 +9,19 @@ A block file is a fixed header, the block's token ids (little-endian u32) and th
 KV for all layers as raw bytes in the namespace's dtype and shape. Writers write a temporary name in the
 same directory and ``os.replace`` it, so readers never see a torn file and concurrent writers of the same
 block (same bytes) are harmless. Readers read the whole file with one ``readinto`` into a reused buffer
-and verify magic, version, sizes, token ids and the payload's XXH3-64 checksum.
+and verify magic, version, the namespace digest (a block of another namespace copied here is refused,
+whatever its shape), sizes, token ids and the payload's XXH3-64 checksum.
+
+Every failure has a ``reason`` the connector counts by: a read raises :class:`BlockMissing`,
+:class:`BlockTruncated`, :class:`BlockCorrupt`, :class:`BlockForeign` or :class:`BlockIOError`; a failed
+write is an ``OSError`` that :func:`save_failure_reason` names (``disk_full``, ``unwritable``, ...).
 
 Only torch, numpy, xxhash and the standard library are imported: this module runs inside vLLM's venv.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -31,10 +37,11 @@ import torch
 import xxhash
 
 MAGIC = b"KVG4"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the header carries the namespace digest
 SUFFIX = ".kvb"
-# magic, version, flags, block_size, num_tokens, header_len, parent, payload_len, checksum, seq_hash
-_HEADER = struct.Struct("<4sHHIIIQQQQ")
+# magic, version, flags, block_size, num_tokens, header_len, parent, payload_len, checksum, seq_hash,
+# namespace digest
+_HEADER = struct.Struct("<4sHHIIIQQQQQ")
 HEADER_ALIGN = 64
 _FLAG_HAS_PARENT = 1
 _HEX = re.compile(r"^[0-9a-f]{16}$")
@@ -42,15 +49,52 @@ HASH_SCHEME = "kvgate-xxh3-1337-v1"
 
 
 class G4Error(Exception):
-    """A block could not be used (missing, corrupt, or not the block asked for)."""
+    """A block could not be used; ``reason`` names why (the connector's failure counters use it)."""
+
+    reason = "error"
 
 
 class BlockMissing(G4Error):
-    pass
+    reason = "missing"
+
+
+class BlockIOError(G4Error):
+    """The file is there but could not be read (EIO, EACCES, a path component that is not a directory)."""
+
+    reason = "io_error"
 
 
 class BlockCorrupt(G4Error):
-    pass
+    """The file is not this block's: never to be served (callers remove it)."""
+
+    reason = "corrupt"
+
+
+class BlockTruncated(BlockCorrupt):
+    reason = "truncated"
+
+
+class BlockForeign(BlockCorrupt):
+    """A block written under another namespace (another model, dtype, layout...) sits at this name."""
+
+    reason = "foreign"
+
+
+LOAD_FAILURE_REASONS = ("missing", "truncated", "corrupt", "foreign", "io_error", "error")
+SAVE_FAILURE_REASONS = ("disk_full", "unwritable", "io_error", "error")
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
+_UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+def save_failure_reason(exc: BaseException) -> str:
+    """Why a block write failed, as counted by the connector (one of ``SAVE_FAILURE_REASONS``)."""
+    if isinstance(exc, OSError):
+        if exc.errno in _DISK_FULL:
+            return "disk_full"
+        if exc.errno in _UNWRITABLE:
+            return "unwritable"
+        return "io_error"
+    return "error"
 
 
 @dataclass(frozen=True)
@@ -172,8 +216,15 @@ class G4Store:
         self._tok_len = namespace.block_size * 4
         self._hdr_len = -(-(_HEADER.size + self._tok_len) // HEADER_ALIGN) * HEADER_ALIGN
         self.file_bytes = self._hdr_len + self._payload_len
-        os.makedirs(self.dir, exist_ok=True)
-        self._write_namespace()
+        self._ns_id = int(namespace.digest, 16)
+        # A G4 directory that cannot be written (read-only mount, full disk) still serves reads: the
+        # failure is kept, and each save fails and is counted until the directory is writable again.
+        self.init_error: OSError | None = None
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+            self._write_namespace()
+        except OSError as e:
+            self.init_error = e
         if scan:
             self.rescan()
 
@@ -210,6 +261,7 @@ class G4Store:
             self._payload_len,
             checksum,
             h & 0xFFFFFFFFFFFFFFFF,
+            self._ns_id,
         )
         return head + toks.tobytes() + b"\0" * (self._hdr_len - _HEADER.size - self._tok_len)
 
@@ -245,23 +297,29 @@ class G4Store:
         t0 = time.perf_counter()
         head = self._header(h, token_ids, parent, xxhash.xxh3_64_intdigest(data))
         d = os.path.dirname(final)
-        os.makedirs(d, exist_ok=True)
+        if not os.path.isdir(d):
+            # also when the namespace directory (or the whole G4 root) was removed under a running
+            # server: recreate it with its namespace.json, which the gateway's inventory needs
+            os.makedirs(d, exist_ok=True)
+            self._write_namespace()
         tmp = f"{final}.{os.getpid()}.{threading.get_ident()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             n = os.writev(fd, [head, data])
-            if n != len(head) + data.nbytes:  # short write (rare): finish it
+            if n != len(head) + data.nbytes:  # short write (rare, or a disk filling up): finish it
                 rest = (head + bytes(data))[n:]
                 while rest:
                     rest = rest[os.write(fd, rest) :]
             if self.fsync:
                 os.fsync(fd)
-        except BaseException:
             os.close(fd)
+            fd = -1
+            os.replace(tmp, final)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
             _unlink(tmp)
             raise
-        os.close(fd)
-        os.replace(tmp, final)
         dt = time.perf_counter() - t0
         with self._lock:
             self.stats.writes += 1
@@ -297,8 +355,10 @@ class G4Store:
         except FileNotFoundError:
             with self._lock:
                 self.stats.misses += 1
-                self._lru.pop(h, None)
+                self._forget(h)
             raise BlockMissing(hash_hex(h)) from None
+        except OSError as e:
+            raise BlockIOError(f"{hash_hex(h)}: {e}") from e
         if self._pace is not None:
             self._pace.wait(n)
         try:
@@ -329,15 +389,20 @@ class G4Store:
     def _verify(
         self, h: int, view: memoryview, n: int, trailing: bool, token_ids: Sequence[int] | np.ndarray | None
     ) -> None:
-        if n < _HEADER.size or trailing:
-            raise BlockCorrupt(f"{hash_hex(h)}: file size {n}{'+' if trailing else ''}, expected {len(view)}")
-        magic, ver, _flags, bs, ntok, hlen, _parent, plen, csum, sh = _HEADER.unpack_from(view, 0)
+        # the namespace is checked before the sizes: another model's block may have other sizes
+        if n < _HEADER.size:
+            raise BlockTruncated(f"{hash_hex(h)}: {n} bytes, shorter than a header")
+        magic, ver, _flags, bs, ntok, hlen, _parent, plen, csum, sh, ns_id = _HEADER.unpack_from(view, 0)
         if magic != MAGIC or ver != FORMAT_VERSION:
             raise BlockCorrupt(f"{hash_hex(h)}: bad magic/version {magic!r}/{ver}")
+        if ns_id != self._ns_id:
+            raise BlockForeign(f"{hash_hex(h)}: written under namespace {ns_id:016x}, not {self.ns.digest}")
         if bs != self.ns.block_size or ntok != bs or hlen != self._hdr_len or plen != self._payload_len:
             raise BlockCorrupt(f"{hash_hex(h)}: header does not match the namespace")
-        if n != hlen + plen:
-            raise BlockCorrupt(f"{hash_hex(h)}: truncated ({n} of {hlen + plen} bytes)")
+        if n < hlen + plen:
+            raise BlockTruncated(f"{hash_hex(h)}: truncated ({n} of {hlen + plen} bytes)")
+        if trailing:
+            raise BlockCorrupt(f"{hash_hex(h)}: longer than {hlen + plen} bytes")
         if sh != h & 0xFFFFFFFFFFFFFFFF:
             raise BlockCorrupt(f"{hash_hex(h)}: file holds block {sh:016x}")
         if xxhash.xxh3_64_intdigest(view[hlen : hlen + plen]) != csum:
@@ -352,7 +417,7 @@ class G4Store:
         """Decoded header of one block file (for tools and tests)."""
         with open(self.path(h), "rb") as f:
             raw = f.read(self._hdr_len)
-        magic, ver, flags, bs, ntok, _hlen, parent, plen, csum, sh = _HEADER.unpack_from(raw, 0)
+        magic, ver, flags, bs, ntok, _hlen, parent, plen, csum, sh, ns_id = _HEADER.unpack_from(raw, 0)
         toks = np.frombuffer(raw, dtype="<u4", count=ntok, offset=_HEADER.size).tolist()
         return {
             "magic": magic,
@@ -363,6 +428,7 @@ class G4Store:
             "payload_len": plen,
             "checksum": csum,
             "hash": sh,
+            "namespace": f"{ns_id:016x}",
         }
 
     def get_layers(self, h: int, token_ids=None) -> list[torch.Tensor]:
@@ -379,11 +445,14 @@ class G4Store:
         for h in hashes:
             n += _unlink(self.path(h))
             with self._lock:
-                e = self._lru.pop(h, None)
-                if e is not None:
-                    self.stats.blocks -= 1
-                    self.stats.bytes -= e.size
+                self._forget(h)
         return n
+
+    def _forget(self, h: int) -> None:
+        e = self._lru.pop(h, None)
+        if e is not None:
+            self.stats.blocks -= 1
+            self.stats.bytes -= e.size
 
     # ---- LRU + GC ----------------------------------------------------------------------------------------
     # Hand-written, not cachetools: eviction runs in batches down to a low watermark and unlinks the files
@@ -496,10 +565,12 @@ def _listdir(p: str) -> list[str]:
 
 
 def _unlink(p: str) -> int:
+    """1 if ``p`` was removed; 0 if it was not there or cannot be removed (a read-only G4 directory:
+    a bad block left there is refused again by the next read, never served)."""
     try:
         os.unlink(p)
         return 1
-    except FileNotFoundError:
+    except OSError:
         return 0
 
 

@@ -54,6 +54,25 @@ def store_of(g4: str) -> G4Store:
     return store_for_dir(dirs[0], scan=False)
 
 
+def g4_metrics(srv: VllmServer) -> dict[str, float]:
+    """The connector's ``/metrics`` as ``{'name{reason="r"}' or 'name': value}`` (the ``model`` label
+    dropped), parsed with prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(srv.g4_metrics()):
+        for smp in fam.samples:
+            reason = smp.labels.get("reason")
+            out[smp.name + (f'{{reason="{reason}"}}' if reason else "")] = smp.value
+    return out
+
+
+def failures(before: dict, after: dict, side: str = "load") -> dict[str, float]:
+    """The rise of ``kvgate_g4_{side}_failures_total`` per reason between two :func:`g4_metrics`."""
+    pre = f"kvgate_g4_{side}_failures_total{{reason=\""
+    return {k[len(pre) : -2]: after[k] - before.get(k, 0) for k in after if k.startswith(pre)}
+
+
 def cached(resp: dict) -> int:
     return resp["usage"]["prompt_tokens_details"]["cached_tokens"]
 

@@ -45,6 +45,7 @@ class Endpoint:
             "load_seconds": self.load_seconds,
             "block_bytes": self.store.file_bytes,
             "staging": self.stager.stats(),
+            **getattr(self, "extra", {}),
         }
 
 
@@ -107,6 +108,35 @@ async def test_prefetch_refusals_and_unreachable_worker(endpoint):
     assert not await pf.order(None, "tiny", [1])
     assert pf.counters == {"sent": 0, "failed": 1, "skipped": 1, "hashes": 0}
     await pf.aclose()
+
+
+async def test_metrics_is_prometheus_text_with_failures_by_reason(endpoint):
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    endpoint.load_bytes = 4096
+    endpoint.extra = {
+        "load_failures_by_reason": {"missing": 2, "foreign": 1},
+        "save_failures_by_reason": {"disk_full": 3},
+        "store": {"blocks": 5, "bytes": 640},
+        "model": "tiny",
+    }
+    async with httpx.AsyncClient() as c:
+        r = await c.get(endpoint.url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    got = {
+        (s.name, s.labels.get("reason")): (s.value, s.labels["model"])
+        for fam in text_string_to_metric_families(r.text)
+        for s in fam.samples
+        if not s.name.endswith("_created")
+    }
+    assert got[("kvgate_g4_load_failures_total", "missing")] == (2, "tiny")
+    assert got[("kvgate_g4_load_failures_total", "foreign")][0] == 1
+    assert got[("kvgate_g4_save_failures_total", "disk_full")][0] == 3
+    assert got[("kvgate_g4_load_bytes_total", None)][0] == 4096
+    assert got[("kvgate_g4_store_blocks", None)][0] == 5
+    assert got[("kvgate_g4_prefetch_orders_total", None)][0] == 0  # from the stager's counters
+    assert ("kvgate_g4_loads_total", None) not in got  # absent from the stats: no series, not a zero
 
 
 async def test_bandwidth_calibrated_from_connector_counters(endpoint):

@@ -10,7 +10,18 @@ import numpy as np
 import pytest
 import torch
 
-from cache_tier.store import BlockCorrupt, BlockMissing, G4Store, Namespace, open_namespaces, store_for_dir
+from cache_tier.store import (
+    BlockCorrupt,
+    BlockForeign,
+    BlockIOError,
+    BlockMissing,
+    BlockTruncated,
+    G4Store,
+    Namespace,
+    open_namespaces,
+    save_failure_reason,
+    store_for_dir,
+)
 from indexer.hashing import sequence_hashes
 
 B = 32
@@ -87,13 +98,104 @@ def test_truncated_and_wrong_block_detected(tmp_path):
     s.put(7, toks(0), None, block(2, n))
     s.put(8, toks(1), 7, block(3, n))
     os.truncate(s.path(7), 1000)
-    with pytest.raises(BlockCorrupt):
+    with pytest.raises(BlockTruncated):
+        s.read(7)
+    os.truncate(s.path(7), 10)  # not even a header
+    with pytest.raises(BlockTruncated):
         s.read(7)
     # a file renamed onto another hash's name is caught by the hash in the header
     os.makedirs(os.path.dirname(s.path(9)), exist_ok=True)
     os.replace(s.path(8), s.path(9))
     with pytest.raises(BlockCorrupt, match="holds block"):
         s.read(9)
+
+
+def test_a_block_of_another_namespace_is_foreign_even_with_the_same_shape(tmp_path):
+    """Sequence hashes depend on token ids only: another model's block of the same shape, copied to this
+    namespace's file name, would pass every size check and the checksum; the header's namespace digest
+    refuses it."""
+    mine, other = G4Store(tmp_path, ns()), G4Store(tmp_path, ns(model="org/other"))
+    other.put(7, toks(0), None, block(2, other.ns))
+    os.makedirs(os.path.dirname(mine.path(7)), exist_ok=True)
+    os.replace(other.path(7), mine.path(7))
+    with pytest.raises(BlockForeign, match="namespace"):
+        mine.read(7, toks(0))
+    assert BlockForeign.reason == "foreign" and issubclass(BlockForeign, BlockCorrupt)
+    bigger = G4Store(tmp_path, ns(model="org/big", layer_shapes=((8, B, 128),) * 3))
+    bigger.put(8, toks(0), None, block(3, bigger.ns))
+    os.replace(bigger.path(8), mine.path(8))
+    with pytest.raises(BlockForeign):  # named for what it is, not for its other size
+        mine.read(8)
+
+
+def test_unreadable_path_is_an_io_error_and_reasons_name_each_failure(tmp_path):
+    s = G4Store(tmp_path, ns())
+    d = os.path.dirname(s.path(5))
+    os.makedirs(os.path.dirname(d), exist_ok=True)
+    open(d, "w").close()  # a file where the fan-out directory should be: ENOTDIR
+    with pytest.raises(BlockIOError):
+        s.read(5)
+    with pytest.raises(OSError) as e:
+        s.put(5, toks(0), None, block(0, s.ns))
+    assert save_failure_reason(e.value) == "io_error"
+    import errno
+
+    assert save_failure_reason(OSError(errno.ENOSPC, "full")) == "disk_full"
+    assert save_failure_reason(OSError(errno.EDQUOT, "quota")) == "disk_full"
+    for code in (errno.EACCES, errno.EROFS, errno.EPERM):
+        assert save_failure_reason(OSError(code, "no")) == "unwritable"
+    assert save_failure_reason(ValueError()) == "error"
+
+
+def test_a_removed_directory_is_recreated_with_its_namespace_by_the_next_write(tmp_path):
+    import shutil
+
+    s = G4Store(tmp_path / "g4", ns())
+    s.put(1, toks(1), None, block(1, s.ns))
+    shutil.rmtree(tmp_path / "g4")
+    with pytest.raises(BlockMissing):
+        s.read(1)
+    assert s.snapshot()["blocks"] == 0  # the miss forgot it
+    assert s.put(2, toks(2), None, block(2, s.ns))
+    again = store_for_dir(s.dir)
+    assert again.ns == s.ns and again.contains(2)
+
+
+def test_a_store_that_cannot_be_created_opens_and_fails_each_read_and_write(tmp_path):
+    """A vLLM server whose G4 directory cannot be made at start keeps running: reads fail (recomputed),
+    writes fail (counted), nothing raises at construction."""
+    (tmp_path / "file").write_text("")
+    s = G4Store(tmp_path / "file" / "g4", ns())  # below a file: ENOTDIR, as root too
+    assert isinstance(s.init_error, NotADirectoryError)
+    with pytest.raises(BlockIOError):
+        s.read(1)
+    with pytest.raises(OSError) as e:
+        s.put(1, toks(1), None, block(1, s.ns))
+    assert save_failure_reason(e.value) == "io_error"
+
+
+def test_a_full_disk_fails_the_write_with_enospc_and_leaves_no_temp_file(tmp_path):
+    """A real full filesystem: a 1 MiB tmpfs (mount needs CAP_SYS_ADMIN, as root here and in CI)."""
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here (needs CAP_SYS_ADMIN): {r.stderr.decode().strip()}")
+    try:
+        s = G4Store(mnt, ns())
+        fits = 0
+        with pytest.raises(OSError) as e:
+            for h in range(1, 100):
+                s.put(h, toks(h), None, block(h, s.ns))
+                fits += 1
+        assert save_failure_reason(e.value) == "disk_full" and fits > 0
+        assert [f for _, _, fs in os.walk(s.dir) for f in fs if f.endswith(".tmp")] == []
+        s.remove([1])  # room again: the same write now succeeds
+        assert s.put(fits + 1, toks(fits + 1), None, block(fits + 1, s.ns))
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_token_id_mismatch_detected(tmp_path):
