@@ -9,10 +9,11 @@ the fleet afterwards:
   whenever it has a short transient queue and splits the conversation's prefix over two workers.
 - ``affinity`` (``routing.cache_affinity``, 0.1): a worker holding part of the prompt counts its predicted
   TTFT up to that share lower, so near ties stay with the cache.
-- ``continuity`` (``routing.future_turns``, ``stay_margin``, ``stay_margin_ms``): leaving the
+- ``continuity`` (``routing.future_turns`` 3, ``stay_margin`` 0.3, ``stay_margin_ms``): leaving the
   conversation's holder also costs the turns still to come and a margin (hysteresis).
-- ``footprint`` (``routing.footprint_weight``): a prompt no worker holds a meaningful share of
-  (``routing.overlap_share``) goes where it evicts the least recently used cache (the most free KV).
+- ``footprint`` (``routing.footprint_weight``, 0: off, it did not pay on the simulator): a prompt no worker
+  holds a meaningful share of (``routing.overlap_share``) goes where it evicts the least recently used
+  cache (the most free KV).
 - ``load`` (``routing.load_weight``, 0): ms per request in flight beyond the least loaded.
 With the last three at 0 the order is the one of the recompute and affinity terms alone.
 """

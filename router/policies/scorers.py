@@ -51,8 +51,10 @@ class Fleet:
     """What scorers know of all candidates of one request."""
 
     least_work: float = 0.0  # the smallest prefill work (the best holder's, G4 included)
-    holder: Candidate | None = None  # the conversation's holder: the longest local prefix, if meaningful
-    low_overlap: bool = True  # no candidate holds a meaningful share of the prompt itself
+    # the conversation's holder: the longest local prefix, if it is longer than every candidate's by a
+    # meaningful share of the prompt (a system prompt all hold makes no holder)
+    holder: Candidate | None = None
+    low_overlap: bool = True  # no holder
     least_pressure: float | None = None
     least_load: float = 0.0
 
@@ -61,7 +63,9 @@ class Fleet:
         if not candidates:
             return cls()
         best = max(candidates, key=lambda c: (c.local_blocks, -c.predicted_ttft_ms))
-        meaningful = best.local_blocks > 0 and local_share(best) >= overlap_share
+        floor = min(candidates, key=lambda c: c.local_blocks)  # what every candidate holds (a system prompt)
+        meaningful = (best.local_blocks > floor.local_blocks
+                      and local_share(best) - local_share(floor) >= overlap_share)
         pressures = [p for p in map(kv_pressure, candidates) if p is not None]
         return cls(least_work=min(c.prefill_work for c in candidates), holder=best if meaningful else None,
                    low_overlap=not meaningful, least_pressure=min(pressures, default=None),

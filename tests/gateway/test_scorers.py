@@ -16,6 +16,8 @@ from router.registry import WorkerLoad
 
 REQ = RouteRequest("m", "/v1/chat/completions", {})
 TPS = 10_000.0
+ONE_TURN = RoutingConfig(future_turns=1.0, stay_margin=0.1)  # the hysteresis the figures below are worked for
+FOOTPRINT = RoutingConfig(footprint_weight=1.0)
 
 
 def cand(name, cached=0, uncached=1000, ttft=100.0, blocks=None, **kw) -> Candidate:
@@ -36,6 +38,12 @@ def test_the_holder_is_the_longest_local_prefix_when_it_is_a_meaningful_share():
     # 5% of the prompt is not meaningful: low overlap, no holder
     fleet = Fleet.of([cand("a", cached=48, uncached=952), cand("b")], overlap_share=0.1)
     assert fleet.holder is None and fleet.low_overlap
+    # a prefix every candidate holds (a system prompt) makes no holder either; a meaningful share beyond it does
+    shared = [cand(n, cached=512, uncached=488) for n in "abc"]
+    assert Fleet.of(shared, 0.1).holder is None and Fleet.of(shared, 0.1).low_overlap
+    longer = cand("d", cached=640, uncached=360)
+    assert Fleet.of(shared + [longer], 0.1).holder is longer
+    assert Fleet.of(shared + [cand("e", cached=576, uncached=424)], 0.1).holder is None  # 6.4% beyond
     # G4 blocks are every worker's: they make no holder
     g4 = cand("g", cached=800, uncached=200, blocks=0, g4_blocks=50)
     assert Fleet.of([g4, cand("b")], 0.1).holder is None
@@ -69,10 +77,13 @@ def test_a_conversation_stays_under_a_small_queue_and_leaves_under_a_large_one()
     # session 4's terms alone: idle 110 + 80 (recompute) = 190; a holder at 215 ms counts 215 x 0.92 = 198
     small_busier = cand("h", cached=800, uncached=200, ttft=215.0)
     assert first(before, idle, small_busier) == "i"
-    assert first(RoutingConfig(), idle, small_busier) == "h"  # idle + 80 (one more turn) + 21.5 (10% margin)
-    assert first(RoutingConfig(), idle, small) == "h"
-    assert first(RoutingConfig(), idle, large) == "i"
-    assert first(RoutingConfig(stay_margin_ms=1000.0), idle, large) == "h"  # a margin in ms counts too
+    assert first(ONE_TURN, idle, small_busier) == "h"  # idle + 80 (one more turn) + 21.5 (10% margin)
+    assert first(ONE_TURN, idle, small) == "h"
+    assert first(ONE_TURN, idle, large) == "i"
+    assert first(RoutingConfig(future_turns=1.0, stay_margin=0.1, stay_margin_ms=1000.0), idle, large) == "h"
+    # the defaults (3 turns, 30%) keep it under the large queue too, not under one twice as long
+    assert first(RoutingConfig(), idle, large) == "h"
+    assert first(RoutingConfig(), idle, cand("h", cached=800, uncached=200, ttft=1000.0)) == "i"
 
 
 def test_low_overlap_prompts_go_to_the_worker_with_the_most_free_kv():
@@ -82,12 +93,12 @@ def test_low_overlap_prompts_go_to_the_worker_with_the_most_free_kv():
     assert kv_pressure(full) == pytest.approx(0.1) and kv_pressure(roomy) == pytest.approx(1000 / 80_000)
     assert FootprintScorer().ms(roomy, fleet) == 0
     assert FootprintScorer().ms(full, fleet) == pytest.approx(100.0 * (0.1 - 1000 / 80_000))
-    p = create_policy(RoutingConfig(), "kv")
+    p = create_policy(FOOTPRINT, "kv")
     assert {p.order(REQ, [full, roomy])[0].worker for _ in range(4)} == {"r"}  # not in turn
-    off = create_policy(RoutingConfig(footprint_weight=0), "kv")
+    off = create_policy(RoutingConfig(), "kv")  # off by default (docs/BENCHMARKS.md)
     assert {off.order(REQ, [full, roomy])[0].worker for _ in range(4)} == {"f", "r"}
     # capacity unknown: the share in use
-    assert first(RoutingConfig(), cand("a", kv_free=0.2), cand("b", kv_free=0.7)) == "b"
+    assert first(FOOTPRINT, cand("a", kv_free=0.2), cand("b", kv_free=0.7)) == "b"
 
 
 def test_free_kv_does_not_outweigh_a_queue_longer_than_the_prompt():
@@ -95,8 +106,8 @@ def test_free_kv_does_not_outweigh_a_queue_longer_than_the_prompt():
     more loses the prompt even with all its KV free."""
     busy_roomy = cand("r", ttft=250.0, kv_free=1.0, kv_free_tokens=1e6)
     idle_full = cand("f", ttft=100.0, kv_free=0.0, kv_free_tokens=0.0)
-    assert first(RoutingConfig(), busy_roomy, idle_full) == "f"
-    assert first(RoutingConfig(), cand("r", ttft=150.0, kv_free=1.0, kv_free_tokens=1e6), idle_full) == "r"
+    assert first(FOOTPRINT, busy_roomy, idle_full) == "f"
+    assert first(FOOTPRINT, cand("r", ttft=150.0, kv_free=1.0, kv_free_tokens=1e6), idle_full) == "r"
 
 
 def test_footprint_is_off_when_a_worker_holds_a_meaningful_share():
@@ -130,7 +141,7 @@ def test_missing_or_malformed_metrics_are_neutral_and_said():
     ok = kv_room(WorkerLoad(kv_usage=0.25, updated_at=1.0, num_gpu_blocks=100), 16)
     assert ok == {"kv_free": 0.75, "kv_free_tokens": 1200.0}
     known, unknown = cand("k", kv_free=0.9, kv_free_tokens=1e5), cand("u")
-    kv_order([known, unknown], 0, scorers_of(RoutingConfig()))
+    kv_order([known, unknown], 0, scorers_of(FOOTPRINT))
     assert unknown.terms_ms["footprint"] == 0 and "footprint" in unknown.score_notes[0]
     assert known.terms_ms["footprint"] == 0 and not known.score_notes
 
@@ -141,7 +152,7 @@ def test_bad_candidate_figures_never_make_a_score_nan_or_infinite():
     endless = Candidate(worker="w", prefill_work=float("inf"), prefill_tokens_per_s=0.0, local_blocks=3,
                         cached_tokens=48, uncached_tokens=0, kv_free=0.5, kv_free_tokens=float("nan"))
     bad = [nan, inf, stalled, endless]
-    ordered = kv_order(list(bad), 0, scorers_of(RoutingConfig(load_weight=1.0)))
+    ordered = kv_order(list(bad), 0, scorers_of(RoutingConfig(load_weight=1.0, footprint_weight=1.0)))
     for c in bad:
         assert math.isfinite(c.score_ms) and all(math.isfinite(v) for v in c.terms_ms.values()), c
     # a TTFT that is not a number counts as the worst, never as 0
