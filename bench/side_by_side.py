@@ -20,11 +20,33 @@ from bench.sim.harness import Target, run_target
 from bench.sim.tokenizer import save_model_dir
 
 
-def targets(text: bool, redis: bool, include: set[str] | None, with_ids: bool = False) -> list[Target]:
+# ``--kv-before``: the kv policy without the scorers that look past the request (hysteresis, footprint)
+BEFORE = "kvgate kv (memory, no continuity or footprint)"
+ROUTING = {BEFORE: {"future_turns": 0.0, "stay_margin": 0.0, "stay_margin_ms": 0.0, "footprint_weight": 0.0}}
+
+
+def variant(spec: str) -> tuple[str, dict]:
+    """``--kv-variant future_turns=3,stay_margin=0.3``: a kvgate kv (memory) target with those routing
+    settings, named after them."""
+    routing = {}
+    for kv in filter(None, (x.strip() for x in spec.split(","))):
+        k, _, v = kv.partition("=")
+        routing[k.strip()] = float(v)
+    return f"kvgate kv (memory, {spec})", routing
+
+
+def targets(text: bool, redis: bool, include: set[str] | None, with_ids: bool = False,
+            before: bool = False, variants: list[str] = ()) -> list[Target]:
     ts = []
     if redis:
         ts.append(Target("kvgate kv (redis)", "kvgate", "kv", "redis", text))
     ts.append(Target("kvgate kv (memory)", "kvgate", "kv", "memory", text))
+    if before:  # the same run, the same fleet: the kv policy before and after its forward-looking terms
+        ts.append(Target(BEFORE, "kvgate", "kv", "memory", text))
+    for spec in variants:
+        name, routing = variant(spec)
+        ROUTING[name] = routing
+        ts.append(Target(name, "kvgate", "kv", "memory", text))
     if with_ids and text:  # the same routing without the gateway's text path, in the same run
         ts.append(Target("kvgate kv (memory, token ids)", "kvgate", "kv", "memory", False))
     ts += [
@@ -54,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="send token ids to kvgate targets (peers always get text)")
     p.add_argument("--with-token-ids", action="store_true",
                    help="also run kvgate kv (memory) with token-id prompts, beside the text targets")
+    p.add_argument("--kv-before", action="store_true",
+                   help="also run kvgate kv (memory) with the continuity and footprint terms off")
+    p.add_argument("--kv-variant", action="append", default=[], metavar="KEY=VALUE,...",
+                   help="also run kvgate kv (memory) with these routing settings (repeatable)")
     p.add_argument("--out", default="bench-results/side-by-side")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -72,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     if redis is None:
         print("redis-server not found: skipping kvgate kv (redis)", file=sys.stderr)
     include = {s.strip() for s in args.only.split(",") if s.strip()} or None
-    tlist = targets(not args.token_ids, redis is not None, include, args.with_token_ids)
+    tlist = targets(not args.token_ids, redis is not None, include, args.with_token_ids, args.kv_before,
+                    args.kv_variant)
     report = [f"Command: `python -m bench.side_by_side {' '.join(argv if argv is not None else sys.argv[1:])}`",
               f"Trace slice {args.start:.0f}-{args.start + args.duration:.0f} s ({len(items)} requests), replayed "
               f"{args.time_scale:g}x faster; {args.num_blocks} blocks x {args.block_size} tokens per worker; "
@@ -88,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                                      num_blocks=args.num_blocks, block_size=args.block_size,
                                      time_scale=args.time_scale, tokenizer_dir=tok_dir, ceiling=ceiling,
                                      redis_url=redis[1] if redis and t.index == "redis" else None,
-                                     progress=not args.no_progress)
+                                     progress=not args.no_progress, routing=ROUTING.get(t.name))
                 except Exception as e:  # noqa: BLE001 - one failed target must not lose the others
                     print(f"  {t.name} failed: {e}", file=sys.stderr)
                     report.append(f"- fleet {n}, {t.name}: could not run: {str(e).splitlines()[0]}")

@@ -121,7 +121,26 @@ class RoutingConfig(BaseModel):
     cache_affinity: float = Field(0.1, ge=0.0, lt=1.0)
     # kv policy: a worker pays this many times the prefill time of the prompt tokens it would recompute
     # that another candidate holds (router/policies/kv.py); 0 prices only this request's TTFT.
-    recompute_weight: float = Field(1.0, ge=0.0)
+    recompute_weight: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    # kv policy, hysteresis (router/policies/scorers.py): the conversation's holder (the longest local prefix,
+    # when it holds at least overlap_share of the prompt) loses the request only to a worker better by
+    # future_turns x the holder's prefix it would compute (the turns still to come) plus stay_margin x the
+    # holder's predicted TTFT plus stay_margin_ms.
+    # Defaults from the virtual-clock fleet (bench/policy_virtual.py, docs/BENCHMARKS.md): 3 and 0.3 raised
+    # the hit rate on each of three trace slices and lowered the mean TTFT; 1 and 0.1 changed little.
+    future_turns: float = Field(3.0, ge=0.0, le=100.0, allow_inf_nan=False)
+    stay_margin: float = Field(0.3, ge=0.0, le=10.0, allow_inf_nan=False)
+    stay_margin_ms: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    # kv policy: a share of the prompt below which a worker's cached prefix is not meaningful; when no
+    # worker holds that much, the prompt goes where it evicts the least recently used cache: it pays
+    # footprint_weight x its prefill time x how much more of the worker's free KV it and the queue take than
+    # on the best worker (vLLM's kv_cache_usage_perc and num_gpu_blocks). Off by default: on the virtual-clock
+    # fleet it lowered the hit rate and raised the mean TTFT (vLLM's usage counts running requests' blocks,
+    # not the reusable cache, so it mostly follows load).
+    overlap_share: float = Field(0.1, ge=0.0, le=1.0, allow_inf_nan=False)
+    footprint_weight: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    # kv policy: ms per request in flight beyond the least loaded candidate (0: the TTFT prices the queue).
+    load_weight: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     pending_max_blocks: int = 100_000
 
 

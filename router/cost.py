@@ -27,7 +27,7 @@ The model predicts; the policy (router.policies.kv) orders, adding what a choice
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from indexer.index.base import WorkerMatch
 from router.calibrate import EngineCalibration
@@ -72,6 +72,8 @@ class Candidate:
     g4_load_ms: float = 0.0
     predicted_ttft_ms: float = 0.0
     score_ms: float | None = None  # the policy's ordering key, when it has one (router.policies.kv)
+    terms_ms: dict[str, float] = field(default_factory=dict)  # score_ms by scorer (router/policies/scorers.py)
+    score_notes: list[str] = field(default_factory=list)  # inputs a scorer found missing or bad, and its fallback
     load: float = 0.0
     # The queue the scheduler model stepped through (explain shows it)
     queue_requests: float = 0.0  # ahead of this request: the gateway's own and vLLM's unknown waiting
@@ -83,6 +85,10 @@ class Candidate:
     calibration: str = "defaults"  # what the step and overhead figures come from (router/calibrate.py)
     clamped: bool = False
     evicted_blocks: int = 0  # of the local prefix, expected evicted by the queue before this is scheduled
+    # KV room from vLLM's last scrape: the share of blocks no running request holds, and those blocks in
+    # tokens (with num_gpu_blocks); None when the metrics are missing or malformed
+    kv_free: float | None = None
+    kv_free_tokens: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -164,6 +170,7 @@ class CostModel:
             queue_requests=v.queue_requests, queue_tokens=queue_tokens, decodes=decodes, steps=steps,
             step_ms=step_ms, overhead_ms=overhead_ms, calibration=cal.source, clamped=clamped,
             evicted_blocks=match.local - local,
+            **kv_room(load, block_size),
         )
 
     def observe_ttft(self, worker, ttft_s: float, predicted: Candidate) -> None:
@@ -219,6 +226,17 @@ class CostModel:
         worker.prefill_ratio = (1 - b) * ratio + b * min(ratio * 10, max(ratio / 10, observed_tps / fleet))
         worker.prefill_samples += 1
 
+
+
+def kv_room(load, block_size: int) -> dict:
+    """``kv_free`` and ``kv_free_tokens`` of a Candidate: None unless a scrape gave a usage in [0, 1]
+    (a worker never scraped reads 0, which is no evidence of free room)."""
+    u = load.kv_usage
+    if not load.updated_at or not isinstance(u, (int, float)) or not 0.0 <= u <= 1.0:  # NaN included
+        return {"kv_free": None, "kv_free_tokens": None}
+    blocks = load.num_gpu_blocks
+    tokens = (1.0 - u) * blocks * block_size if blocks and block_size > 0 else None
+    return {"kv_free": 1.0 - u, "kv_free_tokens": tokens}
 
 
 def surviving_blocks(local: int, queue_tokens: float, block_size: int, kv_usage: float,

@@ -263,9 +263,15 @@ class CandidateOut(_Open):
                                              "steps and the per-request overhead")
     g4_load_ms: float = Field(0, description="time to load the G4 blocks")
     predicted_ttft_ms: float = 0
-    score_ms: float | None = Field(None, description="the policy's ordering key, lowest first (kv: predicted "
-                                                     "TTFT plus the recompute penalty, less the cache-affinity "
-                                                     "edge); null for policies that do not score")
+    score_ms: float | None = Field(None, description="the policy's ordering key, lowest first (kv: the sum "
+                                                     "of terms_ms); null for policies that do not score")
+    terms_ms: dict[str, float] = Field(default_factory=dict, description=(
+        "kv: score_ms by scorer (router/policies/scorers.py), weights applied: ttft (predicted TTFT), "
+        "affinity (the cache edge, <= 0), recompute (prefill work beyond the best holder's), continuity "
+        "(leaving the conversation's holder: future turns and the stay margin), footprint (low-overlap "
+        "prompts: how much more recently used cache it would evict here than on the best worker), load"))
+    score_notes: list[str] = Field(default_factory=list, description="inputs a scorer found missing or "
+                                   "malformed and the neutral value it used instead")
     load: float = 0
     queue_requests: float = Field(0, description="the queue the scheduler model stepped through: requests "
                                                  "ahead (the gateway's own prefilling ones and vLLM's waiting "
@@ -283,6 +289,10 @@ class CandidateOut(_Open):
     evicted_blocks: int = Field(0, description="blocks of the local prefix expected to be evicted by the "
                                                "queue ahead before this request is scheduled (not counted "
                                                "as cached)")
+    kv_free: float | None = Field(None, description="the share of KV blocks no running request holds (1 - "
+                                  "vllm:kv_cache_usage_perc); null when the metrics are missing or malformed")
+    kv_free_tokens: float | None = Field(None, description="those blocks in tokens (with num_gpu_blocks from "
+                                         "vllm:cache_config_info); null when unknown")
 
 
 class DecisionOut(_Open):

@@ -14,14 +14,13 @@ POLICIES = ("kv", "round_robin", "least_loaded", "session")
 def create_policy(cfg: RoutingConfig, name: str | None = None) -> Policy:
     name = name or cfg.policy
     if name == "kv":
-        return KVPolicy(cfg.cache_affinity, cfg.recompute_weight)
+        return KVPolicy(cfg)
     if name == "round_robin":
         return RoundRobinPolicy()
     if name == "least_loaded":
         return LeastLoadedPolicy()
     if name == "session":
-        return SessionPolicy(cfg.session_header, cfg.sessions_kept, cfg.cache_affinity,
-                             cfg.recompute_weight)
+        return SessionPolicy(cfg.session_header, cfg.sessions_kept, cfg)
     raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
 
 

@@ -1,39 +1,47 @@
-"""Default policy: smallest predicted TTFT (router.cost), ties to the least loaded, then in turn.
+"""Default policy: the smallest sum of scorer terms (router/policies/scorers.py), ties to the least loaded,
+then in turn.
 
-The cost model prices only this request. Two terms make the order account for what the choice costs the
-fleet afterwards:
+The cost model (router.cost) prices only this request's TTFT. The other terms price what the choice costs
+the fleet afterwards:
 
-- ``routing.recompute_weight`` (default 1.0): a worker that would recompute prompt tokens another candidate
-  already holds pays for that extra prefill work, at its own prefill speed, times the weight. Leaving the prefix holder spends
-  that compute a second time and splits the conversation's prefix over two workers, so the next turns miss
-  too; a greedy per-request TTFT choice does that whenever the holder has a short transient queue. A holder
-  whose queue costs more than recomputing the prefix twice still loses the request.
-- ``routing.cache_affinity`` (default 0.1): a worker holding part of the prompt counts its predicted TTFT up
-  to that share lower, in proportion to the share it holds, so near ties stay with the cache.
+- ``recompute`` (``routing.recompute_weight``, 1.0): prefill work beyond the best holder's, compute spent a
+  second time on tokens another worker holds. A greedy per-request TTFT choice leaves the prefix holder
+  whenever it has a short transient queue and splits the conversation's prefix over two workers.
+- ``affinity`` (``routing.cache_affinity``, 0.1): a worker holding part of the prompt counts its predicted
+  TTFT up to that share lower, so near ties stay with the cache.
+- ``continuity`` (``routing.future_turns`` 3, ``stay_margin`` 0.3, ``stay_margin_ms``): leaving the
+  conversation's holder also costs the turns still to come and a margin (hysteresis).
+- ``footprint`` (``routing.footprint_weight``, 0: off, it did not pay on the simulator): a prompt no worker
+  holds a meaningful share of (``routing.overlap_share``) goes where it evicts the least recently used
+  cache (the most free KV).
+- ``load`` (``routing.load_weight``, 0): ms per request in flight beyond the least loaded.
+With the last three at 0 the order is the one of the recompute and affinity terms alone.
 """
 from __future__ import annotations
 
+from router.config import RoutingConfig
 from router.cost import Candidate
 from router.policies.base import Policy, Rotation, RouteRequest
+from router.policies.scorers import (AffinityScorer, ContinuityScorer, Fleet, FootprintScorer, LoadScorer,
+                                     RecomputeScorer, Scorer, TTFTScorer)
 
 
-def effective_ttft_ms(c: Candidate, affinity: float, recompute_weight: float = 0.0, least_work: float = 0.0) -> float:
-    """``least_work``: the smallest prefill work among the candidates (the best holder's); what this one
-    would compute beyond it is recomputation of tokens another worker holds."""
-    total = c.cached_tokens + c.uncached_tokens
-    share = c.cached_tokens / total if total else 0.0
-    redo = max(0.0, c.prefill_work - least_work)
-    penalty = recompute_weight * redo / max(1.0, c.prefill_tokens_per_s) * 1000.0
-    return c.predicted_ttft_ms * (1.0 - affinity * share) + penalty
+def scorers_of(cfg: RoutingConfig) -> list[Scorer]:
+    return [TTFTScorer(), AffinityScorer(cfg.cache_affinity), RecomputeScorer(cfg.recompute_weight),
+            ContinuityScorer(cfg.future_turns, cfg.stay_margin, cfg.stay_margin_ms),
+            FootprintScorer(cfg.footprint_weight), LoadScorer(cfg.load_weight)]
 
 
-def kv_order(candidates: list[Candidate], start: int, affinity: float = 0.0,
-             recompute_weight: float = 0.0) -> list[Candidate]:
-    """Best first; sets each candidate's ``score_ms`` (the ordering key the admin API shows)."""
+def kv_order(candidates: list[Candidate], start: int, scorers: list[Scorer],
+             overlap_share: float = 0.1) -> list[Candidate]:
+    """Best first; sets each candidate's ``terms_ms`` and their sum ``score_ms`` (explain shows both)."""
     n = len(candidates)
-    least = min((c.prefill_work for c in candidates), default=0.0)
+    fleet = Fleet.of(candidates, overlap_share)
     for c in candidates:
-        c.score_ms = round(effective_ttft_ms(c, affinity, recompute_weight, least), 3)
+        c.score_notes = []
+        c.terms_ms = {s.name: s.ms(c, fleet) for s in scorers}
+        c.score_ms = round(sum(c.terms_ms.values()), 3)
+        c.terms_ms = {k: round(v, 3) for k, v in c.terms_ms.items()}
     keyed = sorted(((c.score_ms, c.load, (i - start) % n), i) for i, c in enumerate(candidates))
     return [candidates[i] for _, i in keyed]
 
@@ -41,10 +49,10 @@ def kv_order(candidates: list[Candidate], start: int, affinity: float = 0.0,
 class KVPolicy(Policy):
     name = "kv"
 
-    def __init__(self, cache_affinity: float = 0.1, recompute_weight: float = 1.0) -> None:
+    def __init__(self, cfg: RoutingConfig | None = None) -> None:
         self._rot = Rotation()
-        self.cache_affinity = cache_affinity
-        self.recompute_weight = recompute_weight
+        self.cfg = cfg or RoutingConfig()
+        self.scorers = scorers_of(self.cfg)
 
     def order(self, req: RouteRequest, candidates: list[Candidate]) -> list[Candidate]:
-        return kv_order(candidates, self._rot.next(len(candidates)), self.cache_affinity, self.recompute_weight)
+        return kv_order(candidates, self._rot.next(len(candidates)), self.scorers, self.cfg.overlap_share)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from cachetools import LRUCache
 
+from router.config import RoutingConfig
 from router.cost import Candidate
 from router.policies.base import Policy, RouteRequest
 from router.policies.kv import KVPolicy
@@ -13,10 +14,10 @@ class SessionPolicy(Policy):
     name = "session"
 
     def __init__(self, header: str = "x-session-id", max_sessions: int = 100_000,
-                 cache_affinity: float = 0.1, recompute_weight: float = 1.0) -> None:
+                 cfg: RoutingConfig | None = None) -> None:
         self.header = header.lower()
         self.max_sessions = max_sessions
-        self._fallback = KVPolicy(cache_affinity, recompute_weight)
+        self._fallback = KVPolicy(cfg)
         self._sticky: LRUCache[str, str] = LRUCache(maxsize=max_sessions)  # session id -> worker
 
     def order(self, req: RouteRequest, candidates: list[Candidate]) -> list[Candidate]:

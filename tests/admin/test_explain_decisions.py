@@ -61,7 +61,15 @@ def test_explain_token_ids_matches_the_real_choice(admin_env):
     redo = cands["w1"]["prefill_work"] - cands["w2"]["prefill_work"]
     assert redo > 4 * BLOCK  # the recomputed blocks' work, their context included
     redo_ms = redo / cands["w1"]["prefill_tokens_per_s"] * 1000.0
-    assert cands["w1"]["score_ms"] == pytest.approx(cands["w1"]["predicted_ttft_ms"] + redo_ms, abs=1e-3)
+    terms = cands["w1"]["terms_ms"]
+    assert terms["ttft"] == pytest.approx(cands["w1"]["predicted_ttft_ms"], abs=1e-3)
+    assert terms["recompute"] == pytest.approx(redo_ms, abs=1e-3)
+    # w2 is the holder: leaving it also costs the future turns' recomputation and a share of its TTFT
+    # (hysteresis: routing.future_turns, routing.stay_margin)
+    stay = 3.0 * redo_ms + 0.3 * cands["w2"]["predicted_ttft_ms"]
+    assert terms["continuity"] == pytest.approx(stay, abs=1e-3) and terms["footprint"] == 0
+    assert cands["w1"]["score_ms"] == pytest.approx(sum(terms.values()), abs=1e-2)
+    assert cands["w2"]["terms_ms"]["continuity"] == 0 and cands["w2"]["terms_ms"]["recompute"] == 0
     assert set(ex["timings_ms"]) >= {"tokenize", "hash", "lookup", "decide"}
     # The same request, sent: the proxy makes the same choice.
     _, chosen = send(env, "/v1/completions", body)

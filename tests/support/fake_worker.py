@@ -33,6 +33,7 @@ class FakeState:
     first_token_delay_s: float = 0.0
     waiting: int = 0
     running: int = 0
+    kv_usage: float = 0.25  # vllm:kv_cache_usage_perc
     events_endpoint: str | None = None
     words: int = 8
     chat_template: str | None = None  # the worker's own template (vLLM's --chat-template), else the model's
@@ -259,7 +260,7 @@ def create_fake_worker(state: FakeState, tokenizer_dir: str | None = None) -> Fa
             f"{waiting}"
             "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
             "# TYPE vllm:kv_cache_usage_perc gauge\n"
-            f"vllm:kv_cache_usage_perc{{{lbl}}} 0.25\n"
+            f"vllm:kv_cache_usage_perc{{{lbl}}} {st.kv_usage}\n"
             "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
             "# TYPE vllm:cache_config_info gauge\n"
             f'vllm:cache_config_info{{block_size="{st.block_size}",enable_prefix_caching="True",engine="0",'

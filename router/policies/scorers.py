@@ -1,0 +1,178 @@
+"""Scorers: each prices one thing a placement costs, in milliseconds, for one candidate.
+
+The kv policy (router/policies/kv.py) sums their terms into a candidate's ``score_ms`` and keeps each term
+in ``terms_ms`` (explain shows them). The cost model prices only this request's TTFT; the other terms price
+what the choice costs afterwards, so every term but ``ttft`` is relative to the fleet's best (0 for it):
+a scorer says how much worse this candidate is than the best one on its count, never an absolute.
+
+A term whose inputs are missing or malformed is 0 (neutral) and says so in ``score_notes``; a term is never
+NaN or infinite, and is clamped to the cost model's range (router/cost.py).
+"""
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass
+
+from router.cost import MAX_TTFT_MS, Candidate
+
+
+def prompt_share(c: Candidate) -> float:
+    """The share of the prompt the candidate would not compute (local and G4 blocks)."""
+    total = c.cached_tokens + c.uncached_tokens
+    return c.cached_tokens / total if total > 0 else 0.0
+
+
+def local_share(c: Candidate) -> float:
+    """The share of the prompt the candidate holds itself (G4 blocks are every worker's)."""
+    held = c.local_blocks + c.g4_blocks
+    return prompt_share(c) * c.local_blocks / held if held > 0 else 0.0
+
+
+def work_ms(c: Candidate, work: float) -> float:
+    """``work`` (tokens at context 0) at the candidate's prefill speed, in ms."""
+    return max(0.0, work) / max(1.0, c.prefill_tokens_per_s) * 1000.0
+
+
+def kv_pressure(c: Candidate) -> float | None:
+    """How recently used the cache a placement here would evict is, from 0 (no eviction, or the oldest of
+    much free room) to 1 (the queue and this prompt take all free room): the share of the worker's free
+    KV they allocate; with no capacity known, the share in use. None: no usable metrics."""
+    if c.kv_free is None:
+        return None
+    if c.kv_free_tokens is None:
+        return 1.0 - c.kv_free
+    demand = c.queue_tokens + c.uncached_tokens
+    return 1.0 if c.kv_free_tokens <= 0 else min(1.0, demand / c.kv_free_tokens)
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """What scorers know of all candidates of one request."""
+
+    least_work: float = 0.0  # the smallest prefill work (the best holder's, G4 included)
+    # the conversation's holder: the longest local prefix, if it is longer than every candidate's by a
+    # meaningful share of the prompt (a system prompt all hold makes no holder)
+    holder: Candidate | None = None
+    low_overlap: bool = True  # no holder
+    least_pressure: float | None = None
+    least_load: float = 0.0
+
+    @classmethod
+    def of(cls, candidates: list[Candidate], overlap_share: float) -> Fleet:
+        if not candidates:
+            return cls()
+        best = max(candidates, key=lambda c: (c.local_blocks, -c.predicted_ttft_ms))
+        floor = min(candidates, key=lambda c: c.local_blocks)  # what every candidate holds (a system prompt)
+        meaningful = (best.local_blocks > floor.local_blocks
+                      and local_share(best) - local_share(floor) >= overlap_share)
+        pressures = [p for p in map(kv_pressure, candidates) if p is not None]
+        return cls(least_work=min(c.prefill_work for c in candidates), holder=best if meaningful else None,
+                   low_overlap=not meaningful, least_pressure=min(pressures, default=None),
+                   least_load=min(c.load for c in candidates))
+
+
+class Scorer(abc.ABC):
+    """One term of the ordering key: ``weight`` times :meth:`term`, in ms (lower is better)."""
+
+    name = "abstract"
+    unknown = 0.0  # the term when its inputs are NaN: neutral (relative terms), or the worst (TTFT)
+
+    def __init__(self, weight: float = 1.0) -> None:
+        self.weight = weight
+
+    @abc.abstractmethod
+    def term(self, c: Candidate, fleet: Fleet) -> float:
+        """The unweighted term, ms. May append to ``c.score_notes`` when it falls back."""
+
+    def ms(self, c: Candidate, fleet: Fleet) -> float:
+        if not self.weight:
+            return 0.0
+        v = self.weight * self.term(c, fleet)
+        if math.isnan(v):
+            c.score_notes.append(f"{self.name}: not a number, counted as {self.unknown:g} ms")
+            return self.unknown
+        if abs(v) > MAX_TTFT_MS:
+            c.score_notes.append(f"{self.name}: {v:.0f} ms clamped")
+            return math.copysign(MAX_TTFT_MS, v)
+        return v
+
+
+class TTFTScorer(Scorer):
+    """This request's predicted TTFT (router/cost.py): queue, prefill of what is not cached, G4 load."""
+
+    name = "ttft"
+    unknown = MAX_TTFT_MS
+
+    def term(self, c: Candidate, fleet: Fleet) -> float:
+        return c.predicted_ttft_ms
+
+
+class AffinityScorer(Scorer):
+    """The prefix edge: the predicted TTFT counts up to ``weight`` lower in proportion to the share of the
+    prompt cached, so near ties stay with the cache (weight: ``routing.cache_affinity``)."""
+
+    name = "affinity"
+
+    def term(self, c: Candidate, fleet: Fleet) -> float:
+        return -prompt_share(c) * c.predicted_ttft_ms
+
+
+class RecomputeScorer(Scorer):
+    """Prefill work beyond the best holder's: compute spent again on tokens another worker holds
+    (weight: ``routing.recompute_weight``)."""
+
+    name = "recompute"
+
+    def term(self, c: Candidate, fleet: Fleet) -> float:
+        return work_ms(c, c.prefill_work - fleet.least_work)
+
+
+class ContinuityScorer(Scorer):
+    """Hysteresis: leaving the conversation's holder costs its expected future turns (the holder's prefix
+    this worker would compute, once more per turn: ``routing.future_turns``) plus a margin (a share of the
+    holder's predicted TTFT, ``routing.stay_margin``, and ``routing.stay_margin_ms``), so a transient
+    queue on the holder does not split the conversation over two workers."""
+
+    name = "continuity"
+
+    def __init__(self, future_turns: float, margin: float, margin_ms: float) -> None:
+        super().__init__(1.0)
+        self.future_turns, self.margin, self.margin_ms = future_turns, margin, margin_ms
+
+    def term(self, c: Candidate, fleet: Fleet) -> float:
+        h = fleet.holder
+        if h is None or c.local_blocks >= h.local_blocks:
+            return 0.0
+        split = self.future_turns * work_ms(c, c.prefill_work - h.prefill_work)
+        return split + self.margin * h.predicted_ttft_ms + self.margin_ms
+
+
+class FootprintScorer(Scorer):
+    """Low-overlap placement: when no worker holds a meaningful share, the prompt goes where its blocks
+    displace the least reusable cache. This prompt's compute (what evicted blocks cost to recompute) times
+    how much more recently used the blocks it would evict here are than on the best worker
+    (:func:`kv_pressure`). Bounded by ``weight`` x this prompt's own prefill time, so a queue longer than
+    that still outweighs free KV (weight: ``routing.footprint_weight``)."""
+
+    name = "footprint"
+
+    def term(self, c: Candidate, fleet: Fleet) -> float:
+        if not fleet.low_overlap:
+            return 0.0
+        p = kv_pressure(c)
+        if p is None or fleet.least_pressure is None:
+            if fleet.least_pressure is not None:
+                c.score_notes.append("footprint: no usable kv_usage from vLLM's metrics, neutral (0)")
+            return 0.0
+        return work_ms(c, c.prefill_work) * (p - fleet.least_pressure)
+
+
+class LoadScorer(Scorer):
+    """Requests in flight beyond the least loaded candidate, ``weight`` ms each (``routing.load_weight``;
+    0 by default: the TTFT term prices the queue already). For fleets that also want decode-time balance."""
+
+    name = "load"
+
+    def term(self, c: Candidate, fleet: Fleet) -> float:
+        return c.load - fleet.least_load
