@@ -98,6 +98,10 @@ class GatewayMetrics:
         self.prediction_clamped = Counter("kvgate_ttft_prediction_clamped",
                                           "Routed requests whose predicted TTFT was clamped (bad or missing "
                                           "worker figures)", ["worker"], registry=r)
+        self.scoring_fallbacks = Counter("kvgate_scoring_fallbacks",
+                                         "Routing decisions in which a scorer found this worker's figures missing "
+                                         "or malformed and counted a neutral term (explain: score_notes)",
+                                         ["worker"], registry=r)
         self.inflight = Gauge("kvgate_inflight_requests", "Requests in flight per worker", ["worker"], registry=r)
         self.retries = Counter("kvgate_retries", "Requests retried on another worker before the first byte",
                                ["model", "reason"], registry=r)

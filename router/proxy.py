@@ -296,6 +296,9 @@ class Forwarder:
         last_status = 503
         attempts = 0
         for cand in d.candidates:
+            if cand.score_notes:  # a scorer fell back to a neutral term on this worker's figures
+                st.metrics.child(st.metrics.scoring_fallbacks, cand.worker).inc()
+        for cand in d.candidates:
             if attempts >= max(1, st.routing.max_attempts):
                 break
             w = reg.target(cand.worker)  # a server, or one data-parallel rank of one

@@ -73,3 +73,22 @@ async def test_unrelated_prompts_go_to_the_worker_with_more_free_kv(fleet, start
     assert full.predicted_ttft_ms < roomy.predicted_ttft_ms
     assert full.kv_free == pytest.approx(0.1) and roomy.kv_free == pytest.approx(0.8)
     assert (full.terms_ms["footprint"] > 0) == (footprint_weight > 0) and roomy.terms_ms["footprint"] == 0
+
+
+async def test_a_worker_with_malformed_kv_usage_is_scored_neutral_noted_and_counted(fleet, start_gateway):
+    """A usage outside [0, 1] (a broken exporter) must not steer the footprint term: the request is
+    routed, the candidate says why its term is neutral, and /metrics counts the fallback per worker."""
+    fleet.add("bad", kv_usage=1.7)
+    fleet.add("ok", kv_usage=0.2)
+    gw = start_gateway(fleet, routing={"pending_ttl_s": 0, "parity_check": False, "footprint_weight": 1.0})
+    await until(lambda: scraped(gw, "bad", kv_usage=1.7) and scraped(gw, "ok", kv_usage=0.2))
+    for seed in (4, 5):
+        await send(gw, ids(seed, 64), f"bad-{seed}")
+    d = gw.state.decisions.get("bad-4")
+    bad, ok = d.candidate("bad"), d.candidate("ok")
+    assert bad.kv_free is None and bad.terms_ms["footprint"] == 0 and bad.score_notes
+    assert ok.kv_free == pytest.approx(0.8) and not ok.score_notes
+    async with httpx.AsyncClient(timeout=10) as c:
+        m = (await c.get(gw.url + "/metrics")).text
+    assert 'kvgate_scoring_fallbacks_total{worker="bad"} 2.0' in m
+    assert 'kvgate_scoring_fallbacks_total{worker="ok"}' not in m
