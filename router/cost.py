@@ -30,6 +30,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from indexer.index.base import WorkerMatch
+from router import eviction
 from router.calibrate import EngineCalibration
 from router.config import RoutingConfig
 
@@ -85,6 +86,7 @@ class Candidate:
     calibration: str = "defaults"  # what the step and overhead figures come from (router/calibrate.py)
     clamped: bool = False
     evicted_blocks: int = 0  # of the local prefix, expected evicted by the queue before this is scheduled
+    eviction_pressure: float = 0.0  # the queue's demand / free blocks, unscaled (router/eviction.py; -1: none free)
     # KV room from vLLM's last scrape: the share of blocks no running request holds, and those blocks in
     # tokens (with num_gpu_blocks); None when the metrics are missing or malformed
     kv_free: float | None = None
@@ -134,7 +136,9 @@ class CostModel:
         v = worker.view()
         cal = self.engine_of(worker)
         indexed = match.local - max(0, min(pending_blocks, match.local))
-        local = surviving_blocks(indexed, v.queue_tokens, block_size, load.kv_usage, load.num_gpu_blocks)
+        p = eviction.pressure(v.queue_tokens, block_size, load.kv_usage, load.num_gpu_blocks)
+        ev = getattr(worker, "eviction", None)
+        local = eviction.surviving(indexed, p, ev.scale if ev is not None else 1.0)
         if local == indexed:  # nothing evicted ahead of them: the pending blocks extend the prefix
             local = match.local
         g4_extra = max(0, g4 - local)
@@ -169,7 +173,7 @@ class CostModel:
             load=max(float(v.inflight), load.running + load.waiting) + load.kv_usage,
             queue_requests=v.queue_requests, queue_tokens=queue_tokens, decodes=decodes, steps=steps,
             step_ms=step_ms, overhead_ms=overhead_ms, calibration=cal.source, clamped=clamped,
-            evicted_blocks=match.local - local,
+            evicted_blocks=match.local - local, eviction_pressure=p if math.isfinite(p) else -1.0,
             **kv_room(load, block_size),
         )
 
@@ -237,25 +241,3 @@ def kv_room(load, block_size: int) -> dict:
     blocks = load.num_gpu_blocks
     tokens = (1.0 - u) * blocks * block_size if blocks and block_size > 0 else None
     return {"kv_free": 1.0 - u, "kv_free_tokens": tokens}
-
-
-def surviving_blocks(local: int, queue_tokens: float, block_size: int, kv_usage: float,
-                     num_gpu_blocks: int | None) -> int:
-    """How much of a worker's cached prefix is expected to survive until the request is scheduled.
-
-    vLLM keeps cached blocks no request holds in its free queue and reuses the least recently used first
-    (a request's blocks are freed tail first, so a prefix is cut from its end). The requests queued ahead
-    allocate about their prompt's blocks; once that reaches the free blocks (``(1 - kv_usage) *
-    num_gpu_blocks``) they evict everything free. Below half of it a prefix the index shows is taken to
-    survive: it was announced recently, so it sits near the recent end of the free queue (discounting a
-    share in proportion under-predicted a shared hot prefix on 52% of the simulator's requests); in
-    between, a linearly growing share from its end. Unknown capacity: nothing is discounted."""
-    if local <= 0 or not num_gpu_blocks or queue_tokens <= 0 or not 0.0 <= kv_usage <= 1.0:
-        return local
-    free = (1.0 - kv_usage) * num_gpu_blocks
-    if free <= 0:
-        return 0
-    pressure = queue_tokens / max(1, block_size) / free
-    if pressure <= 0.5:
-        return local
-    return max(0, min(local, int(local * (1.0 - pressure) * 2.0 + 0.5)))

@@ -260,6 +260,8 @@ class Forwarder:
             if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
                 d.delivered_cached_tokens = details["cached_tokens"]
         m.child(m.requests, d.model, d.chosen or "", d.policy, outcome).inc()
+        if outcome == "ok" and d.delivered_cached_tokens is not None and d.chosen:
+            self._observe_eviction()
         if outcome == "ok" and d.model:
             m.child(m.predicted_cached, d.model).inc(d.predicted_cached_tokens)
             if d.delivered_cached_tokens is not None:
@@ -269,6 +271,16 @@ class Forwarder:
                 if d.delivered_cached_tokens is not None:
                     g = m.child(m.hit_rate, d.model)
                     g.set(0.9 * g._value.get() + 0.1 * d.delivered_cached_tokens / d.prompt_tokens)
+
+    def _observe_eviction(self) -> None:
+        """What vLLM delivered of the local prefix the index showed calibrates the worker's eviction model."""
+        d = self.d
+        cand, w = d.candidate(d.chosen), self.st.registry.target(d.chosen)
+        if cand is None or w is None or not d.block_size:
+            return
+        indexed = cand.local_blocks + cand.evicted_blocks
+        delivered_local = d.delivered_cached_tokens // d.block_size - cand.g4_blocks
+        w.eviction.observe(cand.eviction_pressure, indexed, min(indexed, max(0, delivered_local)))
 
     def _prefetch(self, worker, cand) -> None:
         if cand.g4_blocks <= 0 or not self.hashes:

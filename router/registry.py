@@ -31,6 +31,7 @@ from indexer.events.state import local_g4_member, shared_g4_member
 from indexer.events.subscriber import resolve_endpoint
 from router.calibrate import EngineCalibration, PredictionErrors, default_calibration
 from router.config import Settings, WorkerConfig
+from router.eviction import EvictionCalibration
 from router.load import ActiveSequences, LoadView
 
 log = logging.getLogger("kvgate.registry")
@@ -98,6 +99,7 @@ class Worker:
     active: ActiveSequences = field(default_factory=ActiveSequences)
     engine: EngineCalibration = field(default_factory=default_calibration)
     prediction: PredictionErrors = field(default_factory=PredictionErrors)  # observed / predicted TTFT
+    eviction: EvictionCalibration = field(default_factory=EvictionCalibration)  # router/eviction.py
     prefill_ratio: float = 1.0  # this worker's speed relative to the fleet-wide estimate (router/cost.py)
     g4_bytes_per_s: float = 0.0  # G4 load bandwidth measured by the worker's connector (0: use the default)
     g4_bytes_per_block: int = 0  # bytes of one block file on G4 (0: use the default)
@@ -198,7 +200,7 @@ class Worker:
             "load": {"running": self.load.running, "waiting": self.load.waiting,
                      "kv_usage": self.load.kv_usage, "updated_at": self.load.updated_at},
             "inflight": self.inflight, "pending_tokens": self.pending_tokens, "engine": self.engine.to_dict(),
-            "prediction": self.prediction.to_dict(),
+            "prediction": self.prediction.to_dict(), "eviction": self.eviction.to_dict(),
             "prefill_ratio": self.prefill_ratio, "ttft_samples": self.ttft_samples,
             "prefill_samples": self.prefill_samples,
             "failures": self.failures, "restarts": self.restarts, "last_error": self.last_error,
@@ -226,7 +228,7 @@ class RankTarget:
     has no RankTarget: it is routed, indexed and named exactly as before, and no header is sent.
     """
 
-    OWN = frozenset({"server", "dp_rank", "name", "event_sources", "load", "active", "engine", "prediction",
+    OWN = frozenset({"server", "dp_rank", "name", "event_sources", "load", "active", "engine", "prediction", "eviction",
                      "prefill_ratio", "ttft_samples", "prefill_samples"})
 
     def __init__(self, server: Worker, rank: int) -> None:
@@ -234,6 +236,7 @@ class RankTarget:
         own = {"server": server, "dp_rank": rank, "name": f"{server.name}@dp{rank}",
                "event_sources": [], "load": WorkerLoad(), "active": ActiveSequences(server.active.mean_work),
                "engine": EngineCalibration(e.step_s, e.seq_s, e.request_s), "prediction": PredictionErrors(),
+               "eviction": EvictionCalibration(),
                "prefill_ratio": 1.0, "ttft_samples": 0, "prefill_samples": 0}
         self.__dict__.update(own)
 
@@ -269,7 +272,7 @@ class RankTarget:
                 "inflight": self.inflight, "pending_tokens": self.pending_tokens,
                 "prefill_ratio": self.prefill_ratio, "ttft_samples": self.ttft_samples,
                 "prefill_samples": self.prefill_samples, "engine": self.engine.to_dict(),
-                "prediction": self.prediction.to_dict()}
+                "prediction": self.prediction.to_dict(), "eviction": self.eviction.to_dict()}
 
 
 def index_names(w: Worker) -> list[str]:

@@ -56,6 +56,9 @@ class WorkerLoadOut(BaseModel):
                          "and source: defaults (no samples yet), partial or vllm-metrics")
     prediction: dict = Field(default_factory=dict, description="observed / predicted TTFT over the last "
                              "streamed responses: samples, median, p90 (1 = exact)")
+    eviction: dict = Field(default_factory=dict, description="the eviction model's pressure scale learnt from "
+                           "delivered cached tokens (router/eviction.py): pressure_scale (1 = the prior), "
+                           "samples, shortfalls (requests that got less of their local prefix than indexed)")
 
 
 class WorkerOut(BaseModel):
@@ -289,6 +292,9 @@ class CandidateOut(_Open):
     evicted_blocks: int = Field(0, description="blocks of the local prefix expected to be evicted by the "
                                                "queue ahead before this request is scheduled (not counted "
                                                "as cached)")
+    eviction_pressure: float = Field(0.0, description="the queue ahead's block demand / the worker's free "
+                                     "blocks, before the worker's learnt pressure scale (0: no queue or "
+                                     "capacity unknown; -1: no free block)")
     kv_free: float | None = Field(None, description="the share of KV blocks no running request holds (1 - "
                                   "vllm:kv_cache_usage_perc); null when the metrics are missing or malformed")
     kv_free_tokens: float | None = Field(None, description="those blocks in tokens (with num_gpu_blocks from "

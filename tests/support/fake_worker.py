@@ -34,6 +34,7 @@ class FakeState:
     waiting: int = 0
     running: int = 0
     kv_usage: float = 0.25  # vllm:kv_cache_usage_perc
+    num_gpu_blocks: int | None = None  # vllm:cache_config_info's num_gpu_blocks label, when set
     events_endpoint: str | None = None
     words: int = 8
     chat_template: str | None = None  # the worker's own template (vLLM's --chat-template), else the model's
@@ -264,7 +265,8 @@ def create_fake_worker(state: FakeState, tokenizer_dir: str | None = None) -> Fa
             "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
             "# TYPE vllm:cache_config_info gauge\n"
             f'vllm:cache_config_info{{block_size="{st.block_size}",enable_prefix_caching="True",engine="0",'
-            f'prefix_caching_hash_algo="sha256"}} 1.0\n'
+            f'prefix_caching_hash_algo="sha256"'
+            + (f',num_gpu_blocks="{st.num_gpu_blocks}"' if st.num_gpu_blocks else "") + "} 1.0\n"
         )
         for name, i in (("vllm:request_prefill_kv_computed_tokens", 0), ("vllm:request_prefill_time_seconds", 1),
                         ("vllm:request_prompt_tokens", 2)):

@@ -1,0 +1,81 @@
+"""Will a worker's cached prefix survive until the request is scheduled? The model, calibrated online.
+
+vLLM keeps cached blocks no request holds in its free queue and reuses the least recently used first (a
+request's blocks are freed tail first, so a prefix is cut from its end). The requests queued ahead
+allocate about their uncached prompt's blocks; the *pressure* is that demand over the worker's free blocks
+(``(1 - kv_usage) * num_gpu_blocks``). At pressure ``p`` (scaled, below) the model keeps the whole prefix up
+to 0.5 (a prefix the index shows was used recently, so it sits near the recent end of the free queue),
+none from 1.0, and a linearly shrinking share in between. Unknown capacity or no queue: nothing is
+discounted.
+
+The raw pressure under-states what happens when the queue ahead was itself over-predicted (its own
+prefixes evicted: a cascade), when the KV usage gauge lags, or when running requests grow. So each worker
+learns a *pressure scale* from what vLLM delivered: after a request whose local prefix was priced at
+pressure ``p``, the share of it vLLM reported cached says which scale would have predicted it (a shortfall
+raises the scale; a whole prefix delivered at a pressure the model discounted lowers it). Log-space EWMA,
+clamped, so one sample never drives it to 0 or to infinity; with no samples the scale is 1 (the prior).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+SCALE_RANGE = (0.25, 8.0)
+ALPHA = 0.25  # weight of one observation (in log space)
+KEEP_BELOW = 0.5  # scaled pressure under which the whole prefix is kept
+
+
+def pressure(queue_tokens: float, block_size: int, kv_usage: float, num_gpu_blocks: int | None) -> float:
+    """Demand of the queue ahead over the free blocks; 0 when unknown (no discount), inf when none free."""
+    if not num_gpu_blocks or queue_tokens <= 0 or not 0.0 <= kv_usage <= 1.0:  # NaN included
+        return 0.0
+    free = (1.0 - kv_usage) * num_gpu_blocks
+    if free <= 0:
+        return math.inf
+    return queue_tokens / max(1, block_size) / free
+
+
+def kept_share(scaled_pressure: float) -> float:
+    if scaled_pressure <= KEEP_BELOW:
+        return 1.0
+    return max(0.0, (1.0 - scaled_pressure) / (1.0 - KEEP_BELOW))
+
+
+def surviving(local: int, p: float, scale: float = 1.0) -> int:
+    """Blocks of a ``local``-block prefix expected to survive at raw pressure ``p``."""
+    if local <= 0 or p <= 0:
+        return local
+    if math.isinf(p):
+        return 0
+    return max(0, min(local, int(local * kept_share(p * scale) + 0.5)))
+
+
+@dataclass
+class EvictionCalibration:
+    """One worker's pressure scale, learnt from delivered cached tokens."""
+
+    scale: float = 1.0
+    samples: int = 0
+    shortfalls: int = 0  # requests that got less of their local prefix than the index showed
+
+    def observe(self, p: float, indexed: int, delivered: int) -> None:
+        """``indexed``: local prefix blocks the index showed (before the discount); ``delivered``: of those,
+        the blocks vLLM reported cached. Only requests that waited behind a queue (``p`` > 0) say anything
+        about the scale."""
+        if indexed <= 0 or not p > 0 or math.isinf(p):
+            return
+        s = min(1.0, max(0.0, delivered / indexed))
+        if s < 1.0:
+            self.shortfalls += 1
+            target = (1.0 - s * (1.0 - KEEP_BELOW)) / p  # the scale at which kept_share(p * scale) == s
+        elif p * self.scale > KEEP_BELOW:
+            target = 0.9 * KEEP_BELOW / p  # all of it survived: just inside the scales that predict that
+        else:
+            return  # consistent with the current scale
+        lo, hi = SCALE_RANGE
+        target = min(hi, max(lo, target))
+        self.scale = min(hi, max(lo, math.exp((1 - ALPHA) * math.log(self.scale) + ALPHA * math.log(target))))
+        self.samples += 1
+
+    def to_dict(self) -> dict:
+        return {"pressure_scale": round(self.scale, 3), "samples": self.samples, "shortfalls": self.shortfalls}

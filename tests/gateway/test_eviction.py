@@ -1,0 +1,110 @@
+"""The eviction model (router/eviction.py): what survives at a pressure, and the pressure scale each worker
+learns from what vLLM delivered."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from indexer.index.base import WorkerMatch
+from router.config import RoutingConfig
+from router.eviction import SCALE_RANGE, EvictionCalibration, pressure, surviving
+from tests.gateway.test_cost import model, worker
+
+
+def test_the_prior_keeps_a_prefix_below_half_the_free_blocks_and_none_past_all_of_them():
+    assert pressure(800, 16, 0.9, 1000) == pytest.approx(0.5)  # 50 blocks of demand, 100 free
+    assert surviving(40, 0.5) == 40 and surviving(40, 0.75) == 20 and surviving(40, 1.0) == 0
+    assert surviving(40, 0.0) == 40 and surviving(40, math.inf) == 0
+    assert pressure(800, 16, 0.9, None) == 0.0 and pressure(800, 16, float("nan"), 1000) == 0.0
+    assert pressure(800, 16, 1.0, 1000) == math.inf and pressure(0, 16, 1.0, 1000) == 0.0
+
+
+def test_a_shortfall_raises_the_scale_until_the_model_predicts_it():
+    """The prefix was priced whole at pressure 0.3 (the prior keeps it) but vLLM delivered none of it:
+    the queue ahead evicted it. A few such requests and the model discounts it at that pressure."""
+    ev = EvictionCalibration()
+    assert surviving(40, 0.3, ev.scale) == 40
+    for _ in range(8):
+        ev.observe(0.3, indexed=40, delivered=0)
+    assert ev.shortfalls == 8 and ev.scale > 2.5
+    assert surviving(40, 0.3, ev.scale) <= 10
+    assert surviving(40, 0.05, ev.scale) == 40  # a small queue still keeps it
+
+
+def test_a_prefix_delivered_whole_where_the_model_discounted_it_lowers_the_scale():
+    ev = EvictionCalibration(scale=4.0)
+    assert surviving(40, 0.3, ev.scale) == 0
+    for _ in range(12):
+        ev.observe(0.3, indexed=40, delivered=40)
+    assert surviving(40, 0.3, ev.scale) == 40 and ev.scale < 1.8
+    before = ev.scale
+    ev.observe(0.1, indexed=40, delivered=40)  # consistent with the scale: no information
+    assert ev.scale == before
+
+
+@pytest.mark.parametrize("p,indexed,delivered", [
+    (0.0, 40, 0), (math.inf, 40, 0), (float("nan"), 40, 0), (0.3, 0, 0), (-1.0, 40, 0),
+])
+def test_observations_that_say_nothing_leave_the_scale_alone(p, indexed, delivered):
+    ev = EvictionCalibration()
+    ev.observe(p, indexed, delivered)
+    assert ev.scale == 1.0 and ev.samples == 0
+
+
+def test_the_scale_stays_in_its_range_whatever_is_observed():
+    ev = EvictionCalibration()
+    for _ in range(100):
+        ev.observe(1e-9, indexed=40, delivered=0)
+    assert ev.scale == pytest.approx(SCALE_RANGE[1])
+    for _ in range(200):
+        ev.observe(1e9, indexed=40, delivered=40)
+    assert ev.scale == pytest.approx(SCALE_RANGE[0])
+
+
+def test_the_cost_model_prices_the_prefix_at_the_workers_learnt_scale():
+    """Same worker state (80 free blocks of 800, 400 tokens = 25 blocks queued: pressure 0.31), two
+    scales: the prior keeps the 40-block prefix; a worker that has been evicting loses it, and the
+    candidate records the unscaled pressure for the next observation."""
+    cm = model(RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0))
+    calm, evicting = worker("a", prefilling=[400]), worker("b", prefilling=[400])
+    for w in (calm, evicting):
+        w.load.kv_usage, w.load.num_gpu_blocks = 0.9, 800
+    evicting.eviction.scale = 4.0
+    a = cm.score(calm, WorkerMatch(gpu=40, local=40), 0, 1000, 16)
+    b = cm.score(evicting, WorkerMatch(gpu=40, local=40), 0, 1000, 16)
+    assert a.evicted_blocks == 0 and a.cached_tokens == 640
+    assert b.evicted_blocks == 40 and b.cached_tokens == 0 and b.predicted_ttft_ms > a.predicted_ttft_ms
+    assert a.eviction_pressure == pytest.approx(b.eviction_pressure) == pytest.approx(25 / 80)
+
+
+async def test_a_worker_that_keeps_evicting_what_the_index_shows_is_priced_without_it(fleet, start_gateway):
+    """Through the gateway, on a fake vLLM worker (a stand-in: a real vLLM cannot be made to evict on
+    cue) whose index entries claim 60 blocks of every prompt while its own cache delivers none of them,
+    with two requests waiting and half its 800 blocks free (pressure 0.32: the prior keeps a prefix).
+    What vLLM reports cached teaches the gateway to stop predicting the prefix: the predicted cached
+    tokens (the response header) fall from the index's 960 toward what is delivered."""
+    from indexer.hashing import sequence_hashes
+    from indexer.index.base import Tier
+    from tests.gateway.conftest import BLOCK, MODEL
+    from tests.gateway.test_policy_behaviour import ids, scraped
+    from tests.gateway.test_proxy import wait_until as until
+    import httpx
+
+    fleet.add("h", waiting=2, kv_usage=0.5, num_gpu_blocks=800)
+    gw = start_gateway(fleet, routing={"pending_ttl_s": 0, "parity_check": False})
+    await until(lambda: scraped(gw, "h", waiting=2) and gw.state.registry.get("h").load.num_gpu_blocks == 800)
+    predicted = []
+    async with httpx.AsyncClient(timeout=30) as c:
+        for seed in range(10, 22):
+            prompt = ids(seed, 64)
+            gw.call(gw.state.index.store(MODEL, "h", Tier.GPU, sequence_hashes(prompt, BLOCK)[:60]))
+            r = await c.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            predicted.append(int(r.headers["x-kvgate-cached-tokens"]))
+        workers = (await c.get(gw.url + "/admin/workers")).json()
+    assert predicted[0] == 60 * BLOCK
+    assert predicted[-1] <= predicted[0] // 4 and predicted == sorted(predicted, reverse=True), predicted
+    ev = next(w for w in (workers if isinstance(workers, list) else workers["workers"]) if w["name"] == "h")
+    assert ev["load"]["eviction"]["shortfalls"] >= 3 and ev["load"]["eviction"]["pressure_scale"] > 1.5
