@@ -223,10 +223,12 @@ def table(points: list[dict]) -> str:
 
 
 def window_table(points: list[dict]) -> str:
-    """Mean TTFT per window of arrivals, G4 off / on, one row per point."""
+    """Mean TTFT per window of arrivals, G4 off / on, one row per point; the windows are stretches of the
+    trace (``--window`` trace seconds, so ``--window / rate`` virtual seconds at a rate)."""
     n = max(len(p["off_windows"]) for p in points)
     w = points[0]["window_s"]
-    head = "| engines | rate | " + " | ".join(f"{int(i * w)}-{int((i + 1) * w)} s" for i in range(n)) + " |"
+    head = "| engines | rate | " + " | ".join(f"trace {int(i * w)}-{int((i + 1) * w)} s" for i in range(n))
+    head += " |"
     rows = [head, "|" + "---|" * (n + 2)]
     for p in points:
         cells = [f"{a['ttft_mean_s']:.2f} / {b['ttft_mean_s']:.2f}"
@@ -245,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-blocks", type=int, default=12_500)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-tokens-cap", type=int, default=128)
-    p.add_argument("--window", type=float, default=600.0, help="seconds per window of the per-window means")
+    p.add_argument("--window", type=float, default=600.0,
+                   help="trace seconds per window of the per-window means (virtual: this / rate)")
     p.add_argument("--json", help="write every point (summaries, windows, utilisation per engine) here")
     args = p.parse_args(argv)
     rows = wl.load_trace()
@@ -263,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                 outs = run(replay_engines(items, workers=workers, num_blocks=args.num_blocks,
                                           block_size=args.block_size, g4=g4))
                 key = "on" if g4 else "off"
-                point[key], point[f"{key}_windows"] = summary(outs), windows(outs, args.window)
+                point[key], point[f"{key}_windows"] = summary(outs), windows(outs, args.window / rate)
                 point[f"{key}_util"] = outs.utilisation
                 print(f"{workers} engines, rate {rate:g}, G4 {key:3}: " + "  ".join(
                     f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in point[key].items()))

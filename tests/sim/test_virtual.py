@@ -69,4 +69,17 @@ def test_the_sweep_prints_and_writes_a_row_per_fleet_size(tmp_path, capsys):
         assert p["on"]["hit_rate"] >= p["off"]["hit_rate"] and p["on"]["hit_rate"] <= p["ceiling"] + 1e-9
         assert [w["start_s"] for w in p["off_windows"]] == [0.0, 5.0, 10.0]
     text = capsys.readouterr().out
-    assert "| 3 | 1 |" in text and "| 2 | 1 |" in text and "| 0-5 s | 5-10 s | 10-15 s |" in text
+    assert "| 3 | 1 |" in text and "| 2 | 1 |" in text
+    assert "| trace 0-5 s | trace 5-10 s | trace 10-15 s |" in text
+
+
+def test_at_a_higher_rate_the_windows_cover_the_same_stretches_of_the_trace(tmp_path):
+    out = tmp_path / "sweep.json"
+    virtual.main(["--duration", "15", "--workers", "2", "--rate", "1,3", "--window", "5", "--json", str(out)])
+    one, three = json.loads(out.read_text())
+    assert three["rate"] == 3
+    assert [w["requests"] for w in three["off_windows"]] == [w["requests"] for w in one["off_windows"]]
+    assert [w["start_s"] for w in three["off_windows"]] == [0.0, 5 / 3, 10 / 3]
+    # the same work in less time
+    assert three["off"]["span_s"] < one["off"]["span_s"]
+    assert three["off"]["prefill_util"] > one["off"]["prefill_util"]
