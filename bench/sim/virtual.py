@@ -180,8 +180,11 @@ def summary(outs: Sequence[Outcome]) -> dict:
          "queue_mean_s": _mean([o.queue_s for o in outs]), "prefill_mean_s": _mean([o.prefill_s for o in outs])}
     if isinstance(outs, Replay):
         u = outs.utilisation
+        # drain_s: from the last arrival to the last request's end; a backlog left at the end (a fleet that
+        # cannot keep up) makes it long, and makes the utilisations (over span_s) understate the load offered
         s.update(util_mean=float(np.mean(u)), util_max=float(np.max(u)),
-                 prefill_util=outs.prefill_utilisation, span_s=outs.span_s)
+                 prefill_util=outs.prefill_utilisation, span_s=outs.span_s,
+                 drain_s=outs.span_s - max((o.at for o in outs), default=0.0))
     return s
 
 

@@ -48,8 +48,10 @@ def test_windows_show_a_queue_that_grows_on_an_overloaded_fleet():
     assert [x["requests"] for x in w] == [20, 20, 20]
     queues = [x["queue_mean_s"] for x in w]
     assert queues[0] < queues[1] < queues[2]
-    # four engines keep up: no window queues
-    assert max(x["queue_mean_s"] for x in virtual.windows(_replay(items, 4), 5.0)) < 0.05
+    # four engines keep up: no window queues, and no backlog left at the last arrival
+    four = _replay(items, 4)
+    assert max(x["queue_mean_s"] for x in virtual.windows(four, 5.0)) < 0.05
+    assert virtual.summary(one)["drain_s"] > 5 > virtual.summary(four)["drain_s"]
 
 
 def test_placement_counts_the_prefills_waiting_for_their_g4_blocks():
