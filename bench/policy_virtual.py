@@ -52,16 +52,6 @@ def placer(cfg: RoutingConfig):
     return place
 
 
-def replay(items, place, **kw) -> list[vt.Outcome]:
-    """``bench.sim.virtual.replay_engines`` with ``place`` for its placement (it takes none as a parameter)."""
-    own = vt._place
-    vt._place = place
-    try:
-        return vt.run(vt.replay_engines(items, **kw))
-    finally:
-        vt._place = own
-
-
 VARIANTS = {
     "session 4 (recompute + affinity)": dict(future_turns=0.0, stay_margin=0.0),
     "future_turns=1, stay_margin=0.1": dict(future_turns=1.0, stay_margin=0.1),
@@ -89,9 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(items)} requests, {args.workers} workers, {args.num_blocks} blocks x {args.block_size}")
     print("| kv policy | hit rate | mean TTFT s | p50 s | p90 s | mean queue s |\n|---|---|---|---|---|---|")
     runs = {name: placer(RoutingConfig(**routing)) for name, routing in VARIANTS.items()}
-    runs["bench.sim.virtual's own (least prefill time ahead)"] = vt._place
+    runs["bench.sim.virtual's own (least prefill time ahead)"] = None
     for name, place in runs.items():
-        outs = replay(items, place, workers=args.workers, num_blocks=args.num_blocks, block_size=args.block_size)
+        outs = vt.run(vt.replay_engines(items, place=place, workers=args.workers, num_blocks=args.num_blocks,
+                                        block_size=args.block_size))
         s = vt.summary(outs)
         print(f"| {name} | {100 * s['hit_rate']:.1f}% | {s['ttft_mean_s']:.3f} | {s['ttft_p50_s']:.3f} | "
               f"{s['ttft_p90_s']:.3f} | {s['queue_mean_s']:.3f} |", flush=True)

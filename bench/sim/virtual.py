@@ -126,10 +126,12 @@ class Replay(list):
 
 
 async def replay_engines(items, *, workers: int, num_blocks: int, block_size: int = 16, g4: bool = False,
-                         timing: TimingModel = DEFAULT_TIMING, g4_capacity_blocks: int = 100_000_000
-                         ) -> Replay:
+                         timing: TimingModel = DEFAULT_TIMING, g4_capacity_blocks: int = 100_000_000,
+                         place=None) -> Replay:
     """Run ``items`` (``WorkItem``s, arrival in model seconds) through ``workers`` engines; call on a
-    :class:`VirtualLoop` (:func:`run`)."""
+    :class:`VirtualLoop` (:func:`run`). ``place(engines, tokens) -> index``: the placement (default: the
+    least prefill time ahead, :func:`_place`)."""
+    place = place or _place
     store = SharedG4Store(g4_capacity_blocks) if g4 else None
     engines = [SimEngine(PrefixCache(num_blocks, block_size, g4=store), None, timing.with_(time_scale=1.0))
                for _ in range(workers)]
@@ -153,7 +155,7 @@ async def replay_engines(items, *, workers: int, num_blocks: int, block_size: in
             if delay > 0:
                 await asyncio.sleep(delay)
             tokens = [int(x) for x in item.tokens]
-            w = _place(engines, tokens)  # submitted now: the next placement sees it queued
+            w = place(engines, tokens)  # submitted now: the next placement sees it queued
             tasks.append(asyncio.create_task(one(item, engines[w].submit(tokens, int(item.max_tokens)), w)))
         await asyncio.gather(*tasks)
         out.span_s = loop.time() - t0

@@ -85,3 +85,17 @@ def test_at_a_higher_rate_the_windows_cover_the_same_stretches_of_the_trace(tmp_
     # the same work in less time
     assert three["off"]["span_s"] < one["off"]["span_s"]
     assert three["off"]["prefill_util"] > one["off"]["prefill_util"]
+
+
+def test_a_replay_places_with_the_placement_it_is_given():
+    """``place`` is the seam bench.policy_virtual runs the kv policy's scorers through."""
+    items = _items(6, 1.0, tokens=600)
+    seen = []
+
+    def last(engines, tokens):
+        seen.append(len(tokens))
+        return len(engines) - 1
+
+    out = virtual.run(virtual.replay_engines(items, workers=3, num_blocks=2_000, place=last))
+    assert [o.worker for o in out] == [2] * 6 and seen == [600] * 6
+    assert {o.worker for o in _replay(items, 3)} != {2}  # the default spreads them
