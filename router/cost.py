@@ -137,8 +137,7 @@ class CostModel:
         cal = self.engine_of(worker)
         indexed = match.local - max(0, min(pending_blocks, match.local))
         p = eviction.pressure(v.queue_tokens, block_size, load.kv_usage, load.num_gpu_blocks)
-        ev = getattr(worker, "eviction", None)
-        local = eviction.surviving(indexed, p, ev.scale if ev is not None else 1.0)
+        local = eviction.surviving(indexed, p, worker.eviction.scale)
         if local == indexed:  # nothing evicted ahead of them: the pending blocks extend the prefix
             local = match.local
         g4_extra = max(0, g4 - local)
