@@ -1,10 +1,11 @@
 """Gateway overhead against fast mock workers, beside sglang-router and a direct baseline in the same run.
 
-    python -m bench.bench_gateway [--quick] [--index memory|redis] [--no-peer] [--procs 1,2]
+    python -m bench.bench_gateway [--quick] [--index memory|redis] [--no-peer] [--no-floor] [--procs 1,2]
 
 Starts 4 mock workers (bench/mock_worker.py, one process), kvgate (`kvgate serve`, kv policy, a 32K-vocab
 BPE tokenizer loaded locally; once per --procs value) and sglang-router `cache_aware` (installed from PyPI
-into ~/.cache/kvgate/peers by bench.sim.harness), then measures each with a raw keep-alive HTTP/1.1 client:
+into ~/.cache/kvgate/peers by bench.sim.harness), and bench/floor_proxy.py ("python floor": a pass-through
+proxy on the same server, event loop and upstream client as kvgate, with no routing), then measures each with a raw keep-alive HTTP/1.1 client:
 - added latency p50/p99 at concurrency 1 (router minus direct) and the router's CPU per request, for a
   ~300 B chat; a ~100 KB chat (16 long documents shared by 64 bodies, each document seen once before);
   a seen ~100 KB conversation extended by ~1 KB; a ~100 KB chat never seen;
@@ -250,6 +251,15 @@ def start_sglang(tmp: Path, wports: list[int]):
     return proc, port
 
 
+def start_floor(wports: list[int]):
+    """bench/floor_proxy.py on the same mock workers (the least a Python gateway does); (process, port)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "bench.floor_proxy", "--port", str(port), "--workers",
+                             ",".join(f"http://127.0.0.1:{p}" for p in wports)], cwd=ROOT, start_new_session=True)
+    wait_http(port, "/health")
+    return proc, port
+
+
 def tree_cpu_s(pid: int) -> float:
     """CPU seconds of a process and its children (``--workers`` processes)."""
     from bench.sim.procs import children
@@ -326,12 +336,18 @@ async def run(args) -> dict:
         results: dict = {"machine": f"{os.cpu_count()} cores", "index": args.index,
                          "loadavg": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
                          "sizes": {k: len(v[0]) for k, v in bodies.items()}, "targets": {}}
-        targets = [(f"kvgate x{n}", n) for n in args.procs] + ([] if args.no_peer else [("sglang-router", 0)])
+        targets = [(f"kvgate x{n}", n) for n in args.procs] + ([] if args.no_floor else [(FLOOR, -1)]) \
+            + ([] if args.no_peer else [("sglang-router", 0)])
         for name, n in targets:
             print(f"measuring {name} ...", file=sys.stderr, flush=True)
-            proc, port = start_kvgate(tmp, tok_dir, wports, index_cfg, n) if n else start_sglang(tmp, wports)
+            if n > 0:
+                proc, port = start_kvgate(tmp, tok_dir, wports, index_cfg, n)
+            elif n < 0:
+                proc, port = start_floor(wports)
+            else:
+                proc, port = start_sglang(tmp, wports)
             try:
-                pid = proc.pid if n else proc.p.pid
+                pid = proc.p.pid if n == 0 else proc.pid
                 results["targets"][name] = await measure(port, pid, wports, bodies, q)
             finally:
                 if n:
@@ -350,6 +366,7 @@ async def run(args) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+FLOOR = "python floor"
 CASES = (("small", "~300 B chat"), ("rag_seen", "~100 KB chat, document seen (16 docs x 64 bodies)"),
          ("extend_1k", "seen 100 KB chat + 1 KB"), ("unseen", "~100 KB chat, unseen"))
 
@@ -397,6 +414,8 @@ def main(argv=None) -> int:
     p.add_argument("--index", choices=("memory", "redis"), default="memory")
     p.add_argument("--procs", default="1,2", help="kvgate gateway process counts to measure (serve --workers)")
     p.add_argument("--no-peer", action="store_true", help="leave sglang-router out")
+    p.add_argument("--no-floor", action="store_true",
+                   help="leave out bench/floor_proxy.py (a Python pass-through proxy: the floor of kvgate's stack)")
     args = p.parse_args(argv)
     args.procs = [int(x) for x in args.procs.split(",") if x.strip()]
     save_and_print("gateway.json", asyncio.run(run(args)), report)

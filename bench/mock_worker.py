@@ -7,7 +7,7 @@ import argparse
 import asyncio
 import json
 
-from bench.sim.asgi import serve_lifespan
+from bench.sim.asgi import read_body, serve_lifespan
 
 MODEL = "bench"
 
@@ -30,12 +30,7 @@ _METRICS = (b'vllm:num_requests_running{engine="0",model_name="bench"} 0.0\n'
 async def app(scope, receive, send):
     if scope["type"] == "lifespan":
         return await serve_lifespan(receive, send)
-    body = b""
-    more = True
-    while more:
-        msg = await receive()
-        body += msg.get("body", b"")
-        more = msg.get("more_body", False)
+    body = await read_body(receive)
     path = scope["path"]
     ctype = b"application/json"
     if path in ("/v1/chat/completions", "/v1/completions"):

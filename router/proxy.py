@@ -1,8 +1,9 @@
 """The OpenAI-compatible surface: plan with the router, forward to the chosen worker, stream back.
 
-The data routes run as plain ASGI (:class:`DataPlane`, in front of FastAPI's routing), since a request's
-framework layers (routing, dependency solving, Request/Response objects) cost as much CPU as planning a
-small chat; FastAPI still declares them, for the OpenAPI document and for the catch-all ``/v1/*``.
+The data routes run as plain ASGI (:func:`dispatch`, called by the app before FastAPI's middleware stack),
+since a request's framework layers (error, telemetry and body-limit middleware, routing, dependency
+solving, Request/Response objects) cost as much CPU as planning a small chat; FastAPI still declares them,
+for the OpenAPI document and for the catch-all ``/v1/*``.
 - Request bodies are forwarded byte for byte; responses are passed through unbuffered (SSE chunk by chunk).
 - Before the first byte reaches the client, a refused connection, a timeout or a 5xx moves the request to
   the next-best worker (``routing.max_attempts`` in all). After it, an upstream failure ends the stream
@@ -449,6 +450,10 @@ async def handle(st: DataPath, scope, receive, send, path: str, need_model: bool
     except APIError as e:
         await send_error(send, e)
         return
+    except Exception as e:  # a bug answers in the API's shape (no framework error middleware runs here)
+        log.exception("unhandled error planning %s: %s", path, e)
+        await send_error(send, APIError(500, "internal gateway error", type_="api_error"))
+        return
     await forward(fwd, receive, send, path)
 
 
@@ -476,8 +481,8 @@ async def forward(fwd: Forwarder, receive, send, path: str, send_err=send_error)
 
 
 class _ASGI(Response):
-    """A FastAPI endpoint's answer that runs a plain ASGI handler (the routes the :class:`DataPlane`
-    does not intercept)."""
+    """A FastAPI endpoint's answer that runs a plain ASGI handler (the routes :func:`dispatch` does not
+    intercept)."""
 
     def __init__(self, fn) -> None:  # noqa: D107 - no body of its own
         self._fn = fn
@@ -487,23 +492,18 @@ class _ASGI(Response):
         await self._fn(scope, receive, send)
 
 
-# POST routes the DataPlane serves without FastAPI's layers: path -> whether the body must name a model.
+# POST routes served without FastAPI's layers: path -> whether the body must name a model.
 FAST_ROUTES = {"/v1/chat/completions": True, "/v1/completions": True}
 
 
-class DataPlane:
-    """ASGI middleware: the generation routes go straight to :func:`handle`; everything else to FastAPI."""
-
-    def __init__(self, app, dp: DataPath) -> None:
-        self.app, self.dp = app, dp
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            need = FAST_ROUTES.get(scope["path"])
-            if need is not None:
-                await handle(self.dp, scope, receive, send, scope["path"], need)
-                return
-        await self.app(scope, receive, send)
+async def dispatch(dp: DataPath, scope, receive, send) -> bool:
+    """Serve a generation route straight from :func:`handle`; False: not one (FastAPI serves it)."""
+    if scope["type"] == "http" and scope["method"] == "POST":
+        need = FAST_ROUTES.get(scope["path"])
+        if need is not None:
+            await handle(dp, scope, receive, send, scope["path"], need)
+            return True
+    return False
 
 
 def build_router() -> APIRouter:

@@ -143,6 +143,8 @@ class LocalTokenizer:
             if not tok.normalized:
                 specials.append(tok.content)
         self.cfg = cfg
+        # transformers rebuilds this dict on every access (a per-request cost on the render path); it is fixed
+        self.special_map = dict(self.hf.special_tokens_map)
         cut, self.cuts = cut_rule(json.loads(self.fast.to_str()), specials, splittable)
         self.prefix = (PrefixTokenCache(cut, max_bytes=cfg.prefix_cache_bytes, chunk_bytes=cfg.prefix_chunk_bytes,
                                         cut_bytes=cfg.prefix_cut_bytes) if cut is not None and cfg.prefix_cache_bytes
@@ -183,7 +185,7 @@ class LocalTokenizer:
         return _compile_jinja_template(template).render(
             messages=messages, tools=tools, documents=body.get("documents"),
             add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-            **{**self.hf.special_tokens_map, **kwargs})
+            **{**self.special_map, **kwargs})
 
     def _render_check(self) -> bool:
         try:
@@ -320,7 +322,7 @@ class LocalTokenizer:
     def _self_check(self) -> bool:
         """Cached, extended and whole encodings agree on probes (a chat rendered by the model's template
         and texts with the characters the cut rule looks at)."""
-        names = [s for s in (self.hf.special_tokens_map.get("bos_token"), self.hf.special_tokens_map.get("eos_token"))
+        names = [s for s in (self.special_map.get("bos_token"), self.special_map.get("eos_token"))
                  if isinstance(s, str)] or [""]
         a, b = names[0], names[-1]
         base = (f"{a}user\nhello world{b}\n{a}assistant\n Fine.\nThanks 12345 x\n\n  two  spaces{b}"

@@ -1,4 +1,4 @@
-"""A helper for the raw ASGI apps of the simulator and the benchmark's mock worker (no framework)."""
+"""Helpers for the raw ASGI apps of the simulator and the benchmark's mock worker (no framework)."""
 from __future__ import annotations
 
 
@@ -11,3 +11,14 @@ async def serve_lifespan(receive, send) -> None:
         elif msg["type"] == "lifespan.shutdown":
             await send({"type": "lifespan.shutdown.complete"})
             return
+
+
+async def read_body(receive) -> bytes:
+    """The whole request body from ASGI ``http.request`` messages."""
+    body = b""
+    more = True
+    while more:
+        msg = await receive()
+        body += msg.get("body", b"")
+        more = msg.get("more_body", False)
+    return body

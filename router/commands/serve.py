@@ -36,7 +36,7 @@ def app_factory():
 
     settings = load_settings()
     _logging(settings.log_level)
-    return create_app(settings)
+    return create_app(settings, serving=True)
 
 
 def _serve_process(host: str, port: int, common: dict) -> None:
@@ -120,6 +120,6 @@ def run(args: argparse.Namespace) -> int:
     host, port = args.host or settings.host, args.port or settings.port
     common = dict(log_level=level, access_log=False, timeout_graceful_shutdown=30)
     if workers == 1:
-        uvicorn.run(create_app(settings), host=host, port=port, **common)
+        uvicorn.run(create_app(settings, serving=True), host=host, port=port, **common)
         return 0
     return _supervise(workers, host, port, common)

@@ -309,6 +309,25 @@ async def test_bad_input(fleet, start_gateway, case):
         assert st.requests == []  # refused before anything reached a worker
 
 
+async def test_planning_bug_answers_in_the_api_shape(fleet, start_gateway, monkeypatch):
+    """The data routes run in front of FastAPI's error middleware: a bug while planning must still answer
+    a 500 in the OpenAI error shape (no traceback, nothing sent to a worker), and the next request works."""
+    st = fleet.add("a")
+    gw = start_gateway(fleet)
+
+    async def broken(*a, **kw):
+        raise RuntimeError("planner bug")
+
+    async with httpx.AsyncClient(timeout=30) as c:
+        monkeypatch.setattr(gw.state.router, "plan", broken)
+        r = await c.post(gw.url + "/v1/chat/completions", json=chat_body())
+        assert r.status_code == 500, r.text
+        assert r.json()["error"]["type"] == "api_error" and "Traceback" not in r.text
+        assert st.requests == []
+        monkeypatch.undo()
+        assert (await c.post(gw.url + "/v1/chat/completions", json=chat_body())).status_code == 200
+
+
 async def test_models_health_ready_and_other_paths(fleet, start_gateway):
     fleet.add("a")
     st_b = fleet.add("b")

@@ -61,3 +61,15 @@ def test_two_processes_each_index_the_fleets_events(tmp_path):
         if gw is not None:
             gw.stop()
         fleet.stop()
+
+
+def test_a_serving_process_freezes_its_startup_objects():
+    """``kvgate serve`` apps call ``settle_gc`` once started (router/app.py): start-up's objects leave the
+    cycle collector and young collections are rarer; run in a fresh interpreter (freezing is per process)."""
+    import subprocess
+
+    code = ("import gc, router.app as a; import transformers; before = gc.get_freeze_count(); a.settle_gc(); "
+            "print(before, gc.get_freeze_count(), gc.get_threshold()[0] == a.GC_GEN0_THRESHOLD)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    before, after, threshold = out.stdout.split()
+    assert int(before) == 0 and int(after) > 10_000 and threshold == "True", out.stdout
