@@ -86,8 +86,11 @@ class EngineCalibration:
         mx, my = self._x / self._w, self._y / self._w
         var = self._xx / self._w - mx * mx
         if var > 0.25 and self.step_samples >= 3:  # the running count varied: fit the slope too
-            slope = clamp((self._xy / self._w - mx * my) / var, *SEQ_RANGE_S)
-            self.seq_s = slope
+            # at most the mean step over (mean decodes + 1), so the fixed part stays at least one decode's
+            # cost: a noisy slope (on capacity-bound CPU vLLM, prefill time left in the samples grows with
+            # the running count) drove it below zero, which priced an idle server's step at 0
+            hi = min(SEQ_RANGE_S[1], my / (mx + 1.0))
+            self.seq_s = clamp((self._xy / self._w - mx * my) / var, SEQ_RANGE_S[0], hi)
         self.step_s = clamp(my - self.seq_s * mx, *STEP_RANGE_S)
 
     def observe_request_overhead(self, seconds: float, alpha: float) -> None:

@@ -77,6 +77,17 @@ def test_step_time_is_learnt_from_inter_token_latency():
     assert flat.seq_s == 0.001 and flat.step_time_s(4) == pytest.approx(0.020)
 
 
+def test_a_noisy_slope_never_prices_an_idle_step_at_zero():
+    """Step time that grows much faster with the running count than a decode costs (prefill time left in
+    the samples) fitted a slope whose intercept went negative: an idle server's step came out at 0."""
+    cal = EngineCalibration(step_s=0.01, seq_s=0.0005, request_s=0.0)
+    for d, itl in ((1, 0.05), (2, 0.6), (3, 1.4), (4, 2.0), (2, 0.7), (3, 1.2)):
+        cal.observe_steps(d, itl)
+    mean_d, mean_itl = cal._x / cal._w, cal._y / cal._w
+    assert cal.step_time_s(0) >= mean_itl / (mean_d + 1) - 1e-9  # at least one decode's share of a step
+    assert cal.step_time_s(mean_d) == pytest.approx(mean_itl)  # the line goes through the mean
+
+
 def test_bad_samples_are_clamped_and_counted_never_zero_or_infinite():
     cal = EngineCalibration(step_s=0.01, seq_s=0.0, request_s=0.005)
     cal.observe_steps(2, float("inf"))
