@@ -2,12 +2,19 @@
 
 - Step time. vLLM runs one step loop; each running request decodes one token per step, so the mean
   inter-token latency between two ``/metrics`` scrapes (``vllm:inter_token_latency_seconds``) is the mean
-  step time at the mean number of running requests. A decayed least-squares line through those points
-  gives ``step_s + seq_s * decodes``. Until the running count has varied, the whole step time is
-  ``step_s`` and ``seq_s`` keeps its prior.
-- Per-request overhead: the time vLLM counts from arrival to first token that is neither queue nor
-  prefill (``time_to_first_token - request_queue_time - request_prefill_time``, means over the
-  interval): the API server's tokenization, detokenization and HTTP, paid once per request.
+  step time at the mean number of running requests, less the prefill chunks those steps computed
+  (``vllm:prompt_tokens_by_source_total{source="local_compute"}`` over ``vllm:iteration_tokens_total``'s
+  count, at the prefill speed: router/cost.py ``observe_engine``), which the model prices as prefill work.
+  A decayed least-squares line through those points gives ``step_s + seq_s * decodes``. Until the running
+  count has varied, the whole step time is ``step_s`` and ``seq_s`` keeps its prior.
+- Per-request overhead: the time vLLM counts for a request that is neither queue nor engine time
+  (``e2e_request_latency - request_queue_time - request_inference_time``, means over the requests finished
+  in the interval, all recorded at finish): the API server's tokenization, detokenization and HTTP, paid
+  once per request. Without those histograms (older vLLM): ``time_to_first_token - request_queue_time -
+  request_prefill_time``, whose first term is recorded at first token and the others at finish, so it
+  mixes two sets of requests and reads seconds of "overhead" while a queue builds.
+- The first scrape of a server compares its counters with zero: what it ran before the gateway saw it
+  calibrates it at once (registry ``_scrape``).
 
 Every estimate starts from the configured prior, moves by EWMA and is clamped to a sane range, so a
 worker with no samples, missing or malformed metrics keeps the conservative defaults (``source`` says
@@ -79,8 +86,11 @@ class EngineCalibration:
         mx, my = self._x / self._w, self._y / self._w
         var = self._xx / self._w - mx * mx
         if var > 0.25 and self.step_samples >= 3:  # the running count varied: fit the slope too
-            slope = clamp((self._xy / self._w - mx * my) / var, *SEQ_RANGE_S)
-            self.seq_s = slope
+            # at most the mean step over (mean decodes + 1), so the fixed part stays at least one decode's
+            # cost: a noisy slope (on capacity-bound CPU vLLM, prefill time left in the samples grows with
+            # the running count) drove it below zero, which priced an idle server's step at 0
+            hi = min(SEQ_RANGE_S[1], my / (mx + 1.0))
+            self.seq_s = clamp((self._xy / self._w - mx * my) / var, SEQ_RANGE_S[0], hi)
         self.step_s = clamp(my - self.seq_s * mx, *STEP_RANGE_S)
 
     def observe_request_overhead(self, seconds: float, alpha: float) -> None:

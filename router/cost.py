@@ -46,6 +46,8 @@ MIN_CALIBRATION_TOKENS = 256
 RATIO_ALPHA_SHARE = 0.25
 # The ratio counts once a worker has this many observations; until then the fleet estimate alone does.
 MIN_OWN_SAMPLES = 3
+# The share of an interval's mean inter-token latency always kept as step time (observe_engine).
+STEP_FLOOR_SHARE = 0.01
 MIN_TTFT_MS, MAX_TTFT_MS = 0.1, 3_600_000.0
 
 
@@ -91,6 +93,7 @@ class Candidate:
     # tokens (with num_gpu_blocks); None when the metrics are missing or malformed
     kv_free: float | None = None
     kv_free_tokens: float | None = None
+    kv_wait_ms: float = 0.0  # of queue_ms: until running requests free the KV the queue and this one need
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -151,6 +154,12 @@ class CostModel:
         steps = max(queue_steps + 1, math.ceil((queue_tokens + uncached) / per_step))
         step_ms = cal.step_time_s(decodes) * 1000.0
         queue_ms = v.queue_work / tps * 1000.0 + queue_steps * step_ms
+        room = kv_room(load, block_size)
+        wait_ms = 0.0
+        if v.decoding and room["kv_free_tokens"] is not None:
+            wait_ms = kv_wait_s(v.decoding, room["kv_free_tokens"], queue_tokens + uncached, step_ms / 1000.0,
+                                v.now) * 1000.0
+            queue_ms += wait_ms
         work = self.work(uncached, cached)
         overhead_ms = cal.request_s * 1000.0
         prefill_ms = work / tps * 1000.0 + (steps - queue_steps) * step_ms + overhead_ms
@@ -173,7 +182,7 @@ class CostModel:
             queue_requests=v.queue_requests, queue_tokens=queue_tokens, decodes=decodes, steps=steps,
             step_ms=step_ms, overhead_ms=overhead_ms, calibration=cal.source, clamped=clamped,
             evicted_blocks=match.local - local, eviction_pressure=p if math.isfinite(p) else -1.0,
-            **kv_room(load, block_size),
+            kv_wait_ms=wait_ms, **room,
         )
 
     def observe_ttft(self, worker, ttft_s: float, predicted: Candidate) -> None:
@@ -193,13 +202,23 @@ class CostModel:
             return
         self._calibrate(worker, predicted.prefill_work / compute_s)
 
-    def observe_engine(self, worker, itl_s: float | None, mean_running: float, overhead_s: float | None) -> None:
-        """One scrape interval's engine figures (WorkerLoad.engine_since) into the worker's calibration."""
+    def observe_engine(self, worker, sample) -> None:
+        """One scrape interval's engine figures (``WorkerLoad.engine_since``, an ``EngineSample``) into the
+        worker's calibration. An inter-token latency is a whole step's time, and a step that also computes
+        a prefill chunk lasts that chunk's compute longer: the interval's prompt tokens computed per step,
+        at the prefill speed, are taken off, so the step figure is the per-step cost the model adds on top
+        of the prefill work (capacity-bound real vLLM on CPU: mean ITL 1-2.4 s where a decode-only step
+        took tens of ms, and with it every queued step was priced at a second or more). At least
+        ``STEP_FLOOR_SHARE`` of the latency is kept (a prefill speed that is off must not zero it)."""
+        itl = sample.itl_s
+        if itl is not None and sample.prefill_tokens_per_step:
+            prefill_s = sample.prefill_tokens_per_step / self.prefill_speed(worker)
+            itl = max(itl * STEP_FLOOR_SHARE, itl - prefill_s)
         for cal in (worker.engine, self.fleet_engine):
-            if itl_s is not None:
-                cal.observe_steps(mean_running, itl_s)
-            if overhead_s is not None:
-                cal.observe_request_overhead(overhead_s, self.cfg.calibration_alpha)
+            if itl is not None:
+                cal.observe_steps(sample.running, itl)
+            if sample.overhead_s is not None:
+                cal.observe_request_overhead(sample.overhead_s, self.cfg.calibration_alpha)
 
     def observe_engine_prefill(self, worker, tokens: float, seconds: float, requests: float,
                                prompt_tokens: float = 0.0) -> None:
@@ -229,6 +248,24 @@ class CostModel:
         worker.prefill_ratio = (1 - b) * ratio + b * min(ratio * 10, max(ratio / 10, observed_tps / fleet))
         worker.prefill_samples += 1
 
+
+
+def kv_wait_s(decoding: list[tuple[float, int, int]], free_tokens: float, demand_tokens: float, step_s: float,
+              now: float) -> float:
+    """Seconds until running requests free the KV that the queue ahead and this request need beyond the free
+    room (vLLM schedules a request only once its blocks fit; evicting free cached blocks is already in the
+    room): the gateway's decoding requests end at their first token plus ``max_tokens`` steps, earliest
+    first, each freeing its prompt and output. 0 when the demand fits or nothing known frees it."""
+    excess = demand_tokens - free_tokens
+    if excess <= 0:
+        return 0.0
+    freed = 0.0
+    end = now
+    for end, held in sorted((first + n * step_s, held) for first, n, held in decoding):
+        freed += held
+        if freed >= excess:
+            break
+    return min(max(0.0, end - now), MAX_TTFT_MS / 1000.0)
 
 
 def kv_room(load, block_size: int) -> dict:

@@ -24,6 +24,8 @@ class Sequence:
     work: float
     deadline: float  # counted as prefilling until then when no first token is seen
     first_at: float | None = None
+    tokens: int = 0  # the whole prompt (the KV it holds once scheduled)
+    max_tokens: int = 0  # the tokens it may generate (0: unknown)
 
 
 @dataclass(slots=True)
@@ -38,6 +40,10 @@ class LoadView:
     unknown_waiting: float = 0.0  # waiting at vLLM beyond the gateway's prefilling requests
     mean_work: float = 0.0  # the worker's mean prefill work per request (prices the unknown ones)
     mean_tokens: float = 0.0  # and its mean uncached tokens per request
+    now: float = 0.0  # the tracker's clock when the view was taken
+    # the gateway's decoding requests whose generation length is known: (first token at, max tokens, KV
+    # tokens held at the end), for the KV-capacity wait (router/cost.py)
+    decoding: list[tuple[float, int, int]] | None = None
 
     @property
     def queue_requests(self) -> float:
@@ -61,12 +67,15 @@ class ActiveSequences:
         self.mean_work = default_work
         self.mean_tokens = default_work
 
-    def add(self, uncached: int, work: float, predicted_s: float, streamed: bool = False) -> Sequence:
+    def add(self, uncached: int, work: float, predicted_s: float, streamed: bool = False, tokens: int = 0,
+            max_tokens: int = 0) -> Sequence:
         """``streamed``: its first token will be seen, so it is prefilling until then however long that
-        takes (early predictions, on default figures, can be far too short)."""
+        takes (early predictions, on default figures, can be far too short). ``tokens``, ``max_tokens``:
+        the prompt's and the generation's length (0: unknown), the KV it will hold and for how long."""
         now = self._clock()
         deadline = float("inf") if streamed else now + max(0.01, 2.0 * predicted_s)
-        seq = Sequence(uncached=max(0, int(uncached)), work=max(0.0, float(work)), deadline=deadline)
+        seq = Sequence(uncached=max(0, int(uncached)), work=max(0.0, float(work)), deadline=deadline,
+                       tokens=max(0, int(tokens)), max_tokens=max(0, int(max_tokens)))
         self._live[id(seq)] = seq
         self.mean_work = 0.9 * self.mean_work + 0.1 * seq.work
         self.mean_tokens = 0.9 * self.mean_tokens + 0.1 * seq.uncached
@@ -86,12 +95,17 @@ class ActiveSequences:
     def view(self, running: float = 0.0, waiting: float = 0.0, now: float | None = None) -> LoadView:
         """The load now, reconciled with vLLM's ``running`` and ``waiting`` gauges."""
         now = self._clock() if now is None else now
-        v = LoadView(inflight=len(self._live), mean_work=self.mean_work, mean_tokens=self.mean_tokens)
+        v = LoadView(inflight=len(self._live), mean_work=self.mean_work, mean_tokens=self.mean_tokens, now=now)
         for s in self._live.values():
             if s.first_at is None and now < s.deadline:
                 v.prefill_requests += 1
                 v.prefill_tokens += s.uncached
                 v.prefill_work += s.work
+            elif s.max_tokens:
+                if v.decoding is None:
+                    v.decoding = []
+                v.decoding.append((s.first_at if s.first_at is not None else s.deadline, s.max_tokens,
+                                   s.tokens + s.max_tokens))
         own_decodes = v.inflight - v.prefill_requests
         v.unknown_waiting = max(0.0, waiting - v.prefill_requests)
         # the gateway's prefilling requests that vLLM does not count as waiting are running (prefilling)

@@ -37,6 +37,17 @@ from router.load import ActiveSequences, LoadView
 log = logging.getLogger("kvgate.registry")
 
 
+@dataclass(frozen=True)
+class EngineSample:
+    """One scrape interval's engine figures: mean inter-token latency, mean running requests, mean
+    per-request time outside the engine, and prompt tokens computed per engine step (None: unknown)."""
+
+    itl_s: float | None
+    running: float
+    overhead_s: float | None
+    prefill_tokens_per_step: float | None = None
+
+
 @dataclass
 class WorkerLoad:
     """vLLM's own load gauges from the last /metrics scrape: a server's summed over its engines (DP ranks),
@@ -57,20 +68,39 @@ class WorkerLoad:
     itl: tuple[float, float] = (0.0, 0.0)  # vllm:inter_token_latency_seconds: one step per token
     ttft: tuple[float, float] = (0.0, 0.0)  # vllm:time_to_first_token_seconds
     queue: tuple[float, float] = (0.0, 0.0)  # vllm:request_queue_time_seconds
+    e2e: tuple[float, float] = (0.0, 0.0)  # vllm:e2e_request_latency_seconds (at finish)
+    inference: tuple[float, float] = (0.0, 0.0)  # vllm:request_inference_time_seconds (at finish)
+    # Per engine step, counted as it happens (not at a request's finish): the steps that output tokens
+    # (vllm:iteration_tokens_total's count) and the prompt tokens they computed
+    # (vllm:prompt_tokens_by_source_total{source="local_compute"}); None: not exported.
+    steps: float = 0.0
+    computed_tokens: float | None = None
     num_gpu_blocks: int | None = None  # vllm:cache_config_info
 
-    def engine_since(self, before: WorkerLoad) -> tuple[float | None, float, float | None]:
-        """(mean inter-token latency, mean running, mean per-request overhead outside queue and prefill)
-        between two scrapes; a mean is None when its histograms saw nothing new (or went back)."""
+    def engine_since(self, before: WorkerLoad) -> EngineSample:
+        """The engine's figures between two scrapes (router/calibrate.py says how each is used); a mean is
+        None when its histograms saw nothing new (or went back)."""
         def mean(now: tuple[float, float], then: tuple[float, float]) -> float | None:
             dn = now[1] - then[1]
             return (now[0] - then[0]) / dn if dn > 0 and now[0] >= then[0] else None
 
         itl = mean(self.itl, before.itl)
-        ttft, queue = mean(self.ttft, before.ttft), mean(self.queue, before.queue)
-        prefill = mean((self.prefill_seconds, self.prefill_requests), (before.prefill_seconds, before.prefill_requests))
-        overhead = ttft - queue - prefill if None not in (ttft, queue, prefill) else None
-        return itl, (self.running + before.running) / 2.0, overhead
+        e2e, queue, inference = mean(self.e2e, before.e2e), mean(self.queue, before.queue), \
+            mean(self.inference, before.inference)
+        if None not in (e2e, queue, inference):
+            # the same finished requests' time outside the engine (API server, tokenization, output)
+            overhead = e2e - queue - inference
+        else:  # older vLLM: first tokens of this interval against the queue and prefill of those finished
+            ttft = mean(self.ttft, before.ttft)
+            prefill = mean((self.prefill_seconds, self.prefill_requests),
+                           (before.prefill_seconds, before.prefill_requests))
+            overhead = ttft - queue - prefill if None not in (ttft, queue, prefill) else None
+        steps = self.steps - before.steps
+        per_step = None
+        if steps > 0 and self.computed_tokens is not None and before.computed_tokens is not None \
+                and self.computed_tokens >= before.computed_tokens:
+            per_step = (self.computed_tokens - before.computed_tokens) / steps
+        return EngineSample(itl, (self.running + before.running) / 2.0, overhead, per_step)
 
     def prefill_since(self, before: WorkerLoad) -> tuple[float, float, float, float] | None:
         """(computed tokens, seconds, requests, prompt tokens) of the requests finished between two
@@ -299,7 +329,8 @@ def worker_name(cfg: WorkerConfig) -> str:
 
 
 _LATENCY_HISTOGRAMS = {"vllm:inter_token_latency_seconds": "itl", "vllm:time_to_first_token_seconds": "ttft",
-                       "vllm:request_queue_time_seconds": "queue"}
+                       "vllm:request_queue_time_seconds": "queue", "vllm:e2e_request_latency_seconds": "e2e",
+                       "vllm:request_inference_time_seconds": "inference"}
 _PREFILL_HISTOGRAMS = {"vllm:request_prefill_kv_computed_tokens": "prefill_tokens",
                        "vllm:request_prefill_time_seconds": "prefill_seconds",
                        "vllm:request_prompt_tokens": "prompt_tokens"}
@@ -336,6 +367,13 @@ def parse_metrics(text: str, engine: str | None = None) -> tuple[WorkerLoad, int
                 elif smp.name == name + "_count":
                     count += smp.value
             setattr(load, attr, (total, count))
+        elif name == "vllm:iteration_tokens_total":
+            load.steps += sum(smp.value for smp in fam.samples if smp.name == name + "_count")
+        elif name == "vllm:prompt_tokens_by_source":
+            computed = [smp.value for smp in fam.samples if smp.labels.get("source") == "local_compute"
+                        and smp.name == name + "_total"]
+            if computed:
+                load.computed_tokens = (load.computed_tokens or 0.0) + sum(computed)
         elif name == "process_start_time_seconds":
             for s in fam.samples:
                 load.process_start = s.value
@@ -382,7 +420,7 @@ class WorkerRegistry:
         # Called with (worker, computed tokens, seconds, requests, prompt tokens) of prefills vLLM finished
         # between two scrapes.
         self.on_prefill = None
-        self.on_engine = None  # (worker, mean ITL, mean running, mean request overhead) per scrape
+        self.on_engine = None  # (worker, EngineSample) per scrape
         self._discovery = None
 
     # --- queries -------------------------------------------------------------------------------
@@ -717,12 +755,13 @@ class WorkerRegistry:
             return
         before = w.load.process_start
         # Prefills finished since the last scrape calibrate the target that ran them: each rank, or the
-        # server; none at the first scrape.
+        # server. The first scrape compares with zero: what the server did before this gateway saw it
+        # (warm-up, earlier traffic) calibrates it at once, instead of the priors routing the first burst.
         done = []
         for t, tload in list(zip(ranks, (lo for lo, _ in per_rank))) or [(w, load)]:
-            first = not t.load.updated_at
-            done.append((t, None if first else tload.prefill_since(t.load),
-                         None if first else tload.engine_since(t.load)))
+            then = t.load if t.load.updated_at else WorkerLoad(running=tload.running, computed_tokens=(
+                None if tload.computed_tokens is None else 0.0))
+            done.append((t, tload.prefill_since(then), tload.engine_since(then)))
             t.load = tload
         w.load = load
         if before is not None and load.process_start is not None and load.process_start != before:
@@ -730,8 +769,8 @@ class WorkerRegistry:
         for t, d, engine in done:
             if d is not None and self.on_prefill is not None:
                 self.on_prefill(t, *d)
-            if engine is not None and self.on_engine is not None:
-                self.on_engine(t, *engine)
+            if self.on_engine is not None:
+                self.on_engine(t, engine)
         if bs:
             w.block_size = bs
 

@@ -45,6 +45,7 @@ class Decision:
     index_error: str | None = None
     g4_blocks: int = 0
     stream: bool = False  # the client asked for a stream: its first token will be seen
+    max_tokens: int = 0  # the generation limit the client asked for (0: none given)
     candidates: list[Candidate] = field(default_factory=list)  # best first
     chosen: str | None = None
     attempts: list[str] = field(default_factory=list)
@@ -95,6 +96,16 @@ class Decision:
         if include_hashes:
             d["hashes"] = [str(h) for h in self.hashes]  # 64-bit: strings survive JSON clients
         return d
+
+
+def max_tokens_of(body: dict) -> int:
+    """The generation limit a request body gives (OpenAI's ``max_completion_tokens`` or ``max_tokens``,
+    the Responses API's ``max_output_tokens``); 0 when none is a positive integer."""
+    for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+        v = body.get(key)
+        if type(v) is int and v > 0:
+            return v
+    return 0
 
 
 class DecisionLog:
@@ -176,7 +187,7 @@ class Router:
         ns, lora = reg.namespace(model) if model else ("", None)
         d = Decision(request_id=request_id or headers.get("x-request-id") or uuid.uuid4().hex,
                      model=model or "", path=path, policy=policy.name, namespace=ns, lora_name=lora,
-                     stream=body.get("stream") is True)
+                     stream=body.get("stream") is True, max_tokens=max_tokens_of(body))
         kind = kind_of(path) if model else "other"
         bs = reg.block_size(model) if model else 0
         d.block_size = bs

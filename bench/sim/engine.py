@@ -100,6 +100,9 @@ class SimRequest:
 @dataclass
 class EngineStats:
     prompt_tokens: int = 0
+    computed_tokens: int = 0  # prompt tokens computed, counted in the step that computed them
+    cached_tokens: int = 0  # prompt tokens from the prefix cache, counted when scheduled
+    external_tokens: int = 0  # prompt tokens loaded from G4, counted when scheduled
     generation_tokens: int = 0
     requests_ok: int = 0
     requests_aborted: int = 0
@@ -131,13 +134,15 @@ class SimEngine:
         self.stats = EngineStats()
         tok = request_tokens_buckets(max_model_len)
         # vLLM's histograms. Per request, at finish: prefill time (scheduled -> first token), queue time
-        # (arrival -> scheduled), new KV tokens computed, prompt tokens. Per token: TTFT (arrival -> first
+        # (arrival -> scheduled), e2e and inference time, new KV tokens computed, prompt tokens. Per token: TTFT (arrival -> first
         # token) and inter-token latency. Per step with output: its prompt tokens computed (a chunked prompt
         # counts whole in the step of its first token, as vLLM's) plus its generated tokens.
         self.h_prefill_time = Histogram(REQUEST_LATENCY_BUCKETS)
         self.h_queue_time = Histogram(REQUEST_LATENCY_BUCKETS)
         self.h_prefill_kv_computed = Histogram(tok)
         self.h_prompt_tokens = Histogram(tok)
+        self.h_e2e = Histogram(REQUEST_LATENCY_BUCKETS)  # at finish: arrival -> finished
+        self.h_inference = Histogram(REQUEST_LATENCY_BUCKETS)  # at finish: scheduled -> finished
         self.h_ttft = Histogram(TIME_TO_FIRST_TOKEN_BUCKETS)
         self.h_itl = Histogram(INTER_TOKEN_LATENCY_BUCKETS)
         self.h_iteration_tokens = Histogram(ITERATION_TOKENS_BUCKETS)
@@ -297,6 +302,8 @@ class SimEngine:
             g4 = a.g4_blocks * self.block_size
             r.cached_tokens = r.computed = a.hit_blocks * self.block_size + g4
             self.stats.prompt_tokens += len(r.tokens)
+            self.stats.cached_tokens += a.hit_blocks * self.block_size
+            self.stats.external_tokens += g4
             if g4 and t.g4_async_load:  # loads outside the step; joins once its blocks are in
                 begin = max(start, self._g4_free_at)
                 r.load_done = self._g4_free_at = begin + t.wall(t.g4_load_s(g4))
@@ -316,6 +323,7 @@ class SimEngine:
         computed = generated = 0
         for r, u in step.prefills:
             r.computed += u
+            self.stats.computed_tokens += u
             if r.computed < len(r.tokens):
                 continue
             self.cache.write_g4(r.alloc, r.tokens)
@@ -341,7 +349,7 @@ class SimEngine:
             self.step_log.append((sum(u for _, u in step.prefills) + len(step.decodes), len(step.decodes), n))
         finished = [r for r in self._running if r.n_out >= r.max_tokens]
         for r in finished:
-            self._finish(r)
+            self._finish(r, end)
         if finished:
             self._running = [r for r in self._running if not r.done]
 
@@ -369,7 +377,7 @@ class SimEngine:
         rng = np.random.default_rng(zlib.crc32(tail) ^ len(req.tokens))
         return rng.integers(0, self.vocab_size, size=req.max_tokens)
 
-    def _finish(self, req: SimRequest) -> None:
+    def _finish(self, req: SimRequest, end: float | None = None) -> None:
         if req.done:
             return
         req.done = True
@@ -389,6 +397,9 @@ class SimEngine:
             self.h_queue_time.observe(max(0.0, req.scheduled_at - req.arrival))
             self.h_prefill_kv_computed.observe(len(req.tokens) - req.cached_tokens)
             self.h_prompt_tokens.observe(len(req.tokens))
+            if end is not None:  # finished by the engine (not aborted): its whole life and its running time
+                self.h_e2e.observe(max(0.0, end - req.arrival))
+                self.h_inference.observe(max(0.0, end - req.scheduled_at))
         if req.cancelled:
             self.stats.requests_aborted += 1
         else:

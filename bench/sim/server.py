@@ -71,6 +71,11 @@ def render_metrics(w: WorkerInfo) -> str:
     counter("vllm:prompt_tokens", e.stats.prompt_tokens, "Number of prefill tokens processed.")
     counter("vllm:generation_tokens", e.stats.generation_tokens, "Number of generation tokens processed.")
     counter("vllm:num_preemptions", 0, "Cumulative number of preemption from the engine.")
+    name = "vllm:prompt_tokens_by_source"
+    out.extend([f"# HELP {name}_total Number of prompt tokens by source.", f"# TYPE {name}_total counter"])
+    for source, value in (("local_compute", e.stats.computed_tokens), ("local_cache_hit", e.stats.cached_tokens),
+                          ("external_kv_transfer", e.stats.external_tokens)):
+        out.append(f'{name}_total{{{lab},source="{source}"}} {float(value)}')
 
     def histogram(name, h, help_):
         out.extend([f"# HELP {name} {help_}", f"# TYPE {name} histogram"])
@@ -84,6 +89,9 @@ def render_metrics(w: WorkerInfo) -> str:
     histogram("vllm:request_prefill_kv_computed_tokens", e.h_prefill_kv_computed,
               "Histogram of new KV tokens computed during prefill (excluding cached tokens).")
     histogram("vllm:request_prompt_tokens", e.h_prompt_tokens, "Number of prefill tokens processed.")
+    histogram("vllm:e2e_request_latency_seconds", e.h_e2e, "Histogram of e2e request latency in seconds.")
+    histogram("vllm:request_inference_time_seconds", e.h_inference,
+              "Histogram of time spent in RUNNING phase for request.")
     histogram("vllm:time_to_first_token_seconds", e.h_ttft, "Histogram of time to first token in seconds.")
     histogram("vllm:inter_token_latency_seconds", e.h_itl, "Histogram of inter-token latency in seconds.")
     histogram("vllm:iteration_tokens_total", e.h_iteration_tokens,

@@ -284,7 +284,8 @@ class CandidateOut(_Open):
     steps: int = Field(0, description="engine steps until this request's first token "
                                       "(max_num_batched_tokens less the decodes per step)")
     step_ms: float = Field(0, description="one step's fixed and decode cost")
-    overhead_ms: float = Field(0, description="the per-request overhead (vLLM's TTFT less queue and prefill)")
+    overhead_ms: float = Field(0, description="the per-request overhead: vLLM's time outside the engine "
+                               "(e2e less queue and inference time of finished requests)")
     calibration: str = Field("defaults", description="where step and overhead figures come from: defaults "
                                                      "(the worker's metrics gave no samples yet), partial, "
                                                      "vllm-metrics")
@@ -299,6 +300,8 @@ class CandidateOut(_Open):
                                   "vllm:kv_cache_usage_perc); null when the metrics are missing or malformed")
     kv_free_tokens: float | None = Field(None, description="those blocks in tokens (with num_gpu_blocks from "
                                          "vllm:cache_config_info); null when unknown")
+    kv_wait_ms: float = Field(0.0, description="of queue_ms: the wait until the gateway's decoding requests "
+                              "end and free the KV the queue ahead and this request need beyond kv_free_tokens")
 
 
 class DecisionOut(_Open):
@@ -322,6 +325,8 @@ class DecisionOut(_Open):
                                    "prefix reaches it): num_tokens is estimated from its bytes")
     index_error: str | None = None
     g4_blocks: int = Field(0, description="leading prompt blocks on G4 (model-wide)")
+    max_tokens: int = Field(0, description="the generation limit the request gave (0: none), which prices "
+                            "how long it holds its KV (kv_wait_ms)")
     candidates: list[CandidateOut] = Field(default_factory=list)
     chosen: str | None = None
     attempts: list[str] = Field(default_factory=list)

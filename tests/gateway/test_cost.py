@@ -5,10 +5,11 @@ import pytest
 
 from indexer.index.base import WorkerMatch
 from router.config import RoutingConfig, WorkerConfig
-from router.cost import CostModel
+from router.cost import STEP_FLOOR_SHARE, CostModel
 from router.policies import RouteRequest, create_policy
 from router.calibrate import EngineCalibration
-from router.registry import Worker
+from router.load import ActiveSequences
+from router.registry import EngineSample, Worker
 
 
 def model(cfg: RoutingConfig, engine=(0.0, 0.0, 0.0)) -> CostModel:
@@ -244,14 +245,65 @@ def test_step_figures_are_fleet_wide_unless_per_worker():
     cm = model(RoutingConfig(prefill_tokens_per_s=10_000.0), engine=(0.01, 0.0, 0.005))
     a, b = worker("a"), worker("b")
     for d in range(6):
-        cm.observe_engine(a, 0.010, d, 0.004)
-        cm.observe_engine(b, 0.014, d, 0.006)
+        cm.observe_engine(a, EngineSample(0.010, d, 0.004))
+        cm.observe_engine(b, EngineSample(0.014, d, 0.006))
     assert a.engine.step_s < b.engine.step_s  # each keeps its own, shown in /admin/workers
     sa, sb = (cm.score(w, WorkerMatch(), 0, 100, 16) for w in (a, b))
     assert sa.predicted_ttft_ms == sb.predicted_ttft_ms
     cm.cfg.per_worker_prefill_speed = True
     sa, sb = (cm.score(w, WorkerMatch(), 0, 100, 16) for w in (a, b))
     assert sa.predicted_ttft_ms < sb.predicted_ttft_ms
+
+
+def test_prefill_chunks_are_taken_out_of_the_step_time():
+    """Capacity-bound real vLLM on CPU: decodes shared their steps with long prefill chunks, the mean
+    inter-token latency was ~1 s where a decode-only step took tens of ms, and pricing every queued step
+    at that double-counted the queue's prefill. The interval's computed prompt tokens per step, at the
+    prefill speed, come off (never below a share of the latency)."""
+    cm = model(RoutingConfig(prefill_tokens_per_s=1000.0), engine=(0.01, 0.0, 0.0))
+    w = worker("a")
+    for _ in range(8):  # each step: 20 ms of its own and a 500-token chunk at 1000 tokens/s (0.5 s)
+        cm.observe_engine(w, EngineSample(0.52, 3, None, prefill_tokens_per_step=500))
+    assert w.engine.step_time_s(3) == pytest.approx(0.020, rel=0.05)
+    raw = worker("b")  # the same latency without the per-step prefill figure (older vLLM): all of it
+    cm2 = model(RoutingConfig(prefill_tokens_per_s=1000.0), engine=(0.01, 0.0, 0.0))
+    for _ in range(8):
+        cm2.observe_engine(raw, EngineSample(0.52, 3, None))
+    assert raw.engine.step_time_s(3) == pytest.approx(0.52, rel=0.05)
+    slow = worker("c")  # a prefill speed estimate far too low would take it all: a floor share stays
+    cm3 = model(RoutingConfig(prefill_tokens_per_s=10.0), engine=(0.01, 0.0, 0.0))
+    for _ in range(8):
+        cm3.observe_engine(slow, EngineSample(0.52, 3, None, prefill_tokens_per_step=500))
+    assert slow.engine.step_time_s(3) == pytest.approx(0.52 * STEP_FLOOR_SHARE, rel=0.05)
+
+
+def test_a_request_waits_for_running_ones_to_free_kv_it_needs():
+    """Capacity-bound real vLLM: a server whose KV is held by decoding requests schedules a new prompt only
+    when enough of them finish (16 output tokens at ~1 s a step on CPU: seconds). The model waits for the
+    earliest ends that free enough; with room, or with nothing known to end, no wait."""
+    clock = [100.0]
+
+    def loaded(name, usage):
+        w = worker(name)
+        w.active = ActiveSequences(clock=lambda: clock[0])
+        for first, n in ((99.0, 16), (97.0, 16)):  # two decoding requests of 1,000 prompt tokens
+            w.active.first_token(seq := w.active.add(0, 0.0, 1e6, streamed=True, tokens=1000, max_tokens=n))
+            seq.first_at = first
+        w.load.kv_usage, w.load.num_gpu_blocks, w.load.updated_at = usage, 200, 1.0  # 3,200 tokens
+        return w
+
+    cm = model(RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0), engine=(0.5, 0.0, 0.0))
+    full = cm.score(loaded("a", 0.75), WorkerMatch(), 0, 1000, 16)  # 800 free, 1,000 needed
+    # the request that started at 97 s ends first (97 + 16 x 0.5 s), freeing its 1,016 tokens
+    assert full.kv_wait_ms == pytest.approx(5000.0)
+    assert full.queue_ms == pytest.approx(5000.0) and full.predicted_ttft_ms > 5000.0
+    roomy = cm.score(loaded("b", 0.25), WorkerMatch(), 0, 1000, 16)  # 2,400 free
+    assert roomy.kv_wait_ms == 0.0
+    # an unknown generation length is never waited for
+    unknown = worker("c")
+    unknown.active.first_token(unknown.active.add(0, 0.0, 1e6, streamed=True, tokens=3000))
+    unknown.load.kv_usage, unknown.load.num_gpu_blocks, unknown.load.updated_at = 0.99, 200, 1.0
+    assert cm.score(unknown, WorkerMatch(), 0, 1000, 16).kv_wait_ms == 0.0
 
 
 def test_blocks_sent_but_not_indexed_yet_are_not_discounted():

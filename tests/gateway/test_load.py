@@ -77,6 +77,17 @@ def test_step_time_is_learnt_from_inter_token_latency():
     assert flat.seq_s == 0.001 and flat.step_time_s(4) == pytest.approx(0.020)
 
 
+def test_a_noisy_slope_never_prices_an_idle_step_at_zero():
+    """Step time that grows much faster with the running count than a decode costs (prefill time left in
+    the samples) fitted a slope whose intercept went negative: an idle server's step came out at 0."""
+    cal = EngineCalibration(step_s=0.01, seq_s=0.0005, request_s=0.0)
+    for d, itl in ((1, 0.05), (2, 0.6), (3, 1.4), (4, 2.0), (2, 0.7), (3, 1.2)):
+        cal.observe_steps(d, itl)
+    mean_d, mean_itl = cal._x / cal._w, cal._y / cal._w
+    assert cal.step_time_s(0) >= mean_itl / (mean_d + 1) - 1e-9  # at least one decode's share of a step
+    assert cal.step_time_s(mean_d) == pytest.approx(mean_itl)  # the line goes through the mean
+
+
 def test_bad_samples_are_clamped_and_counted_never_zero_or_infinite():
     cal = EngineCalibration(step_s=0.01, seq_s=0.0, request_s=0.005)
     cal.observe_steps(2, float("inf"))
@@ -93,12 +104,28 @@ def test_engine_figures_between_two_scrapes():
                         prefill_requests=10)
     after = WorkerLoad(running=4, itl=(2.5, 200), ttft=(16.0, 15), queue=(3.0, 15), prefill_seconds=9.5,
                        prefill_requests=15)
-    itl, running, overhead = after.engine_since(before)
-    assert itl == pytest.approx(0.015) and running == 3.0
-    assert overhead == pytest.approx(6.0 / 5 - 1.0 / 5 - 4.5 / 5)
-    assert WorkerLoad().engine_since(WorkerLoad()) == (None, 0.0, None)  # nothing new: no sample
+    e = after.engine_since(before)
+    assert e.itl_s == pytest.approx(0.015) and e.running == 3.0
+    # without e2e and inference histograms: first tokens of the interval against the finished requests
+    assert e.overhead_s == pytest.approx(6.0 / 5 - 1.0 / 5 - 4.5 / 5)
+    assert e.prefill_tokens_per_step is None  # no per-step figures exported
+    nothing = WorkerLoad().engine_since(WorkerLoad())  # nothing new: no sample
+    assert (nothing.itl_s, nothing.running, nothing.overhead_s) == (None, 0.0, None)
     restarted = WorkerLoad(itl=(0.1, 5))
-    assert restarted.engine_since(after)[0] is None  # counters went back
+    assert restarted.engine_since(after).itl_s is None  # counters went back
+
+
+def test_overhead_from_one_set_of_finished_requests_and_prefill_per_step():
+    """vLLM records TTFT at the first token and queue/prefill time at finish: while a queue builds (each
+    request decoding for seconds), TTFT minus the finished requests' queue and prefill read seconds of
+    "overhead". e2e - queue - inference are all of the finished requests: the time outside the engine."""
+    before = WorkerLoad(ttft=(10.0, 10), queue=(2.0, 10), prefill_seconds=5.0, prefill_requests=10,
+                        e2e=(30.0, 10), inference=(27.5, 10), steps=100, computed_tokens=4000)
+    after = WorkerLoad(ttft=(40.0, 15), queue=(3.0, 15), prefill_seconds=9.5, prefill_requests=15,
+                       e2e=(60.0, 15), inference=(56.4, 15), steps=150, computed_tokens=9000)
+    e = after.engine_since(before)
+    assert e.overhead_s == pytest.approx((30.0 - 1.0 - 28.9) / 5)  # 20 ms, not TTFT's (30-1-4.5)/5 s
+    assert e.prefill_tokens_per_step == pytest.approx(100.0)
 
 
 def test_prediction_errors_summary():

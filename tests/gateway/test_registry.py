@@ -200,6 +200,22 @@ async def test_vllm_prefill_histograms_calibrate_non_streamed_traffic(fleet, sta
     assert after["candidates"][0]["prefill_ms"] > before["prefill_ms"]
 
 
+async def test_the_first_scrape_calibrates_from_what_the_server_ran_before(fleet, start_gateway):
+    """A gateway (re)started in front of a running server learns its speed from the server's history at
+    the first scrape, before any request: on capacity-bound real vLLM the priors (10,000 tokens/s) priced
+    the first burst at a tenth of what it took. A server with no history keeps the prior."""
+    fleet.add("a")
+    fleet.add("b")
+    fleet.states[0].prefill = [8_000, 8.0, 8_000, 4]  # four 2,000-token prefills at 1,000 tokens/s
+    gw = start_gateway(fleet)
+    await wait_until(lambda: gw.state.registry.get("a").prefill_samples >= 1)
+    assert gw.state.registry.get("b").prefill_samples == 0
+    body = {"model": MODEL, "prompt": list(range(1000, 3000)), "max_tokens": 2}
+    async with httpx.AsyncClient(timeout=30) as c:
+        cands = (await c.post(gw.url + "/admin/explain", json={"body": body})).json()["candidates"]
+    assert all(x["prefill_tokens_per_s"] < 9_000 for x in cands)  # the fleet-wide estimate moved
+
+
 async def test_discovery_readiness_flap_keeps_entries_and_a_long_absence_removes(fleet, start_gateway):
     """Kubernetes drops a pod from its EndpointSlice while it is not ready: out of routing at once, its
     entries kept if it comes back within lost_grace_s, removed with them if it does not."""

@@ -105,6 +105,10 @@ async def test_metrics_use_vllms_names_and_labels(fleet):
     load, block_size = parse_metrics(text)
     assert block_size == 16 and load.prefill_requests == 2 and load.prefill_tokens == 40 + 8
     assert load.prefill_seconds > 0
+    # per step, as vLLM counts them: the prompt tokens computed and the steps; at finish: e2e and the
+    # running phase, which bound the time outside the engine
+    assert load.computed_tokens == 40 + 8 and load.steps >= 2
+    assert load.e2e[1] == load.inference[1] == 2 and load.e2e[0] >= load.inference[0] > 0
 
 
 async def test_discovery_models_health(fleet):
