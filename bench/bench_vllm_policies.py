@@ -34,7 +34,7 @@ import yaml
 
 from bench import capacity_bound, tiny_model
 from bench.chat_workload import TurnResult, make_sessions, run_sessions
-from bench.vllm_server import VllmServer, free_port, start_all
+from bench.vllm_server import VllmServer, free_port, one_core_each, start_all
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "m152"
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         VllmServer(
             model_dir, name=f"vllm-{i}", served_model_name=MODEL, omp_threads_bind=bind, max_model_len=8192
         )
-        for i, bind in enumerate(["auto", "1"])
+        for i, bind in enumerate(one_core_each(2))
     ]
     logs = [str(s.workdir) for s in servers]
     print(f"starting two vLLM servers ({args.size}); logs under {workdir} and {logs}")

@@ -285,7 +285,7 @@ def clear_g4(servers, g4_dir: str) -> None:
 
 def run(args, model_dir: str) -> int:
     from bench.bench_vllm_policies import MODEL
-    from bench.vllm_server import VllmServer, start_all
+    from bench.vllm_server import VllmServer, one_core_each, start_all
 
     clients, ws = plan(model_dir, args)
     print(
@@ -303,7 +303,7 @@ def run(args, model_dir: str) -> int:
         VllmServer(model_dir, name=f"vllm-{i}", served_model_name=MODEL, omp_threads_bind=bind,
                    block_size=args.block_size, max_model_len=ws["max_model_len"],
                    num_gpu_blocks=ws["num_gpu_blocks"], g4_path=args.g4_dir)
-        for i, bind in enumerate(["auto", "1"])
+        for i, bind in enumerate(one_core_each(2))
     ]
     print(f"starting two vLLM servers ({args.size}); logs under {workdir} and "
           f"{[str(s.workdir) for s in servers]}", flush=True)

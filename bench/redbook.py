@@ -81,14 +81,14 @@ def settings(args) -> argparse.Namespace:
 
 
 def servers(model_dir: str, s, g4: str | None) -> list:
-    from bench.vllm_server import VllmServer
+    from bench.vllm_server import VllmServer, one_core_each
 
     return [
         VllmServer(model_dir, name=f"vllm-{i}", served_model_name=MODEL, omp_threads_bind=bind,
                    max_model_len=s.max_model_len, num_gpu_blocks=s.gpu_blocks,
                    extra_args=["--dtype", "bfloat16"], g4_path=g4,
                    g4_config=s.connector_extra if g4 else None)
-        for i, bind in enumerate(["auto", "1"][: s.servers])
+        for i, bind in enumerate(one_core_each(s.servers))
     ]
 
 

@@ -49,6 +49,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def one_core_each(n: int) -> list[str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``n`` servers side by side: one core each ("0", "1", ...) while the
+    machine has cores for them, else "auto". Not "auto" for the first of two: vLLM 0.32 binds it to every
+    core ([0, 1] here, 2 OpenMP threads), so its second thread shares the other server's core and its
+    spin-waiting parallel regions stall while that server computes (capacity-bound runs: a first server
+    answering its first requests after 20-40 s)."""
+    cores = os.cpu_count() or 1
+    return [str(i) if n <= cores else "auto" for i in range(n)]
+
+
 class VllmServer:
     """A vLLM OpenAI-compatible server on loopback with KV events. ``start()`` returns at once;
     ``wait_ready()`` blocks until ``/health`` answers 200.

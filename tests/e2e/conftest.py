@@ -9,10 +9,9 @@ start fails the tests with its log; nothing is skipped.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
+from bench.vllm_server import one_core_each
 from tests.support.vllm_server import VllmServer, start_all
 
 E2E_MODEL_NAME = "tiny"
@@ -45,10 +44,10 @@ def tiny_model_dir() -> str:
 
 @pytest.fixture(scope="package")
 def vllm_fleet(tiny_model_dir) -> list[VllmServer]:
-    """Two real vLLM servers, ``vllm-0`` on core 0 and ``vllm-1`` on core 1, shared by every test of
+    """Two real vLLM servers, ``vllm-0`` on core 0 and ``vllm-1`` on core 1 (``one_core_each``), shared by every test of
     tests/e2e and stopped when the package is done (before other packages start servers of their own:
     two more would not fit beside them on a 2-core, 24 GiB machine)."""
-    binds = ["auto", "1"] if (os.cpu_count() or 1) >= 2 else ["auto", "auto"]
+    binds = one_core_each(2)
     servers = [
         VllmServer(
             tiny_model_dir,

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from bench import tiny_model
-from bench.vllm_server import start_all, vllm_python
+from bench.vllm_server import one_core_each, start_all, vllm_python
 from indexer.hashing import routable_blocks, sequence_hashes
 from tests.g4.events import EventTap, IndexThread, g4_hashes_from_events
 from tests.g4.real_vllm import (
@@ -46,8 +46,9 @@ def g4(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(model, g4):
-    a = g4_server(model, g4, "g4-a", omp_threads_bind="auto")
-    b = g4_server(model, g4, "g4-b", omp_threads_bind="1")
+    bind_a, bind_b = one_core_each(2)
+    a = g4_server(model, g4, "g4-a", omp_threads_bind=bind_a)
+    b = g4_server(model, g4, "g4-b", omp_threads_bind=bind_b)
     try:
         start_all([a, b])
         taps = {"a": EventTap(a.events_port, a.topic), "b": EventTap(b.events_port, b.topic)}
