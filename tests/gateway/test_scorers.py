@@ -67,6 +67,18 @@ def test_continuity_term_prices_future_turns_and_the_margin_for_non_holders_only
     assert s.ms(o, Fleet.of([cand("a"), o], 0.1)) == 0  # no holder, nothing to leave
 
 
+def test_no_margin_for_a_lead_the_candidate_loads_from_g4():
+    """With G4, leaving the holder splits nothing: the other worker loads the holder's lead (it is its own
+    the next turn), so only the part it would compute keeps the margin; the load time is in its TTFT."""
+    h = cand("h", cached=800, uncached=200, ttft=300.0)
+    s = ContinuityScorer(future_turns=2.0, margin=0.1, margin_ms=5.0)
+    loads_all = cand("g", cached=800, uncached=200, blocks=0, g4_blocks=50)
+    assert s.ms(loads_all, Fleet.of([h, loads_all], 0.1)) == 0
+    loads_half = cand("g", cached=400, uncached=600, blocks=0, g4_blocks=25)
+    # 2 turns x 400 tokens it computes, and half the margin (half the lead is computed)
+    assert s.ms(loads_half, Fleet.of([h, loads_half], 0.1)) == pytest.approx(2 * 40.0 + 0.5 * (30.0 + 5.0))
+
+
 def test_a_conversation_stays_under_a_small_queue_and_leaves_under_a_large_one():
     """The holder has 800 of 1000 tokens; an idle worker would compute all 1000 (80 ms more). One queued
     request on the holder (+100 ms) sends the turn away without hysteresis; with it, it stays; a queue of
