@@ -48,6 +48,8 @@ RATIO_ALPHA_SHARE = 0.25
 MIN_OWN_SAMPLES = 3
 # The share of an interval's mean inter-token latency always kept as step time (observe_engine).
 STEP_FLOOR_SHARE = 0.01
+# The share of vLLM's prefill seconds always counted as prefill compute (observe_engine_prefill).
+MIN_COMPUTE_SHARE = 0.5
 MIN_TTFT_MS, MAX_TTFT_MS = 0.1, 3_600_000.0
 
 
@@ -226,15 +228,18 @@ class CostModel:
         in prefill over the seconds from scheduling to first token (``vllm:request_prefill_kv_computed_tokens``,
         ``vllm:request_prefill_time_seconds``; ``vllm:request_prompt_tokens`` gives the cached context, taken
         as the interval's mean per request). It sees every request, streamed or not, and no queue wait.
-        The steps' own cost (router/calibrate.py) is not prefill compute: it is taken off, down to a tenth
-        of the time at most (a step estimate that is off must not make the speed explode)."""
+        The steps' own cost (router/calibrate.py) is not prefill compute: it is taken off, down to half of
+        the time at most. The step figure is itself learnt with this speed (``observe_engine`` takes the
+        prefill chunks off the inter-token latency at it), so a looser bound fed back: on capacity-bound CPU
+        vLLM, a tenth let a speed 4-5x too high leave most of the prefill in the step figure, which took
+        most of the next interval's prefill seconds off, and the speed swung 500-3,100 tokens/s."""
         if requests <= 0 or seconds <= 1e-4 or tokens / requests < MIN_CALIBRATION_TOKENS:
             return
         per_request = tokens / requests
         cached = max(0.0, prompt_tokens - tokens) / requests
         steps = math.ceil(per_request / self.budget(worker))
         stepping = requests * steps * self.engine_of(worker).step_time_s(worker.load.running)
-        compute_s = max(seconds / 10.0, seconds - stepping)
+        compute_s = max(seconds * MIN_COMPUTE_SHARE, seconds - stepping)
         self._calibrate(worker, requests * self.work(per_request, cached) / compute_s)
 
     def _calibrate(self, worker, observed_tps: float) -> None:

@@ -5,7 +5,7 @@ import pytest
 
 from indexer.index.base import WorkerMatch
 from router.config import RoutingConfig, WorkerConfig
-from router.cost import STEP_FLOOR_SHARE, CostModel
+from router.cost import MIN_COMPUTE_SHARE, STEP_FLOOR_SHARE, CostModel
 from router.policies import RouteRequest, create_policy
 from router.calibrate import EngineCalibration
 from router.load import ActiveSequences
@@ -253,6 +253,17 @@ def test_step_figures_are_fleet_wide_unless_per_worker():
     cm.cfg.per_worker_prefill_speed = True
     sa, sb = (cm.score(w, WorkerMatch(), 0, 100, 16) for w in (a, b))
     assert sa.predicted_ttft_ms < sb.predicted_ttft_ms
+
+
+def test_a_step_figure_that_is_off_takes_at_most_half_the_prefill_seconds():
+    """The step figure and the prefill speed are learnt from each other: with a step time of seconds (the
+    prefill left in it), subtracting the steps from vLLM's prefill seconds down to a tenth made the speed
+    10x too high, which left more prefill in the next step figure. At most half is taken off now."""
+    cm = model(RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0, calibration_alpha=1.0),
+               engine=(5.0, 0.0, 0.0))  # a 5 s step, far above the 2 s the prefills took
+    w = worker("a")
+    cm.observe_engine_prefill(w, tokens=2000, seconds=2.0, requests=1)
+    assert cm.fleet_tps == pytest.approx(2000 / (2.0 * MIN_COMPUTE_SHARE))  # 2,000 tokens/s, not 10,000
 
 
 def test_prefill_chunks_are_taken_out_of_the_step_time():
