@@ -255,18 +255,18 @@ class CostModel:
 
 
 
-def kv_wait_s(decoding: list[tuple[float, int, int]], free_tokens: float, demand_tokens: float, step_s: float,
-              now: float) -> float:
+def kv_wait_s(decoding: list, free_tokens: float, demand_tokens: float, step_s: float, now: float) -> float:
     """Seconds until running requests free the KV that the queue ahead and this request need beyond the free
     room (vLLM schedules a request only once its blocks fit; evicting free cached blocks is already in the
-    room): the gateway's decoding requests end at their first token plus ``max_tokens`` steps, earliest
-    first, each freeing its prompt and output. 0 when the demand fits or nothing known frees it."""
+    room): the gateway's decoding requests (router/load.py ``Sequence``) end at their first token plus
+    ``max_tokens`` steps, earliest first, each freeing its prompt and output. 0 when the demand fits or
+    nothing known frees it."""
     excess = demand_tokens - free_tokens
     if excess <= 0:
         return 0.0
     freed = 0.0
     end = now
-    for end, held in sorted((first + n * step_s, held) for first, n, held in decoding):
+    for end, held in sorted(seq.kv_release(step_s) for seq in decoding):
         freed += held
         if freed >= excess:
             break

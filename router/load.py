@@ -27,6 +27,12 @@ class Sequence:
     tokens: int = 0  # the whole prompt (the KV it holds once scheduled)
     max_tokens: int = 0  # the tokens it may generate (0: unknown)
 
+    def kv_release(self, step_s: float) -> tuple[float, int]:
+        """When a decoding sequence is expected to end (``max_tokens`` steps after its first token, or its
+        deadline when none was seen) and the KV tokens it frees then."""
+        first = self.first_at if self.first_at is not None else self.deadline
+        return first + self.max_tokens * step_s, self.tokens + self.max_tokens
+
 
 @dataclass(slots=True)
 class LoadView:
@@ -41,9 +47,9 @@ class LoadView:
     mean_work: float = 0.0  # the worker's mean prefill work per request (prices the unknown ones)
     mean_tokens: float = 0.0  # and its mean uncached tokens per request
     now: float = 0.0  # the tracker's clock when the view was taken
-    # the gateway's decoding requests whose generation length is known: (first token at, max tokens, KV
-    # tokens held at the end), for the KV-capacity wait (router/cost.py)
-    decoding: list[tuple[float, int, int]] | None = None
+    # the gateway's decoding requests whose generation length is known, for the KV-capacity wait
+    # (router/cost.py); None when there are none
+    decoding: list[Sequence] | None = None
 
     @property
     def queue_requests(self) -> float:
@@ -104,8 +110,7 @@ class ActiveSequences:
             elif s.max_tokens:
                 if v.decoding is None:
                     v.decoding = []
-                v.decoding.append((s.first_at if s.first_at is not None else s.deadline, s.max_tokens,
-                                   s.tokens + s.max_tokens))
+                v.decoding.append(s)
         own_decodes = v.inflight - v.prefill_requests
         v.unknown_waiting = max(0.0, waiting - v.prefill_requests)
         # the gateway's prefilling requests that vLLM does not count as waiting are running (prefilling)
