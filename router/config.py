@@ -163,6 +163,10 @@ class TokenizerConfig(BaseModel):
     prefix_cache_bytes: int = Field(256 * 1024 * 1024, ge=0)
     prefix_chunk_bytes: int = Field(2048, ge=64)
     prefix_cut_bytes: int = Field(256, ge=16)
+    # A text too short to hold a prefix-cache anchor (under ``prefix_chunk_bytes``: a small chat) skips the
+    # prefix cache; its pieces between special tokens (a system prompt, role headers) are kept by their
+    # exact text up to this many bytes (0 turns it off) and only the rest is encoded.
+    segment_cache_bytes: int = Field(16 * 1024 * 1024, ge=0)
     # Every Nth request that reused cached ids is re-encoded whole off the loop to check (0: never).
     prefix_verify_every: int = Field(100, ge=0)
     # New prompt text longer than twice this is encoded in stages (this many bytes, then 4x more each) only

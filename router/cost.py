@@ -53,7 +53,7 @@ MIN_COMPUTE_SHARE = 0.5
 MIN_TTFT_MS, MAX_TTFT_MS = 0.1, 3_600_000.0
 
 
-@dataclass
+@dataclass(slots=True)
 class Candidate:
     """One worker's inputs and prediction for one request (kept in the decision record)."""
 
@@ -98,7 +98,9 @@ class Candidate:
     kv_wait_ms: float = 0.0  # of queue_ms: until running requests free the KV the queue and this one need
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["terms_ms"] = {k: round(v, 3) for k, v in self.terms_ms.items()}
+        return d
 
 
 class CostModel:
@@ -134,57 +136,63 @@ class CostModel:
     def score(self, worker, match: WorkerMatch, g4: int, num_tokens: int, block_size: int,
               pending_blocks: int = 0) -> Candidate:
         """``pending_blocks``: the last of ``match.local`` are blocks the gateway sent the worker whose
-        events are not indexed yet (router/pending.py): being computed or just computed, not evictable."""
+        events are not indexed yet (router/pending.py): being computed or just computed, not evictable.
+        Runs for every candidate of every request: one load view, one Candidate, no intermediate dicts."""
         cfg = self.cfg
         tps = self.prefill_speed(worker)
         load = worker.load
         v = worker.view()
         cal = self.engine_of(worker)
-        indexed = match.local - max(0, min(pending_blocks, match.local))
-        p = eviction.pressure(v.queue_tokens, block_size, load.kv_usage, load.num_gpu_blocks)
-        local = eviction.surviving(indexed, p, worker.eviction.scale)
+        m_local = match.local
+        indexed = m_local - (max(0, min(pending_blocks, m_local)) if pending_blocks else 0)
+        queue_tokens = v.queue_tokens
+        usage = load.kv_usage
+        p = eviction.pressure(queue_tokens, block_size, usage, load.num_gpu_blocks) if queue_tokens > 0 else 0.0
+        local = eviction.surviving(indexed, p, worker.eviction.scale) if p else indexed
         if local == indexed:  # nothing evicted ahead of them: the pending blocks extend the prefix
-            local = match.local
-        g4_extra = max(0, g4 - local)
+            local = m_local
+        g4_extra = g4 - local if g4 > local else 0
         cached = min(num_tokens, (local + g4_extra) * block_size)
-        uncached = max(0, num_tokens - cached)
+        uncached = num_tokens - cached if num_tokens > cached else 0
         budget = self.budget(worker)
         decodes = min(v.decodes, budget - 1)
         per_step = budget - decodes
-        queue_tokens = v.queue_tokens
-        queue_steps = math.ceil(queue_tokens / per_step)
+        queue_steps = math.ceil(queue_tokens / per_step) if queue_tokens > 0 else 0
         steps = max(queue_steps + 1, math.ceil((queue_tokens + uncached) / per_step))
         step_ms = cal.step_time_s(decodes) * 1000.0
         queue_ms = v.queue_work / tps * 1000.0 + queue_steps * step_ms
-        room = kv_room(load, block_size)
+        kv_free, kv_free_tokens = kv_room(load, block_size)
         wait_ms = 0.0
-        if v.decoding and room["kv_free_tokens"] is not None:
-            wait_ms = kv_wait_s(v.decoding, room["kv_free_tokens"], queue_tokens + uncached, step_ms / 1000.0,
+        if v.decoding and kv_free_tokens is not None:
+            wait_ms = kv_wait_s(v.decoding, kv_free_tokens, queue_tokens + uncached, step_ms / 1000.0,
                                 v.now) * 1000.0
             queue_ms += wait_ms
         work = self.work(uncached, cached)
         overhead_ms = cal.request_s * 1000.0
         prefill_ms = work / tps * 1000.0 + (steps - queue_steps) * step_ms + overhead_ms
-        # G4 price: the worker's calibrated figures (connector counters, router/prefetch.py) or the defaults
-        bpb = getattr(worker, "g4_bytes_per_block", 0) or cfg.g4_bytes_per_block
-        bw = getattr(worker, "g4_bytes_per_s", 0.0) or cfg.g4_bytes_per_s
-        g4_ms = g4_extra * bpb / max(1.0, bw) * 1000.0
+        if g4_extra:  # G4 price: the worker's calibrated figures (router/prefetch.py) or the defaults
+            bpb = getattr(worker, "g4_bytes_per_block", 0) or cfg.g4_bytes_per_block
+            bw = getattr(worker, "g4_bytes_per_s", 0.0) or cfg.g4_bytes_per_s
+            g4_ms = g4_extra * bpb / max(1.0, bw) * 1000.0
+        else:
+            g4_ms = 0.0
         total = queue_ms + prefill_ms + g4_ms
         clamped = not MIN_TTFT_MS <= total <= MAX_TTFT_MS  # NaN included
         if clamped:
             total = MAX_TTFT_MS if total > MIN_TTFT_MS else MIN_TTFT_MS
+        inflight = v.inflight
+        running_waiting = load.running + load.waiting
         return Candidate(
             worker=worker.name, gpu_blocks=match.gpu, cpu_blocks=match.cpu, local_blocks=local,
             g4_blocks=g4_extra, cached_tokens=cached, uncached_tokens=uncached, prefill_work=work,
-            inflight=v.inflight, pending_requests=v.prefill_requests, pending_tokens=round(v.prefill_work),
-            vllm_running=load.running, vllm_waiting=load.waiting, kv_usage=load.kv_usage,
-            prefill_tokens_per_s=tps, queue_ms=queue_ms, prefill_ms=prefill_ms, g4_load_ms=g4_ms,
-            predicted_ttft_ms=total,
-            load=max(float(v.inflight), load.running + load.waiting) + load.kv_usage,
+            inflight=inflight, pending_requests=v.prefill_requests, pending_tokens=round(v.prefill_work),
+            vllm_running=load.running, vllm_waiting=load.waiting, kv_usage=usage, prefill_tokens_per_s=tps,
+            queue_ms=queue_ms, prefill_ms=prefill_ms, g4_load_ms=g4_ms, predicted_ttft_ms=total,
+            load=(inflight if inflight > running_waiting else running_waiting) + usage,
             queue_requests=v.queue_requests, queue_tokens=queue_tokens, decodes=decodes, steps=steps,
             step_ms=step_ms, overhead_ms=overhead_ms, calibration=cal.source, clamped=clamped,
-            evicted_blocks=match.local - local, eviction_pressure=p if math.isfinite(p) else -1.0,
-            kv_wait_ms=wait_ms, **room,
+            evicted_blocks=m_local - local, eviction_pressure=p if math.isfinite(p) else -1.0,
+            kv_free=kv_free, kv_free_tokens=kv_free_tokens, kv_wait_ms=wait_ms,
         )
 
     def observe_ttft(self, worker, ttft_s: float, predicted: Candidate) -> None:
@@ -273,12 +281,11 @@ def kv_wait_s(decoding: list, free_tokens: float, demand_tokens: float, step_s: 
     return min(max(0.0, end - now), MAX_TTFT_MS / 1000.0)
 
 
-def kv_room(load, block_size: int) -> dict:
+def kv_room(load, block_size: int) -> tuple[float | None, float | None]:
     """``kv_free`` and ``kv_free_tokens`` of a Candidate: None unless a scrape gave a usage in [0, 1]
     (a worker never scraped reads 0, which is no evidence of free room)."""
     u = load.kv_usage
     if not load.updated_at or not isinstance(u, (int, float)) or not 0.0 <= u <= 1.0:  # NaN included
-        return {"kv_free": None, "kv_free_tokens": None}
+        return None, None
     blocks = load.num_gpu_blocks
-    tokens = (1.0 - u) * blocks * block_size if blocks and block_size > 0 else None
-    return {"kv_free": 1.0 - u, "kv_free_tokens": tokens}
+    return 1.0 - u, ((1.0 - u) * blocks * block_size if blocks and block_size > 0 else None)

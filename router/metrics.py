@@ -53,21 +53,27 @@ class _Snapshot:
                     "encoded_bytes": "Prompt bytes tokenized",
                     "deferred_bytes": "Prompt bytes not tokenized: past every worker's cached prefix",
                     "saved_seconds": "Tokenizer time saved (reused bytes x measured encoding time per byte)",
-                    "mismatches": "Cached encodings that differed from the whole text's (the cache turns off)"}
+                    "mismatches": "Cached encodings that differed from the whole text's (the cache turns off)",
+                    "segment_reused_chars": "Short-prompt characters whose ids came from the segment memo",
+                    "segment_encoded_chars": "Short-prompt characters tokenized"}
         fams = {k: CounterMetricFamily(f"kvgate_tokenize_cache_{k}", h, labels=["model"]) for k, h in counters.items()}
         held = GaugeMetricFamily("kvgate_tokenize_cache_bytes", "Bytes held by the prefix token cache",
                                  labels=["model"])
         ratio = GaugeMetricFamily("kvgate_tokenize_cache_hit_ratio", "hits / (hits + misses) since start",
                                   labels=["model"])
+        seg = GaugeMetricFamily("kvgate_tokenize_cache_segment_bytes",
+                                "Bytes held by the segment memo of short prompts", labels=["model"])
         for model, st in self.tokenize.items():
             for k, fam in fams.items():
                 fam.add_metric([model], float(st.get(k, 0) or 0))
             held.add_metric([model], float(st.get("bytes", 0)))
+            seg.add_metric([model], float(st.get("segment_bytes", 0)))
             n = st.get("hits", 0) + st.get("misses", 0)
             ratio.add_metric([model], st.get("hits", 0) / n if n else 0.0)
         yield from fams.values()
         yield held
         yield ratio
+        yield seg
 
 
 # observed / predicted: a factor of 10 either way, finer near 1

@@ -216,9 +216,11 @@ class Router:
             return max([r.g4, *(r.match(n).local for n in names)])
 
         if kind != "other":
-            tok_worker = min(workers, key=lambda w: w.inflight)
+            # a worker's /tokenize only when no local tokenizer serves the model: the least busy one
+            tok_url = (None if self.tokenizers.for_model(model, ns) is not None
+                       else min(workers, key=lambda w: w.inflight).url)
             res = await self.tokenizers.tokenize(model, kind, tok_body, size=size or 0, namespace=ns,
-                                               worker_url=tok_worker.url, hashing=(bs, lora, salt), reach=reach)
+                                               worker_url=tok_url, hashing=(bs, lora, salt), reach=reach)
             d.tokenizer, d.tokenize_error = res.source, res.error
             d.reused_bytes, d.new_bytes = res.reused_bytes, res.new_bytes
         t1 = time.perf_counter()
@@ -246,7 +248,8 @@ class Router:
             on its own LOCAL storage."""
             return max((result.g4 if m is None else result.match(m).local for m in reads[w.name]), default=0)
 
-        d.g4_blocks = max((g4_run(w) for w in workers), default=0)
+        g4_runs = [g4_run(w) for w in workers]
+        d.g4_blocks = max(g4_runs, default=0)
 
         def match(w) -> tuple[WorkerMatch, int]:
             """The worker's leading blocks, and how many of them were sent there but are not indexed yet."""
@@ -260,8 +263,9 @@ class Router:
                     return WorkerMatch(gpu=max(m.gpu, n), cpu=m.cpu, local=n), n - m.local
             return m, 0
 
-        scored = [self.cost.score(w, m, g4_run(w), d.num_tokens, bs, pending_blocks=p)
-                  for w in workers for m, p in (match(w),)]
+        score = self.cost.score
+        scored = [score(w, m, g4, d.num_tokens, bs, pending_blocks=p)
+                  for w, g4 in zip(workers, g4_runs) for m, p in (match(w),)]
         d.candidates = policy.order(RouteRequest(model, path, headers), scored)
         d.chosen = d.candidates[0].worker if d.candidates else None
         t4 = time.perf_counter()

@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import httpx
 import jinja2
+from cachetools import LRUCache
 
 from indexer.hashing import routable_blocks, sequence_hashes
 from router.config import Settings, TokenizerConfig
@@ -122,6 +124,47 @@ def _plain_chat(messages: list[dict], body: dict) -> bool:
     return True
 
 
+def _not_utf8() -> APIError:
+    return APIError(400, "The prompt is not valid UTF-8 (it holds a lone surrogate).", code="invalid_prompt")
+
+
+class SegmentMemo:
+    """Ids of the pieces of short texts between special tokens, by their exact text (a dict key: the whole
+    text decides, never a hash), LRU-bounded by bytes. A small chat repeats its system prompt and role
+    headers and differs in its last message; this keeps the repeated pieces' ids."""
+
+    MAX_PIECE_CHARS = 1024  # longer pieces are encoded and not kept (few repeat)
+
+    def __init__(self, specials: list[bytes], max_bytes: int) -> None:
+        alts = sorted({s.decode("utf-8") for s in specials}, key=len, reverse=True)
+        self.split = re.compile("(" + "|".join(map(re.escape, alts)) + ")").split
+        self._ids: LRUCache = LRUCache(maxsize=max_bytes, getsizeof=lambda v: v[0])
+        self.reused_chars = self.encoded_chars = 0
+
+    def get(self, piece: str) -> array.array | None:
+        hit = self._ids.get(piece)
+        return None if hit is None else hit[1]
+
+    def put(self, piece: str, ids: list[int]) -> array.array:
+        a = array.array("I", ids)
+        # the key's characters (up to 4 bytes each), the ids, and the dict and object overheads
+        size = 4 * len(piece) + 4 * len(a) + 200
+        if len(piece) <= self.MAX_PIECE_CHARS and size <= self._ids.maxsize:
+            self._ids[piece] = (size, a)
+        return a
+
+    @property
+    def bytes(self) -> int:
+        return int(self._ids.currsize)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def clear(self) -> None:
+        self._ids.clear()
+        self.reused_chars = self.encoded_chars = 0
+
+
 class LocalTokenizer:
     """A model's own tokenizer and chat template, loaded once at start-up."""
 
@@ -149,13 +192,15 @@ class LocalTokenizer:
         self.prefix = (PrefixTokenCache(cut, max_bytes=cfg.prefix_cache_bytes, chunk_bytes=cfg.prefix_chunk_bytes,
                                         cut_bytes=cfg.prefix_cut_bytes) if cut is not None and cfg.prefix_cache_bytes
                        else None)
+        self.segments = (SegmentMemo(cut.specials, cfg.segment_cache_bytes)
+                         if self.prefix is not None and cut.specials and cfg.segment_cache_bytes else None)
         self.mismatches = 0
         self.deferred_bytes = 0  # prompt bytes never encoded: past every cached prefix (Tokenizers._encode_start)
         self.seconds_per_byte = 0.0  # encoding speed (EWMA), for the time the cache saves
         self.saved_s = 0.0
         self.wrap = self._special_wrap()
         if self.prefix is not None and not self._self_check():
-            self.prefix = None
+            self.prefix = self.segments = None
             self.cuts = "off (self-check)"
         self.fast_render = self._render_check()
 
@@ -246,8 +291,40 @@ class LocalTokenizer:
         try:
             return self.prefix.lookup(text)
         except UnicodeEncodeError:
-            raise APIError(400, "The prompt is not valid UTF-8 (it holds a lone surrogate).",
-                           code="invalid_prompt") from None
+            raise _not_utf8() from None
+
+    def small(self, text: str, add_special_tokens: bool) -> bool:
+        """Whether ``text`` takes :meth:`encode_small`: too short to hold a prefix-cache anchor, so its
+        record could never be found again (raises the 400 for text that is not valid UTF-8)."""
+        if self.segments is None or (add_special_tokens and self.wrap is None) or len(text) >= self.prefix.chunk:
+            return False
+        try:
+            return len(text.encode("utf-8")) < self.prefix.chunk
+        except UnicodeEncodeError:
+            raise _not_utf8() from None
+
+    def encode_small(self, text: str, add_special_tokens: bool) -> Tokenized:
+        """A short text's ids: its pieces between special tokens from the segment memo, the rest encoded
+        (the tokenizer splits at those tokens before anything else, so the pieces encode alone)."""
+        memo = self.segments
+        pre, post = self.wrap if add_special_tokens else ((), ())
+        ids = array.array("I", pre)
+        reused = 0
+        enc = self.fast.encode
+        for part in memo.split(text):
+            if not part:
+                continue
+            hit = memo.get(part)
+            if hit is None:
+                hit = memo.put(part, enc(part, add_special_tokens=False).ids)
+            else:
+                reused += len(part)
+            ids.extend(hit)
+        if post:
+            ids.extend(post)
+        memo.reused_chars += reused
+        memo.encoded_chars += len(text) - reused
+        return Tokenized(ids, "local", reused, len(text) - reused)
 
     def build(self, lk: Lookup, add_special_tokens: bool, hashing: tuple | None, off_loop: bool = False):
         """Encode what ``lk`` does not know and assemble the record, with the block hashes for ``hashing``
@@ -282,6 +359,8 @@ class LocalTokenizer:
                          cache=self.prefix)
 
     def tokenize_text_sync(self, text: str, add_special_tokens: bool) -> Tokenized:
+        if self.small(text, add_special_tokens):
+            return self.encode_small(text, add_special_tokens)
         lk = self.prepare(text, add_special_tokens)
         if lk is None:
             return Tokenized(array.array("I", self.encode(text, add_special_tokens)), "local", 0, len(text))
@@ -315,7 +394,7 @@ class LocalTokenizer:
         if self.prefix is not None:
             log.error("%s: prefix-cached ids differ from the whole text's encoding; prefix cache off", self.path)
             self.prefix.clear()
-            self.prefix = None
+            self.prefix = self.segments = None
             self.cuts = "off (mismatch)"
         return False
 
@@ -338,13 +417,17 @@ class LocalTokenizer:
         saved = self.prefix
         try:
             for text in probes:
-                if list(self.tokenize_text_sync(text, False).tokens) != self.encode(text, False):
+                whole = self.encode(text, False)
+                if list(self.tokenize_text_sync(text, False).tokens) != whole or (
+                        self.segments is not None and list(self.encode_small(text, False).tokens) != whole):
                     log.warning("%s: prefix-cached encoding differs from whole encoding; prefix cache off",
                                 self.path)
                     return False
             return True
         finally:
             saved.clear()
+            if self.segments is not None:
+                self.segments.clear()
 
 
 def _lower_priority(nice: int) -> None:
@@ -436,6 +519,10 @@ class Tokenizers:
     async def _encode(self, local: LocalTokenizer, text: str, add_special: bool, hashing: tuple | None,
                       reach=None) -> Tokenized:
         limit = self.settings.tokenizer.offload_chars
+        if local.small(text, add_special):
+            res = local.encode_small(text, add_special)
+            self._sample(local, res, text, add_special)
+            return res
         lk = local.prepare(text, add_special)
         if lk is None:
             ids = (await self._off_loop(local.encode_released, text, add_special) if len(text) > limit
@@ -523,7 +610,9 @@ class Tokenizers:
             out[model] = {"cuts": lt.cuts, "mismatches": lt.mismatches, "saved_seconds": lt.saved_s,
                           "deferred_bytes": lt.deferred_bytes,
                           **({"hits": c.hits, "misses": c.misses, "bytes": c.bytes, "records": len(c),
-                              "reused_bytes": c.reused_bytes, "encoded_bytes": c.encoded_bytes} if c else {})}
+                              "reused_bytes": c.reused_bytes, "encoded_bytes": c.encoded_bytes} if c else {}),
+                          **({"segment_reused_chars": sm.reused_chars, "segment_encoded_chars": sm.encoded_chars,
+                              "segment_bytes": sm.bytes, "segment_pieces": len(sm)} if (sm := lt.segments) else {})}
         return out
 
     async def load_async(self) -> None:

@@ -39,9 +39,17 @@ def kv_order(candidates: list[Candidate], start: int, scorers: list[Scorer],
     fleet = Fleet.of(candidates, overlap_share)
     for c in candidates:
         c.score_notes = []
-        c.terms_ms = {s.name: s.ms(c, fleet) for s in scorers}
-        c.score_ms = round(sum(c.terms_ms.values()), 3)
-        c.terms_ms = {k: round(v, 3) for k, v in c.terms_ms.items()}
+        terms = {}
+        total = 0.0
+        for s in scorers:
+            if s.weight:
+                v = s.ms(c, fleet)
+                total += v
+                terms[s.name] = v  # rounded for display (Candidate.to_dict)
+            else:  # off: its term is 0 (explain still lists it)
+                terms[s.name] = 0.0
+        c.terms_ms = terms
+        c.score_ms = round(total, 3)
     keyed = sorted(((c.score_ms, c.load, (i - start) % n), i) for i, c in enumerate(candidates))
     return [candidates[i] for _, i in keyed]
 

@@ -62,14 +62,26 @@ class Fleet:
     def of(cls, candidates: list[Candidate], overlap_share: float) -> Fleet:
         if not candidates:
             return cls()
-        best = max(candidates, key=lambda c: (c.local_blocks, -c.predicted_ttft_ms))
-        floor = min(candidates, key=lambda c: c.local_blocks)  # what every candidate holds (a system prompt)
+        best = floor = candidates[0]
+        best_key = (best.local_blocks, -best.predicted_ttft_ms)
+        least_work, least_load, least_pressure = best.prefill_work, best.load, None
+        for c in candidates:  # one pass: this runs for every request
+            key = (c.local_blocks, -c.predicted_ttft_ms)
+            if key > best_key:
+                best, best_key = c, key
+            if c.local_blocks < floor.local_blocks:  # what every candidate holds (a system prompt)
+                floor = c
+            if c.prefill_work < least_work:
+                least_work = c.prefill_work
+            if c.load < least_load:
+                least_load = c.load
+            p = kv_pressure(c)
+            if p is not None and (least_pressure is None or p < least_pressure):
+                least_pressure = p
         meaningful = (best.local_blocks > floor.local_blocks
                       and local_share(best) - local_share(floor) >= overlap_share)
-        pressures = [p for p in map(kv_pressure, candidates) if p is not None]
-        return cls(least_work=min(c.prefill_work for c in candidates), holder=best if meaningful else None,
-                   low_overlap=not meaningful, least_pressure=min(pressures, default=None),
-                   least_load=min(c.load for c in candidates))
+        return cls(least_work=least_work, holder=best if meaningful else None, low_overlap=not meaningful,
+                   least_pressure=least_pressure, least_load=least_load)
 
 
 class Scorer(abc.ABC):

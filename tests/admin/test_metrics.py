@@ -176,3 +176,14 @@ def test_tokenize_cache_metrics(admin_env):
     assert 0 < value(fams, "kvgate_tokenize_cache_hit_ratio", model=MODEL) <= 1
     assert value(fams, "kvgate_tokenize_cache_mismatches", "kvgate_tokenize_cache_mismatches_total",
                  model=MODEL) == 0
+    # small chats: the repeated system prompt comes from the segment memo, the new message is encoded
+    for q in ("first question", "second question"):
+        r = env.anon.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": [
+            {"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": q}]})
+        assert r.status_code == 200
+    fams2 = scrape(env)
+    assert value(fams2, "kvgate_tokenize_cache_segment_reused_chars",
+                 "kvgate_tokenize_cache_segment_reused_chars_total", model=MODEL) > len("You are a terse assistant.")
+    assert value(fams2, "kvgate_tokenize_cache_segment_encoded_chars",
+                 "kvgate_tokenize_cache_segment_encoded_chars_total", model=MODEL) >= len("second question")
+    assert value(fams2, "kvgate_tokenize_cache_segment_bytes", model=MODEL) > 0

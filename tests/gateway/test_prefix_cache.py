@@ -196,3 +196,49 @@ def test_lone_surrogate_is_a_client_error(tokenizer_dir):
     with pytest.raises(APIError) as e:
         lt.tokenize_text("bad \ud800 text " * 10, False)
     assert e.value.status == 400
+
+
+@pytest.mark.parametrize("name", ["tests-bpe", "tiny-llama", "sim", "bench-32k", "llama-3.2"])
+def test_short_texts_through_the_segment_memo_equal_whole_encoding(tokenizers, name):
+    """Short texts (under one prefix-cache anchor: small chats) are encoded piece by piece between special
+    tokens, with repeated pieces (system prompts, role headers) from the segment memo: the ids are the
+    whole text's, with and without the post-processor's specials, and the repeated pieces were reused."""
+    lt = LocalTokenizer(tokenizers[name], TokenizerConfig())
+    specials = [s for s in lt.hf.all_special_tokens if s][:3]
+    if lt.segments is None:  # no special token to split at: short texts are encoded whole
+        assert not specials or lt.prefix is None
+        text = "a short prompt with no special tokens"
+        assert list(lt.tokenize_text(text, False).tokens) == lt.encode(text, False)
+        return
+    rng = random.Random(hash(name) % 1000)
+    systems = [_text(rng, rng.randint(5, 60), []) for _ in range(3)]
+    reused = 0
+    for i in range(120):
+        a, b = rng.choice(specials), rng.choice(specials)
+        text = (f"{a}system\n{rng.choice(systems)}{b}\n{a}user\n{_text(rng, rng.randint(0, 40), specials)}"
+                f"{b}\n{a}assistant\n")
+        assert lt.small(text, False)
+        for add_special in (False, True):
+            got = lt.tokenize_text(text, add_special)
+            want = lt.encode(text, add_special)
+            assert list(got.tokens) == want, (name, add_special, text)
+            n = routable_blocks(len(want), 4)
+            assert got.block_hashes(4, None, None) == sequence_hashes(want, 4, max_blocks=n)
+            reused += got.reused_bytes
+    assert reused > 0 and lt.segments.reused_chars == reused
+    assert lt.mismatches == 0
+
+
+def test_segment_memo_is_bounded_and_keyed_by_text(tokenizer_dir):
+    """The memo holds at most its configured bytes, and an entry is found only by its exact text: a
+    different piece never takes another's ids."""
+    lt = LocalTokenizer(tokenizer_dir, TokenizerConfig(segment_cache_bytes=20_000))
+    sp = next(s for s in lt.hf.all_special_tokens if s)
+    rng = random.Random(5)
+    for _ in range(300):
+        text = f"{sp}{_text(rng, 20, [])}{sp}"
+        assert list(lt.tokenize_text(text, False).tokens) == lt.encode(text, False)
+    assert 0 < lt.segments.bytes <= 20_000
+    lt.segments.put("the cache", lt.encode("block", False))  # a poisoned entry under another text
+    assert list(lt.tokenize_text(f"{sp}the cache block{sp}", False).tokens) == lt.encode(
+        f"{sp}the cache block{sp}", False)

@@ -147,11 +147,11 @@ def test_terms_are_recorded_and_sum_to_the_score():
 
 def test_missing_or_malformed_metrics_are_neutral_and_said():
     never = WorkerLoad()  # never scraped: a kv_usage of 0 is no evidence of room
-    assert kv_room(never, 16) == {"kv_free": None, "kv_free_tokens": None}
+    assert kv_room(never, 16) == (None, None)
     for bad in (float("nan"), -0.5, 1.5, float("inf")):
-        assert kv_room(WorkerLoad(kv_usage=bad, updated_at=1.0, num_gpu_blocks=100), 16)["kv_free"] is None
+        assert kv_room(WorkerLoad(kv_usage=bad, updated_at=1.0, num_gpu_blocks=100), 16)[0] is None
     ok = kv_room(WorkerLoad(kv_usage=0.25, updated_at=1.0, num_gpu_blocks=100), 16)
-    assert ok == {"kv_free": 0.75, "kv_free_tokens": 1200.0}
+    assert ok == (0.75, 1200.0)
     known, unknown = cand("k", kv_free=0.9, kv_free_tokens=1e5), cand("u")
     kv_order([known, unknown], 0, scorers_of(FOOTPRINT))
     assert unknown.terms_ms["footprint"] == 0 and "footprint" in unknown.score_notes[0]
