@@ -33,6 +33,7 @@ from indexer.index.base import WorkerMatch
 from router import eviction
 from router.calibrate import EngineCalibration
 from router.config import RoutingConfig
+from router.kv_room import kv_room, kv_wait_s
 
 MIN_CALIBRATION_TOKENS = 256
 # A worker's speed is the fleet-wide estimate times the worker's own ratio to it. The fleet estimate takes
@@ -147,7 +148,8 @@ class CostModel:
         indexed = m_local - (max(0, min(pending_blocks, m_local)) if pending_blocks else 0)
         queue_tokens = v.queue_tokens
         usage = load.kv_usage
-        p = eviction.pressure(queue_tokens, block_size, usage, load.num_gpu_blocks) if queue_tokens > 0 else 0.0
+        kv_free, kv_free_tokens = kv_room(load, block_size)
+        p = eviction.pressure(queue_tokens, kv_free_tokens)
         local = eviction.surviving(indexed, p, worker.eviction.scale) if p else indexed
         if local == indexed:  # nothing evicted ahead of them: the pending blocks extend the prefix
             local = m_local
@@ -161,7 +163,6 @@ class CostModel:
         steps = max(queue_steps + 1, math.ceil((queue_tokens + uncached) / per_step))
         step_ms = cal.step_time_s(decodes) * 1000.0
         queue_ms = v.queue_work / tps * 1000.0 + queue_steps * step_ms
-        kv_free, kv_free_tokens = kv_room(load, block_size)
         wait_ms = 0.0
         if v.decoding and kv_free_tokens is not None:
             wait_ms = kv_wait_s(v.decoding, kv_free_tokens, queue_tokens + uncached, step_ms / 1000.0,
@@ -260,32 +261,3 @@ class CostModel:
         ratio = worker.prefill_ratio
         worker.prefill_ratio = (1 - b) * ratio + b * min(ratio * 10, max(ratio / 10, observed_tps / fleet))
         worker.prefill_samples += 1
-
-
-
-def kv_wait_s(decoding: list, free_tokens: float, demand_tokens: float, step_s: float, now: float) -> float:
-    """Seconds until running requests free the KV that the queue ahead and this request need beyond the free
-    room (vLLM schedules a request only once its blocks fit; evicting free cached blocks is already in the
-    room): the gateway's decoding requests (router/load.py ``Sequence``) end at their first token plus
-    ``max_tokens`` steps, earliest first, each freeing its prompt and output. 0 when the demand fits or
-    nothing known frees it."""
-    excess = demand_tokens - free_tokens
-    if excess <= 0:
-        return 0.0
-    freed = 0.0
-    end = now
-    for end, held in sorted(seq.kv_release(step_s) for seq in decoding):
-        freed += held
-        if freed >= excess:
-            break
-    return min(max(0.0, end - now), MAX_TTFT_MS / 1000.0)
-
-
-def kv_room(load, block_size: int) -> tuple[float | None, float | None]:
-    """``kv_free`` and ``kv_free_tokens`` of a Candidate: None unless a scrape gave a usage in [0, 1]
-    (a worker never scraped reads 0, which is no evidence of free room)."""
-    u = load.kv_usage
-    if not load.updated_at or not isinstance(u, (int, float)) or not 0.0 <= u <= 1.0:  # NaN included
-        return None, None
-    blocks = load.num_gpu_blocks
-    return 1.0 - u, ((1.0 - u) * blocks * block_size if blocks and block_size > 0 else None)

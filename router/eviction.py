@@ -20,19 +20,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from router.kv_room import demand_share
+
 SCALE_RANGE = (0.25, 8.0)
 ALPHA = 0.25  # weight of one observation (in log space)
 KEEP_BELOW = 0.5  # scaled pressure under which the whole prefix is kept
 
 
-def pressure(queue_tokens: float, block_size: int, kv_usage: float, num_gpu_blocks: int | None) -> float:
-    """Demand of the queue ahead over the free blocks; 0 when unknown (no discount), inf when none free."""
-    if not num_gpu_blocks or queue_tokens <= 0 or not 0.0 <= kv_usage <= 1.0:  # NaN included
-        return 0.0
-    free = (1.0 - kv_usage) * num_gpu_blocks
-    if free <= 0:
-        return math.inf
-    return queue_tokens / max(1, block_size) / free
+def pressure(queue_tokens: float, free_tokens: float | None) -> float:
+    """Demand of the queue ahead over the free room (router/kv_room.py): 0 when unknown (no discount),
+    inf when none is free."""
+    return demand_share(queue_tokens, free_tokens)
 
 
 def kept_share(scaled_pressure: float) -> float:

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 from router.cost import MAX_TTFT_MS, Candidate
+from router.kv_room import demand_share
 
 
 def prompt_share(c: Candidate) -> float:
@@ -37,13 +38,15 @@ def work_ms(c: Candidate, work: float) -> float:
 def kv_pressure(c: Candidate) -> float | None:
     """How recently used the cache a placement here would evict is, from 0 (no eviction, or the oldest of
     much free room) to 1 (the queue and this prompt take all free room): the share of the worker's free
-    KV they allocate; with no capacity known, the share in use. None: no usable metrics."""
+    KV they allocate (router/kv_room.py); with no capacity known, the share in use. None: no usable
+    metrics."""
     if c.kv_free is None:
         return None
     if c.kv_free_tokens is None:
         return 1.0 - c.kv_free
-    demand = c.queue_tokens + c.uncached_tokens
-    return 1.0 if c.kv_free_tokens <= 0 else min(1.0, demand / c.kv_free_tokens)
+    if c.kv_free_tokens <= 0:
+        return 1.0
+    return min(1.0, demand_share(c.queue_tokens + c.uncached_tokens, c.kv_free_tokens))
 
 
 @dataclass(frozen=True)

@@ -221,22 +221,25 @@ def test_a_prefix_the_queue_would_evict_is_not_counted_as_cached():
     of it or less, none (a prefix in the index was used recently)."""
     cm = model(RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0))
     full = worker("a", prefilling=[1600])
-    full.load.kv_usage, full.load.num_gpu_blocks = 0.9, 1000
+    full.load.kv_usage, full.load.num_gpu_blocks, full.load.updated_at = 0.9, 1000, 1.0
     c = cm.score(full, WorkerMatch(gpu=40, local=40), 0, 1000, 16)
     assert c.evicted_blocks == 40 and c.cached_tokens == 0
     most = worker("b", prefilling=[1200])
-    most.load.kv_usage, most.load.num_gpu_blocks = 0.9, 1000
+    most.load.kv_usage, most.load.num_gpu_blocks, most.load.updated_at = 0.9, 1000, 1.0
     c = cm.score(most, WorkerMatch(gpu=40, local=40), 0, 1000, 16)
     assert c.evicted_blocks == 20 and c.cached_tokens == 20 * 16
     half = worker("b", prefilling=[800])
-    half.load.kv_usage, half.load.num_gpu_blocks = 0.9, 1000
+    half.load.kv_usage, half.load.num_gpu_blocks, half.load.updated_at = 0.9, 1000, 1.0
     assert cm.score(half, WorkerMatch(gpu=40, local=40), 0, 1000, 16).evicted_blocks == 0
     roomy = worker("c", prefilling=[1600])
-    roomy.load.kv_usage, roomy.load.num_gpu_blocks = 0.1, 100_000
+    roomy.load.kv_usage, roomy.load.num_gpu_blocks, roomy.load.updated_at = 0.1, 100_000, 1.0
     assert cm.score(roomy, WorkerMatch(gpu=40, local=40), 0, 1000, 16).evicted_blocks == 0
     unknown = worker("d", prefilling=[1600])  # no cache_config_info: no discount
-    unknown.load.kv_usage = 0.99
+    unknown.load.kv_usage, unknown.load.updated_at = 0.99, 1.0
     assert cm.score(unknown, WorkerMatch(gpu=40, local=40), 0, 1000, 16).cached_tokens == 640
+    never = worker("e", prefilling=[1600])  # gauges never scraped: no evidence, no discount
+    never.load.kv_usage, never.load.num_gpu_blocks = 0.9, 1000
+    assert cm.score(never, WorkerMatch(gpu=40, local=40), 0, 1000, 16).cached_tokens == 640
 
 
 def test_step_figures_are_fleet_wide_unless_per_worker():
@@ -322,7 +325,7 @@ def test_blocks_sent_but_not_indexed_yet_are_not_discounted():
     sent it there, router/pending.py): those blocks are in use, not evictable; only the indexed part is."""
     cm = model(RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0))
     w = worker("a", prefilling=[1600])
-    w.load.kv_usage, w.load.num_gpu_blocks = 0.9, 1000
+    w.load.kv_usage, w.load.num_gpu_blocks, w.load.updated_at = 0.9, 1000, 1.0
     c = cm.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16, pending_blocks=40)
     assert c.evicted_blocks == 0 and c.cached_tokens == 640
     c = cm.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16, pending_blocks=10)

@@ -9,15 +9,22 @@ import pytest
 from indexer.index.base import WorkerMatch
 from router.config import RoutingConfig
 from router.eviction import SCALE_RANGE, EvictionCalibration, pressure, surviving
+from router.kv_room import kv_room
+from router.registry import WorkerLoad
 from tests.gateway.test_cost import model, worker
 
 
 def test_the_prior_keeps_a_prefix_below_half_the_free_blocks_and_none_past_all_of_them():
-    assert pressure(800, 16, 0.9, 1000) == pytest.approx(0.5)  # 50 blocks of demand, 100 free
+    def room(usage, blocks):  # the free room in tokens at block size 16 (router/kv_room.py)
+        return kv_room(WorkerLoad(kv_usage=usage, num_gpu_blocks=blocks, updated_at=1.0), 16)[1]
+
+    assert pressure(800, room(0.9, 1000)) == pytest.approx(0.5)  # 50 blocks of demand, 100 free
     assert surviving(40, 0.5) == 40 and surviving(40, 0.75) == 20 and surviving(40, 1.0) == 0
     assert surviving(40, 0.0) == 40 and surviving(40, math.inf) == 0
-    assert pressure(800, 16, 0.9, None) == 0.0 and pressure(800, 16, float("nan"), 1000) == 0.0
-    assert pressure(800, 16, 1.0, 1000) == math.inf and pressure(0, 16, 1.0, 1000) == 0.0
+    assert pressure(800, room(0.9, None)) == 0.0 and pressure(800, room(float("nan"), 1000)) == 0.0
+    assert pressure(800, room(1.0, 1000)) == math.inf and pressure(0, room(1.0, 1000)) == 0.0
+    never = kv_room(WorkerLoad(kv_usage=0.0, num_gpu_blocks=1000), 16)[1]  # never scraped: no evidence
+    assert pressure(800, never) == 0.0
 
 
 def test_a_shortfall_raises_the_scale_until_the_model_predicts_it():
@@ -69,7 +76,7 @@ def test_the_cost_model_prices_the_prefix_at_the_workers_learnt_scale():
     cm = model(RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0))
     calm, evicting = worker("a", prefilling=[400]), worker("b", prefilling=[400])
     for w in (calm, evicting):
-        w.load.kv_usage, w.load.num_gpu_blocks = 0.9, 800
+        w.load.kv_usage, w.load.num_gpu_blocks, w.load.updated_at = 0.9, 800, 1.0
     evicting.eviction.scale = 4.0
     a = cm.score(calm, WorkerMatch(gpu=40, local=40), 0, 1000, 16)
     b = cm.score(evicting, WorkerMatch(gpu=40, local=40), 0, 1000, 16)

@@ -7,7 +7,8 @@ import pydantic
 import pytest
 
 from router.config import RoutingConfig
-from router.cost import Candidate, kv_room
+from router.cost import Candidate
+from router.kv_room import kv_room
 from router.policies import RouteRequest, create_policy
 from router.policies.kv import kv_order, scorers_of
 from router.policies.scorers import (ContinuityScorer, Fleet, FootprintScorer, LoadScorer, RecomputeScorer,
