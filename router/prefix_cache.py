@@ -20,7 +20,10 @@ tokenizer and is counted on ``/metrics``.
 
 Layout: cut points are the first safe cut at or after every multiple of ``cut_bytes`` (fine cuts); every
 ``chunk_bytes / cut_bytes``-th of them is an anchor, keyed by a chained XXH3 of the bytes before it. A
-lookup walks the text's anchors (one regex search and one hash per ``chunk_bytes``), takes the deepest
+lookup walks the text's anchors (one regex search and one hash per ``chunk_bytes``; where an anchor is a
+record's, that record's later anchors over the bytes both share are taken without scanning, and the walk
+stops at the first anchor no record holds, so a prompt that extends a known one walks only its new part
+and an unseen one one anchor; the new record's other anchors are found with its encoding), takes the deepest
 anchor whose record's bytes equal the text's (the hash only finds candidates: the bytes decide), extends
 the match byte-wise within the record and steps back to its last fine cut. New text is cut at fine cuts
 and encoded as one batch (the tokenizers library spreads a batch over cores, without the GIL). Records are
@@ -33,6 +36,7 @@ import re
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from itertools import islice
 
 import xxhash
 
@@ -91,20 +95,21 @@ class Cuts:
         self.specials = sorted(set(specials), key=len, reverse=True)
         self.special = re.compile(b"|".join(map(re.escape, self.specials))) if self.specials else None
         self._back = max(map(len, self.specials), default=0)
+        self.context = self._back + 1  # bytes past a window a cut in it can depend on
 
     def scan(self, data: bytes, start: int, step: int, limit: int = 0) -> list[int]:
         """The first safe cut at or after every multiple of ``step`` past ``start`` (the first ``limit``
-        of them when given). The special tokens are found in one pass; a word cut is looked for within
-        ``step`` bytes of each target, so a text without one costs one bounded search per step (the
-        result depends only on the bytes there)."""
+        of them when given)."""
+        return list(islice(self.walk(data, start, step), limit or None))
+
+    def walk(self, data: bytes, start: int, step: int):
+        """:meth:`scan`, lazily. A word cut and a special token's start or end are looked for within
+        ``step`` bytes of each target (bounded searches), so a text without one costs one search per step and
+        the result depends only on the bytes there."""
         n = len(data)
-        sp: list[int] = []
-        if self.special is not None:
-            for m in self.special.finditer(data, max(0, start - self._back)):
-                sp.append(m.start())
-                sp.append(m.end())
+        back = self._back
+        special = self.special.finditer if self.special is not None else None
         words = self.words.search if self.words is not None else None
-        out = []
         target = (start // step + 1) * step
         while target < n:
             end = min(n, target + step)
@@ -113,18 +118,20 @@ class Cuts:
                 m = words(data, target, end + 1)  # one byte past the window for the letter after a cut
                 if m is not None:
                     best = m.start()
-            if sp:
-                i = bisect_left(sp, target)
-                if i < len(sp) and sp[i] <= end and (best < 0 or sp[i] < best):
-                    best = sp[i]
+            if special is not None:  # a special token's start or end in the window (searched there only)
+                for m in special(data, max(0, target - back), min(n, end + back)):
+                    p = m.start() if m.start() >= target else m.end()
+                    if p > end:
+                        break
+                    if p >= target:
+                        if best < 0 or p < best:
+                            best = p
+                        break
             if 0 < best < n:
-                out.append(best)
-                if len(out) == limit:
-                    break
+                yield best
                 target = (best // step + 1) * step
             else:
                 target += step
-        return out
 
     def at(self, data: bytes, pos: int) -> bool:
         """Whether ``pos`` is a safe cut of ``data``."""
@@ -163,13 +170,14 @@ class Record:
     cut_pos: array.array
     cut_tok: array.array
     anchors: list[int] = field(default_factory=list)
+    anchor_pos: list[int] = field(default_factory=list)  # the byte offset of each anchor
     hashes: dict = field(default_factory=dict)  # (block_size, lora, salt, pre ids) -> array('Q')
     size: int = 0  # bytes charged to the cache
 
     @property
     def nbytes(self) -> int:
         return (len(self.data) + 4 * (len(self.tokens) + len(self.cut_pos) + len(self.cut_tok))
-                + 8 * (len(self.anchors) + sum(len(h) for h in self.hashes.values())) + 200)
+                + 8 * (2 * len(self.anchors) + sum(len(h) for h in self.hashes.values())) + 200)
 
     def tokens_before(self, pos: int) -> int | None:
         """Ids before the fine cut at byte ``pos`` (None when ``pos`` is not one)."""
@@ -182,7 +190,9 @@ class Lookup:
     """A text split into what the cache already knows and what must still be encoded."""
 
     data: bytes
-    keys: list[tuple[int, int]]  # (anchor byte offset, chained key) for every anchor of the text
+    # (anchor byte offset, chained key) of the text's anchors, as far as the lookup walked (up to the first
+    # that no record holds; PrefixTokenCache.all_keys gives the rest)
+    keys: list[tuple[int, int]]
     source: Record | None = None  # the record the known prefix comes from
     known_bytes: int = 0  # a safe cut: data[:known_bytes] tokenizes as source.tokens[:known_tokens]
     known_tokens: int = 0
@@ -218,23 +228,63 @@ class PrefixTokenCache:
         return self.cut.scan(data, start, step, limit)
 
     def lookup(self, text: str) -> Lookup:
-        """Find the longest known prefix of ``text`` (raises UnicodeEncodeError for lone surrogates)."""
+        """Find the longest known prefix of ``text`` (raises UnicodeEncodeError for lone surrogates).
+
+        The text's anchors are walked from the start; where one is a record's, the record's later anchors
+        that lie in the bytes both share are taken without scanning (they are this text's too: an anchor
+        depends only on the bytes around it); the walk ends at the first anchor no record holds (no record
+        can hold a longer prefix). So a prompt that extends a known one scans only its new part."""
         data = text.encode("utf-8")
         mv = memoryview(data)
         keys: list[tuple[int, int]] = []
         key = 0
         prev = 0
-        for a in self._cuts(data, 0, self.chunk):
+        found: tuple[Record, int] | None = None  # the deepest anchor whose record's bytes agree
+        reach = self.chunk + 1 + self.cut.context  # bytes past an anchor that decided it
+        cuts = self.cut.walk(data, 0, self.chunk)
+        while (a := next(cuts, None)) is not None:
             key = _xxh3(mv[prev:a], key)
             keys.append((a, key))
             prev = a
-        lk = Lookup(data, keys)
-        for a, key in reversed(keys):
             rec = self._anchors.get(key)
-            if rec is not None and len(rec.data) >= a and data.startswith(memoryview(rec.data)[:a]):
-                self._extend(lk, rec, a)
+            if rec is None:  # no text holds this prefix, so none holds a longer one: build() walks on
                 break
+            if len(rec.data) < a or not data.startswith(memoryview(rec.data)[:a]):
+                continue
+            found = (rec, a)
+            pos, ks = rec.anchor_pos, rec.anchors
+            i = bisect_right(pos, a) if len(pos) == len(ks) else len(pos)
+            if i < len(pos):
+                common = _common(data, rec.data, a, self.step)
+                jumped = prev
+                while i < len(pos) and pos[i] + reach <= common:
+                    prev, key = pos[i], ks[i]
+                    keys.append((prev, key))
+                    i += 1
+                if prev != jumped:  # go on walking after the anchors taken
+                    cuts = self.cut.walk(data, prev, self.chunk)
+                found = (rec, prev)
+                newest = self._anchors.get(key)  # the newest text holding the prefix answers for it
+                if newest is not None and newest is not rec and len(newest.data) >= prev and data.startswith(
+                        memoryview(newest.data)[:prev]):
+                    found = (newest, prev)
+        lk = Lookup(data, keys)
+        if found is not None:
+            self._extend(lk, *found)
         return lk
+
+    def all_keys(self, lk: Lookup) -> list[tuple[int, int]]:
+        """Every anchor of ``lk``'s text: those the lookup walked, then the rest (pure: may run on a thread
+        pool, with the encoding)."""
+        keys = lk.keys
+        prev, key = keys[-1] if keys else (0, 0)
+        mv = memoryview(lk.data)
+        rest = []
+        for a in self.cut.walk(lk.data, prev, self.chunk):
+            key = _xxh3(mv[prev:a], key)
+            rest.append((a, key))
+            prev = a
+        return keys + rest if rest else keys
 
     def cut_after(self, data: bytes, pos: int) -> int | None:
         """A fine cut of ``data`` at or after ``pos`` (the first past the cut spacing's next multiple)."""
@@ -253,22 +303,7 @@ class PrefixTokenCache:
     def _extend(self, lk: Lookup, rec: Record, anchor: int) -> None:
         """The known prefix: past ``anchor``, as far as the bytes agree, back to a fine cut of both texts."""
         data, other = lk.data, rec.data
-        end = min(len(data), len(other))
-        om = memoryview(other)
-        lo, step = anchor, self.step
-        while lo < end:  # gallop, then bisect, for the common prefix length (memcmp, no copies)
-            hi = min(end, lo + step)
-            if data.startswith(om[lo:hi], lo):
-                lo, step = hi, step * 2
-                continue
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if data.startswith(om[lo:mid], lo):
-                    lo = mid
-                else:
-                    hi = mid
-            break
-        common = lo
+        common = _common(data, other, anchor, self.step)
         if common == len(data) == len(other):
             lk.source, lk.known_bytes, lk.known_tokens = rec, common, len(rec.tokens)
             return
@@ -305,7 +340,9 @@ class PrefixTokenCache:
                 cut_pos.append(start)
                 cut_tok.append(len(tokens))
             tokens.extend(ids)
-        rec = Record(lk.data, tokens, cut_pos, cut_tok, anchors=[k for _, k in lk.keys])
+        keys = self.all_keys(lk)
+        rec = Record(lk.data, tokens, cut_pos, cut_tok, anchors=[k for _, k in keys],
+                     anchor_pos=[a for a, _ in keys])
         if src is not None:  # block hashes of the shared blocks come along
             for hk, hs in list(src.hashes.items()):
                 keep = min(len(hs), (len(hk[3]) + lk.known_tokens) // hk[0])
@@ -365,6 +402,26 @@ class PrefixTokenCache:
         self._anchors.clear()
         self._lru.clear()
         self.bytes = 0
+
+
+def _common(data: bytes, other: bytes, lo: int, step: int) -> int:
+    """The length of the common prefix of ``data`` and ``other``, known to be at least ``lo``: gallop, then
+    bisect (memcmp, no copies)."""
+    end = min(len(data), len(other))
+    om = memoryview(other)
+    while lo < end:
+        hi = min(end, lo + step)
+        if data.startswith(om[lo:hi], lo):
+            lo, step = hi, step * 2
+            continue
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if data.startswith(om[lo:mid], lo):
+                lo = mid
+            else:
+                hi = mid
+        break
+    return lo
 
 
 def block_hashes(rec: Record, pre: tuple[int, ...], post: tuple[int, ...], block_size: int,

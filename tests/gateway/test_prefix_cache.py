@@ -242,3 +242,44 @@ def test_segment_memo_is_bounded_and_keyed_by_text(tokenizer_dir):
     lt.segments.put("the cache", lt.encode("block", False))  # a poisoned entry under another text
     assert list(lt.tokenize_text(f"{sp}the cache block{sp}", False).tokens) == lt.encode(
         f"{sp}the cache block{sp}", False)
+
+
+def test_the_anchor_walk_takes_a_known_prefix_without_changing_anything(tokenizers):
+    """A text that extends a known one takes that record's anchors over the shared bytes instead of
+    scanning them, and stops at the first anchor no record holds: its anchors (positions and keys) are
+    those a full scan gives, and the known prefix and ids are the same as with records whose anchor
+    positions are lost (the full walk). An unseen text walks one anchor."""
+    from router.prefix_cache import _xxh3
+
+    lt = LocalTokenizer(tokenizers["llama-3.2"], TokenizerConfig())
+    rng = random.Random(11)
+    doc = _text(rng, 6000, [s for s in lt.hf.all_special_tokens if s][:2])
+    lt.tokenize_text(doc + " first question", False)
+    cache = lt.prefix
+    for i in range(6):
+        text = doc[: len(doc) - i * 997] + f" question {i} " + _text(rng, 50, [])
+        data = text.encode()
+        lk = cache.lookup(text)
+        full, key, prev = [], 0, 0
+        for a in cache.cut.scan(data, 0, cache.chunk):
+            key = _xxh3(data[prev:a], key)
+            full.append((a, key))
+            prev = a
+        assert cache.all_keys(lk) == full and lk.keys == full[:len(lk.keys)]
+        saved = [(r, r.anchor_pos) for r in cache._lru.values()]
+        for r, _ in saved:  # records that cannot be jumped through: every anchor is scanned and looked up
+            r.anchor_pos = []
+        walked = cache.lookup(text)
+        for r, pos in saved:
+            r.anchor_pos = pos
+        assert (lk.source, lk.known_bytes, lk.known_tokens) == (walked.source, walked.known_bytes,
+                                                                 walked.known_tokens)
+        assert lk.known_bytes > len(doc) - i * 997 - 2 * cache.step
+        assert list(lt.tokenize_text(text, False).tokens) == lt.encode(text, False)
+    unseen = cache.lookup(_text(rng, 3000, []))
+    assert unseen.source is None and len(unseen.keys) == 1
+    # a record whose anchor positions lie (corrupted) can skip a scan, never change the ids
+    for r in cache._lru.values():
+        r.anchor_pos = [p + 7 for p in r.anchor_pos]
+    text = doc + " another ending"
+    assert list(lt.tokenize_text(text, False).tokens) == lt.encode(text, False)
