@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import array
 import re
-from bisect import bisect_left, bisect_right
+from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from itertools import islice
