@@ -1,6 +1,7 @@
 """Gateway overhead against fast mock workers, beside sglang-router and a direct baseline in the same run.
 
-    python -m bench.bench_gateway [--quick] [--index memory|redis] [--no-peer] [--no-floor] [--procs 1,2]
+    python -m bench.bench_gateway [--quick] [--rounds N] [--index memory|redis] [--no-peer] [--no-floor]
+                                  [--procs 1,2]
 
 Starts 4 mock workers (bench/mock_worker.py, one process), kvgate (`kvgate serve`, kv policy, a 32K-vocab
 BPE tokenizer loaded locally; once per --procs value) and sglang-router `cache_aware` (installed from PyPI
@@ -11,7 +12,9 @@ proxy on the same server, event loop and upstream client as kvgate, with no rout
   a seen ~100 KB conversation extended by ~1 KB; a ~100 KB chat never seen;
 - throughput at concurrency 32 for the small and the shared-document chats;
 - routing stages in-process (tokenize, hash, lookup, decide) through Router.plan.
-Prints Markdown tables with ratios against sglang-router and writes bench/results/gateway.json.
+Prints Markdown tables with ratios against sglang-router and writes bench/results/gateway.json. With
+``--rounds N`` every target is measured N times, interleaved (a shared machine's load moves between
+targets), and each ratio is the median of the per-round ratios.
 """
 from __future__ import annotations
 
@@ -338,22 +341,28 @@ async def run(args) -> dict:
                          "sizes": {k: len(v[0]) for k, v in bodies.items()}, "targets": {}}
         targets = [(f"kvgate x{n}", n) for n in args.procs] + ([] if args.no_floor else [(FLOOR, -1)]) \
             + ([] if args.no_peer else [("sglang-router", 0)])
-        for name, n in targets:
-            print(f"measuring {name} ...", file=sys.stderr, flush=True)
-            if n > 0:
-                proc, port = start_kvgate(tmp, tok_dir, wports, index_cfg, n)
-            elif n < 0:
-                proc, port = start_floor(wports)
-            else:
-                proc, port = start_sglang(tmp, wports)
-            try:
-                pid = proc.p.pid if n == 0 else proc.pid
-                results["targets"][name] = await measure(port, pid, wports, bodies, q)
-            finally:
-                if n:
-                    stop(proc)
+        rounds: list[dict] = []
+        for r in range(max(1, args.rounds)):  # targets interleaved: each round measures all of them
+            rounds.append({})
+            for name, n in targets:
+                print(f"round {r + 1}: measuring {name} ...", file=sys.stderr, flush=True)
+                if n > 0:
+                    proc, port = start_kvgate(tmp, tok_dir, wports, index_cfg, n)
+                elif n < 0:
+                    proc, port = start_floor(wports)
                 else:
-                    proc.stop()
+                    proc, port = start_sglang(tmp, wports)
+                try:
+                    pid = proc.p.pid if n == 0 else proc.pid
+                    rounds[-1][name] = await measure(port, pid, wports, bodies, q)
+                finally:
+                    if n:
+                        stop(proc)
+                    else:
+                        proc.stop()
+        results["rounds"] = rounds
+        results["targets"] = {name: median_of([rd[name] for rd in rounds]) for name, _ in targets}
+        results["ratios"] = round_ratios(rounds)
         results["stages_ms"] = await stages(wports, tok_dir, {
             "small": bodies["small"][:200], "rag_seen": bodies["rag_warm"] + bodies["rag"],
             "extend_1k": bodies["extend_warm"] + bodies["extend"][:60]}, index_cfg)
@@ -367,6 +376,38 @@ async def run(args) -> dict:
 
 
 FLOOR = "python floor"
+
+
+def median_of(measures: list[dict]) -> dict:
+    """Each figure of one target's measurements (one per round), as the median over the rounds."""
+    return {case: {k: statistics.median(m[case][k] for m in measures) for k in measures[0][case]}
+            for case in measures[0]}
+
+
+def round_ratios(rounds: list[dict]) -> dict:
+    """kvgate x1 over sglang-router within each round (the same minutes of a shared machine): added p50
+    at c=1 per case and c=32 throughput; median, min and max over the rounds."""
+    per: dict[str, list[float]] = {}
+    for rd in rounds:
+        k, peer = rd.get("kvgate x1"), rd.get("sglang-router")
+        if not k or not peer:
+            continue
+        for case, _ in CASES:
+            key = f"c1_{case}"
+            per.setdefault(key, []).append(k[key]["added_p50_ms"] / max(1e-3, peer[key]["added_p50_ms"]))
+        for case in ("small", "rag"):
+            key = f"c32_{case}"
+            per.setdefault(key, []).append(k[key]["rps"] / max(1e-3, peer[key]["rps"]))
+    return {key: {"median": statistics.median(v), "min": min(v), "max": max(v), "rounds": len(v)}
+            for key, v in per.items()}
+
+
+def _ratio(r: dict, key: str, fallback: float) -> str:
+    """The ratio column: one run's ratio, or with rounds the median of the per-round ratios (range)."""
+    x = r.get("ratios", {}).get(key)
+    if not x or x["rounds"] < 2:
+        return f" {fallback:.2f}x |"
+    return f" {x['median']:.2f}x ({x['min']:.2f}-{x['max']:.2f}) |"
 CASES = (("small", "~300 B chat"), ("rag_seen", "~100 KB chat, document seen (16 docs x 64 bodies)"),
          ("extend_1k", "seen 100 KB chat + 1 KB"), ("unseen", "~100 KB chat, unseen"))
 
@@ -375,7 +416,10 @@ def report(r: dict) -> str:
     t = r["targets"]
     peer = t.get("sglang-router")
     names = list(t)
-    lines = [f"Load average at start: {r.get('loadavg', '?')}. Index: {r['index']}; body bytes: "
+    n_rounds = len(r.get("rounds", [])) or 1
+    lines = [(f"{n_rounds} rounds, targets interleaved; figures are medians over the rounds, ratios the median "
+              f"(range) of the per-round ratios. " if n_rounds > 1 else "")
+             + f"Load average at start: {r.get('loadavg', '?')}. Index: {r['index']}; body bytes: "
              + ", ".join(f"{k} {v}" for k, v in r["sizes"].items() if not k.endswith("warm")) + ".", "",
              "| c=1, added p50 (p99) | " + " | ".join(names) + (" | kvgate x1 / sglang |" if peer else " |"),
              "|---" * (len(names) + 1 + bool(peer)) + "|"]
@@ -383,7 +427,8 @@ def report(r: dict) -> str:
         row = [f"{t[n][f'c1_{k}']['added_p50_ms']:.2f} ({t[n][f'c1_{k}']['added_p99_ms']:.2f}) ms" for n in names]
         ratio = ""
         if peer and "kvgate x1" in t:
-            ratio = f" {t['kvgate x1'][f'c1_{k}']['added_p50_ms'] / max(1e-3, peer[f'c1_{k}']['added_p50_ms']):.2f}x |"
+            ratio = _ratio(r, f"c1_{k}",
+                           t['kvgate x1'][f'c1_{k}']['added_p50_ms'] / max(1e-3, peer[f'c1_{k}']['added_p50_ms']))
         lines.append(f"| {label} | " + " | ".join(row) + " |" + ratio)
     lines += ["", "| c=1, router CPU per request | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for k, label in CASES:
@@ -394,7 +439,7 @@ def report(r: dict) -> str:
         row = [f"{t[n][f'c32_{k}']['rps']:.0f} ({t[n][f'c32_{k}']['cpu_ms_per_req']:.2f} ms)" for n in names]
         ratio = ""
         if peer and "kvgate x1" in t:
-            ratio = f" {t['kvgate x1'][f'c32_{k}']['rps'] / max(1e-3, peer[f'c32_{k}']['rps']):.2f}x |"
+            ratio = _ratio(r, f"c32_{k}", t['kvgate x1'][f'c32_{k}']['rps'] / max(1e-3, peer[f'c32_{k}']['rps']))
         lines.append(f"| {label} | " + " | ".join(row) + " |" + ratio)
     if "kvgate x1" in t:
         k1 = t["kvgate x1"]
@@ -414,6 +459,8 @@ def main(argv=None) -> int:
     p.add_argument("--index", choices=("memory", "redis"), default="memory")
     p.add_argument("--procs", default="1,2", help="kvgate gateway process counts to measure (serve --workers)")
     p.add_argument("--no-peer", action="store_true", help="leave sglang-router out")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every target this many times, interleaved; report medians and per-round ratios")
     p.add_argument("--no-floor", action="store_true",
                    help="leave out bench/floor_proxy.py (a Python pass-through proxy: the floor of kvgate's stack)")
     args = p.parse_args(argv)
