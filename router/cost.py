@@ -145,21 +145,21 @@ class CostModel:
         v = worker.view()
         cal = self.engine_of(worker)
         m_local = match.local
-        indexed = m_local - (max(0, min(pending_blocks, m_local)) if pending_blocks else 0)
+        indexed = m_local - max(0, min(pending_blocks, m_local))
         queue_tokens = v.queue_tokens
         usage = load.kv_usage
         kv_free, kv_free_tokens = kv_room(load, block_size)
         p = eviction.pressure(queue_tokens, kv_free_tokens)
-        local = eviction.surviving(indexed, p, worker.eviction.scale) if p else indexed
+        local = eviction.surviving(indexed, p, worker.eviction.scale)
         if local == indexed:  # nothing evicted ahead of them: the pending blocks extend the prefix
             local = m_local
-        g4_extra = g4 - local if g4 > local else 0
+        g4_extra = max(0, g4 - local)
         cached = min(num_tokens, (local + g4_extra) * block_size)
-        uncached = num_tokens - cached if num_tokens > cached else 0
+        uncached = max(0, num_tokens - cached)
         budget = self.budget(worker)
         decodes = min(v.decodes, budget - 1)
         per_step = budget - decodes
-        queue_steps = math.ceil(queue_tokens / per_step) if queue_tokens > 0 else 0
+        queue_steps = math.ceil(queue_tokens / per_step)
         steps = max(queue_steps + 1, math.ceil((queue_tokens + uncached) / per_step))
         step_ms = cal.step_time_s(decodes) * 1000.0
         queue_ms = v.queue_work / tps * 1000.0 + queue_steps * step_ms
