@@ -171,7 +171,7 @@ async def test_hot_worker_with_long_queue_loses(fleet, start_gateway, tokenizer_
 
 async def test_gateway_queue_makes_hot_worker_lose(fleet, start_gateway, tokenizer_dir):
     """In-flight prompt tokens the gateway sent (no first byte yet) count as queue."""
-    fleet.add("a")
+    fast = fleet.add("a")
     slow = fleet.add("b", first_token_delay_s=5.0)
     gw = start_gateway(fleet, routing={"prefill_tokens_per_s": 200.0})
     body = chat_body(LONG, stream=True)
@@ -186,12 +186,15 @@ async def test_gateway_queue_makes_hot_worker_lose(fleet, start_gateway, tokeniz
         tasks = [asyncio.create_task(c.post(gw.url + "/v1/chat/completions",
                                             json=chat_body(f"{i} " + LONG * 3, stream=True)))
                  for i in range(8)]
-        await wait_until(lambda: slow.active >= 4)
+        # All eight routed, and a's four done at the gateway too (a slow CI core can still be streaming
+        # them; then a has the same queue as b and b's cache hit rightly wins).
+        await wait_until(lambda: slow.active >= 4 and len(fast.requests) + len(slow.requests) == 8
+                         and gw.state.registry.get("a").inflight == 0)
         gw.call(gw.state.index.store(MODEL, "b", Tier.GPU, hashes))
         gw.state.set_policy("kv")
         r = await c.post(gw.url + "/v1/chat/completions", json=chat_body(LONG), headers={"x-request-id": "q"})
-        assert r.headers["x-kvgate-worker"] == "a"
         d = gw.state.decisions.get("q")
+        assert r.headers["x-kvgate-worker"] == "a", d.to_dict()
         assert d.candidate("b").pending_tokens > 0
         slow.first_token_delay_s = 0
         await asyncio.gather(*tasks)
