@@ -171,11 +171,14 @@ def test_chained_responses_never_miss_their_owner(kvgate, vllm_servers, redis_ur
         # an idle core; on a loaded one the cancel can still come too late (vLLM then answers 400 "Cannot
         # cancel a synchronous response"): a response that ran to its end is tried again, once.
         for attempt in range(2):
+            t0 = time.monotonic()
             status, resp, h = _responses(gw.url, {"model": MODEL, "input": unique_prompt(20), "store": True,
                                                   "background": True, "max_output_tokens": 3000,
                                                   "ignore_eos": True})
             assert status == 200 and resp["status"] in ("queued", "in_progress"), resp
+            created_s = time.monotonic() - t0
             r = httpx.post(f"{second}/v1/responses/{resp['id']}/cancel", timeout=60)
+            cancel_s = time.monotonic() - t0
             if r.status_code == 200 and r.json().get("status") == "cancelled":
                 break
             after = httpx.get(f"{second}/v1/responses/{resp['id']}", timeout=60).json()
@@ -183,7 +186,8 @@ def test_chained_responses_never_miss_their_owner(kvgate, vllm_servers, redis_ur
                     (after.get("usage") or {}).get("output_tokens") == 3000:
                 continue  # it finished before the cancel reached it
             failures.append((second, resp["id"], "cancel", r.status_code, r.text[:300], after.get("status"),
-                             after.get("error"), after.get("incomplete_details")))
+                             after.get("error"), after.get("incomplete_details"),
+                             f"created after {created_s:.1f} s, cancel answered after {cancel_s:.1f} s"))
             break
         followups += 1
     finally:
