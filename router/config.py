@@ -109,6 +109,9 @@ class RoutingConfig(BaseModel):
     # fleet's: for fleets of mixed hardware. Off by default: on identical workers the ratios drift apart
     # with each worker's request mix, and the one that looks fastest draws more than its share.
     per_worker_prefill_speed: bool = False
+    # Correct the scheduler model's sum by a regression of the observed TTFTs of streamed responses on its
+    # parts (compute, steps, queue, a fixed part; router/ttft_fit.py), within a factor of 4 either way.
+    ttft_fit: bool = True
     # Bytes of KV per block on G4 (model dependent; the g4 part calibrates it).
     g4_bytes_per_block: int = 2 * 1024 * 1024
     prefetch_timeout_s: float = 0.5

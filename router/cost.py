@@ -17,9 +17,14 @@ waiting beyond them at the worker's mean size) while ``D`` requests decode:
 Work is counted in tokens at context 0: a token at context L costs ``1 + L / attention_knee_tokens`` of
 them (attention reads every earlier token), so the same 1,000 new tokens cost more after a 100K cached
 prefix than after none. The prefill speed is calibrated online (EWMA, from the configured default) from
-observed TTFTs of streamed responses and from vLLM's own prefill histograms on ``/metrics``.
+vLLM's own prefill histograms on ``/metrics`` (and, with the fit off, from observed TTFTs).
 G4: blocks the worker would load from the shared tier beyond its local prefix, at the configured bytes
-per block and G4 read bandwidth. Every prediction is clamped to [``MIN_TTFT_MS``, ``MAX_TTFT_MS``]
+per block and G4 read bandwidth.
+
+The sum is then corrected by what the observed TTFTs of streamed responses say the figures still get
+wrong (router/ttft_fit.py: a regression on its parts, ``routing.ttft_fit``); with the fit on, those TTFTs
+calibrate the fit only, and the prefill speed comes from vLLM's histograms alone (one learner per signal:
+the two chased each other's error). Every prediction is clamped to [``MIN_TTFT_MS``, ``MAX_TTFT_MS``]
 (``Candidate.clamped`` says so; kvgate_ttft_prediction_clamped_total counts them).
 
 The model predicts; the policy (router.policies.kv) orders, adding what a choice costs afterwards.
@@ -34,6 +39,7 @@ from router import eviction
 from router.calibrate import EngineCalibration
 from router.config import RoutingConfig
 from router.kv_room import kv_room, kv_wait_s
+from router.ttft_fit import TtftFit
 
 MIN_CALIBRATION_TOKENS = 256
 # A worker's speed is the fleet-wide estimate times the worker's own ratio to it. The fleet estimate takes
@@ -77,6 +83,9 @@ class Candidate:
     prefill_ms: float = 0.0
     g4_load_ms: float = 0.0
     predicted_ttft_ms: float = 0.0
+    # the scheduler model's own sum (queue + prefill + G4) before the learnt correction (router/ttft_fit.py)
+    model_ttft_ms: float = 0.0
+    fit_ms: float = 0.0  # predicted_ttft_ms - model_ttft_ms
     score_ms: float | None = None  # the policy's ordering key, when it has one (router.policies.kv)
     terms_ms: dict[str, float] = field(default_factory=dict)  # score_ms by scorer (router/policies/scorers.py)
     score_notes: list[str] = field(default_factory=list)  # inputs a scorer found missing or bad, and its fallback
@@ -113,6 +122,7 @@ class CostModel:
         # whose own estimates differ by noise would send every cold request to the one that looks faster).
         self.fleet_engine = EngineCalibration(cfg.step_ms / 1000.0, cfg.per_decode_ms / 1000.0,
                                               cfg.request_overhead_ms / 1000.0)
+        self.fleet_fit = TtftFit()  # what the model's sum still gets wrong (router/ttft_fit.py)
 
     def work(self, uncached: float, cached: float) -> float:
         """Prefill work of ``uncached`` tokens after ``cached`` ones, in tokens at context 0."""
@@ -130,6 +140,14 @@ class CostModel:
         if self.cfg.per_worker_prefill_speed and own.step_samples >= MIN_OWN_SAMPLES:
             return own
         return self.fleet_engine
+
+    def fit_of(self, worker) -> TtftFit | None:
+        """The correction ``worker``'s predictions get (fleet-wide unless per-worker; None: off)."""
+        if not self.cfg.ttft_fit:
+            return None
+        if self.cfg.per_worker_prefill_speed and worker.ttft_fit.ready:
+            return worker.ttft_fit
+        return self.fleet_fit
 
     def budget(self, worker) -> int:
         return getattr(worker.config, "max_num_batched_tokens", None) or self.cfg.max_num_batched_tokens
@@ -170,17 +188,25 @@ class CostModel:
             queue_ms += wait_ms
         work = self.work(uncached, cached)
         overhead_ms = cal.request_s * 1000.0
-        prefill_ms = work / tps * 1000.0 + (steps - queue_steps) * step_ms + overhead_ms
+        compute_ms = work / tps * 1000.0
+        own_steps_ms = (steps - queue_steps) * step_ms
+        prefill_ms = compute_ms + own_steps_ms + overhead_ms
         if g4_extra:  # G4 price: the worker's calibrated figures (router/prefetch.py) or the defaults
             bpb = getattr(worker, "g4_bytes_per_block", 0) or cfg.g4_bytes_per_block
             bw = getattr(worker, "g4_bytes_per_s", 0.0) or cfg.g4_bytes_per_s
             g4_ms = g4_extra * bpb / max(1.0, bw) * 1000.0
         else:
             g4_ms = 0.0
-        total = queue_ms + prefill_ms + g4_ms
+        raw = total = queue_ms + prefill_ms + g4_ms
         clamped = not MIN_TTFT_MS <= total <= MAX_TTFT_MS  # NaN included
         if clamped:
-            total = MAX_TTFT_MS if total > MIN_TTFT_MS else MIN_TTFT_MS
+            raw = total = MAX_TTFT_MS if total > MIN_TTFT_MS else MIN_TTFT_MS
+        else:
+            fit = self.fit_of(worker)
+            if fit is not None and fit.ready:
+                total = fit.correct(raw, compute_ms, own_steps_ms, queue_ms, cached / 1000.0)
+                if not MIN_TTFT_MS <= total <= MAX_TTFT_MS:
+                    total = raw
         inflight = v.inflight
         running_waiting = load.running + load.waiting
         return Candidate(
@@ -189,6 +215,7 @@ class CostModel:
             inflight=inflight, pending_requests=v.prefill_requests, pending_tokens=round(v.prefill_work),
             vllm_running=load.running, vllm_waiting=load.waiting, kv_usage=usage, prefill_tokens_per_s=tps,
             queue_ms=queue_ms, prefill_ms=prefill_ms, g4_load_ms=g4_ms, predicted_ttft_ms=total,
+            model_ttft_ms=raw, fit_ms=total - raw,
             load=(inflight if inflight > running_waiting else running_waiting) + usage,
             queue_requests=v.queue_requests, queue_tokens=queue_tokens, decodes=decodes, steps=steps,
             step_ms=step_ms, overhead_ms=overhead_ms, calibration=cal.source, clamped=clamped,
@@ -197,11 +224,15 @@ class CostModel:
         )
 
     def observe_ttft(self, worker, ttft_s: float, predicted: Candidate) -> None:
-        """Calibrate the worker's prefill speed from one observed TTFT (streamed responses only): what is
-        left after the predicted queue, steps, overhead and G4 load is the prefill work's compute.
-
-        Small prefills are dominated by fixed overheads and are skipped."""
+        """One observed TTFT (streamed responses only) against the candidate it was predicted by. With
+        ``routing.ttft_fit`` it trains the correction (router/ttft_fit.py), the worker's and the fleet's.
+        Without, it calibrates the prefill speed: what is left after the predicted queue, steps, overhead
+        and G4 load is the prefill work's compute (small prefills, dominated by fixed costs, are skipped)."""
         worker.ttft_samples += 1
+        if self.cfg.ttft_fit:
+            for fit in (worker.ttft_fit, self.fleet_fit):
+                fit.observe(predicted, ttft_s * 1000.0)
+            return
         uncached = predicted.uncached_tokens
         if uncached < MIN_CALIBRATION_TOKENS:
             return

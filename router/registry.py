@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from indexer.events.state import local_g4_member, shared_g4_member
 from indexer.events.subscriber import resolve_endpoint
 from router.calibrate import EngineCalibration, PredictionErrors, default_calibration
+from router.ttft_fit import TtftFit
 from router.config import Settings, WorkerConfig
 from router.eviction import EvictionCalibration
 from router.load import ActiveSequences, LoadView
@@ -129,6 +130,7 @@ class Worker:
     active: ActiveSequences = field(default_factory=ActiveSequences)
     engine: EngineCalibration = field(default_factory=default_calibration)
     prediction: PredictionErrors = field(default_factory=PredictionErrors)  # observed / predicted TTFT
+    ttft_fit: TtftFit = field(default_factory=TtftFit)  # the model's learnt correction (router/ttft_fit.py)
     eviction: EvictionCalibration = field(default_factory=EvictionCalibration)  # router/eviction.py
     prefill_ratio: float = 1.0  # this worker's speed relative to the fleet-wide estimate (router/cost.py)
     g4_bytes_per_s: float = 0.0  # G4 load bandwidth measured by the worker's connector (0: use the default)
@@ -231,7 +233,7 @@ class Worker:
                      "kv_usage": self.load.kv_usage, "updated_at": self.load.updated_at},
             "inflight": self.inflight, "pending_tokens": self.pending_tokens, "engine": self.engine.to_dict(),
             "prediction": self.prediction.to_dict(), "eviction": self.eviction.to_dict(),
-            "prefill_ratio": self.prefill_ratio, "ttft_samples": self.ttft_samples,
+            "ttft_fit": self.ttft_fit.to_dict(), "prefill_ratio": self.prefill_ratio, "ttft_samples": self.ttft_samples,
             "prefill_samples": self.prefill_samples,
             "failures": self.failures, "restarts": self.restarts, "last_error": self.last_error,
             "last_check": self.last_check, "cache_blind": self.cache_blind, "parity": self.parity,
@@ -259,14 +261,14 @@ class RankTarget:
     """
 
     OWN = frozenset({"server", "dp_rank", "name", "event_sources", "load", "active", "engine", "prediction", "eviction",
-                     "prefill_ratio", "ttft_samples", "prefill_samples"})
+                     "ttft_fit", "prefill_ratio", "ttft_samples", "prefill_samples"})
 
     def __init__(self, server: Worker, rank: int) -> None:
         e = server.engine  # the rank starts from the server's priors and calibrates on its own series
         own = {"server": server, "dp_rank": rank, "name": f"{server.name}@dp{rank}",
                "event_sources": [], "load": WorkerLoad(), "active": ActiveSequences(server.active.mean_work),
                "engine": EngineCalibration(e.step_s, e.seq_s, e.request_s), "prediction": PredictionErrors(),
-               "eviction": EvictionCalibration(),
+               "eviction": EvictionCalibration(), "ttft_fit": TtftFit(),
                "prefill_ratio": 1.0, "ttft_samples": 0, "prefill_samples": 0}
         self.__dict__.update(own)
 
@@ -302,7 +304,8 @@ class RankTarget:
                 "inflight": self.inflight, "pending_tokens": self.pending_tokens,
                 "prefill_ratio": self.prefill_ratio, "ttft_samples": self.ttft_samples,
                 "prefill_samples": self.prefill_samples, "engine": self.engine.to_dict(),
-                "prediction": self.prediction.to_dict(), "eviction": self.eviction.to_dict()}
+                "prediction": self.prediction.to_dict(), "eviction": self.eviction.to_dict(),
+                "ttft_fit": self.ttft_fit.to_dict()}
 
 
 def index_names(w: Worker) -> list[str]:

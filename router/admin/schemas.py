@@ -59,6 +59,10 @@ class WorkerLoadOut(BaseModel):
     eviction: dict = Field(default_factory=dict, description="the eviction model's pressure scale learnt from "
                            "delivered cached tokens (router/eviction.py): pressure_scale (1 = the prior), "
                            "samples, shortfalls (requests that got less of their local prefix than indexed)")
+    ttft_fit: dict = Field(default_factory=dict, description="what the scheduler model's sum still gets wrong, "
+                           "learnt from this worker's streamed TTFTs (router/ttft_fit.py): intercept_ms and the "
+                           "scales of compute, steps and queue, samples, active (used once it has 8; the "
+                           "fleet-wide fit prices every worker unless routing.per_worker_prefill_speed)")
 
 
 class WorkerOut(BaseModel):
@@ -265,7 +269,10 @@ class CandidateOut(_Open):
     prefill_ms: float = Field(0, description="this request's prefill: its work / speed, its own engine "
                                              "steps and the per-request overhead")
     g4_load_ms: float = Field(0, description="time to load the G4 blocks")
-    predicted_ttft_ms: float = 0
+    predicted_ttft_ms: float = Field(0, description="model_ttft_ms corrected by the learnt fit (fit_ms)")
+    model_ttft_ms: float = Field(0, description="the scheduler model's sum: queue_ms + prefill_ms + g4_load_ms")
+    fit_ms: float = Field(0, description="the correction learnt from observed TTFTs (router/ttft_fit.py), "
+                          "within a factor of 4 of model_ttft_ms either way; 0 until 8 responses were seen")
     score_ms: float | None = Field(None, description="the policy's ordering key, lowest first (kv: the sum "
                                                      "of terms_ms); null for policies that do not score")
     terms_ms: dict[str, float] = Field(default_factory=dict, description=(

@@ -79,7 +79,9 @@ def test_bad_inputs_are_clamped_not_zero_or_infinite():
 
 
 def test_calibration_moves_towards_observed_speed():
-    cm = model(RoutingConfig(prefill_tokens_per_s=1000.0, calibration_alpha=0.5, attention_knee_tokens=0))
+    """With the TTFT fit off (router/ttft_fit.py), streamed TTFTs calibrate the prefill speed."""
+    cm = model(RoutingConfig(prefill_tokens_per_s=1000.0, calibration_alpha=0.5, attention_knee_tokens=0,
+                             ttft_fit=False))
     w = worker("a")
     c = cm.score(w, WorkerMatch(), g4=0, num_tokens=4000, block_size=16)
     cm.observe_ttft(w, 1.0, c)  # 4000 tokens in 1 s: 4000 t/s observed
@@ -114,8 +116,10 @@ def test_policies_order():
 
 def test_one_calibrated_worker_does_not_take_every_request():
     """The first observation calibrates the fleet-wide speed, which every worker without enough samples of
-    its own uses: a freshly calibrated worker does not look faster than its idle twins (a hot spot)."""
-    cm = model(RoutingConfig(prefill_tokens_per_s=1000.0, calibration_alpha=0.5, attention_knee_tokens=0))
+    its own uses: a freshly calibrated worker does not look faster than its idle twins (a hot spot). (TTFTs
+    calibrate the speed with the TTFT fit off; the fit itself is fleet-wide too: test_ttft_fit.py.)"""
+    cm = model(RoutingConfig(prefill_tokens_per_s=1000.0, calibration_alpha=0.5, attention_knee_tokens=0,
+                             ttft_fit=False))
     a, b = worker("a"), worker("b")
     c = cm.score(a, WorkerMatch(), g4=0, num_tokens=4000, block_size=16)
     cm.observe_ttft(a, 0.5, c)  # 8000 t/s observed on a
