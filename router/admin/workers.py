@@ -40,7 +40,7 @@ def worker_out(state, w, stats: dict, events: dict) -> schemas.WorkerOut:
             pending_tokens=round(view.prefill_work), prefill_tokens_per_s=state.router.cost.prefill_speed(w),
             prefill_ratio=w.prefill_ratio, prefill_samples=w.prefill_samples, ttft_samples=w.ttft_samples,
             pending_requests=view.prefill_requests, decodes=view.decodes, engine=w.engine.to_dict(),
-            prediction=w.prediction.to_dict(), eviction=w.eviction.to_dict()),
+            prediction=w.prediction.to_dict(), eviction=w.eviction.to_dict(), ttft_fit=w.ttft_fit.to_dict()),
         cached_blocks=cached, parity=parity if isinstance(parity, dict) else None,
         cache_blind=bool(getattr(w, "cache_blind", False)),
         chat_cache_blind=bool(getattr(w, "chat_cache_blind", False)),

@@ -207,3 +207,24 @@ def test_explain_under_exact_ties_matches(admin_env):
         ex = explain(env, body)
         _, chosen = send(env, "/v1/completions", body)
         assert chosen == ex["chosen"]
+
+
+def test_observed_ttfts_correct_the_prediction(admin_env):
+    """A worker slower to its first token (0.3 s) than the priors predict (milliseconds): after eight
+    streamed responses the learnt fit (router/ttft_fit.py) moves every prediction towards what is observed,
+    within its 4x bound, and the decision records and /admin/workers show the correction."""
+    env = admin_env(1, worker_kw={"w1": {"first_token_delay_s": 0.3}})
+    ratios, last = [], None
+    for i in range(12):
+        r = env.anon.post("/v1/completions", json={"model": MODEL, "prompt": prompt(300 + i, 4),
+                                                   "max_tokens": 2, "stream": True})
+        assert r.status_code == 200
+        last = env.state.decisions.get(r.headers["x-request-id"])
+        ratios.append(last.observed_ttft_ms / last.predicted_ttft_ms)
+    c = last.candidate("w1")
+    assert c.fit_ms > 0 and c.predicted_ttft_ms == pytest.approx(c.model_ttft_ms + c.fit_ms)
+    assert ratios[-1] < ratios[0] / 2, ratios
+    fit = next(w for w in env.http.get("/admin/workers").json()["workers"] if w["name"] == "w1")["load"]["ttft_fit"]
+    assert fit["active"] and fit["samples"] == 12
+    doc = env.http.get(f"/admin/decisions/{last.request_id}").json()
+    assert doc["candidates"][0]["fit_ms"] == pytest.approx(c.fit_ms)
