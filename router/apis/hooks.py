@@ -76,6 +76,7 @@ class Hooks:
     def __init__(self, state) -> None:
         self.st = state
         self.usage: dict | None = None
+        self.complete = False  # the stream's final event was seen (a client may close right after it)
 
     async def on_body(self, status: int, raw: bytes) -> bytes:
         return raw
@@ -133,6 +134,7 @@ class ResponsesHooks(Hooks):
             final = name != "response.created"
             if final:
                 self.usage = resp_api.usage_as_chat(resp.get("usage"))
+                self.complete = True
             await self._remember(resp, final=final)
 
     def stream_error(self, message: str) -> bytes:
@@ -145,7 +147,7 @@ class MessagesHooks(Hooks):
 
     def __init__(self, state) -> None:
         super().__init__(state)
-        self.reader = SSEReader((b"message_start", b"message_delta"),
+        self.reader = SSEReader((b"message_start", b"message_delta", b"message_stop"),
                                 state.settings.responses.stream_event_max_bytes)
 
     @_guarded
@@ -167,6 +169,9 @@ class MessagesHooks(Hooks):
     @_guarded
     async def on_chunk(self, chunk: bytes) -> None:
         for name, data in self.reader.feed(chunk):
+            if name == "message_stop":
+                self.complete = True
+                continue
             obj = _json(data)
             if not isinstance(obj, dict):
                 continue

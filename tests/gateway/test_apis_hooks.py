@@ -41,8 +41,10 @@ async def test_responses_stream_records_the_owner_before_the_id_is_seen_and_the_
     done = {"id": "resp_1", "status": "completed",
             "output": [{"type": "message", "content": [{"type": "output_text", "text": "hello"}]}],
             "usage": {"input_tokens": 70, "input_tokens_details": {"cached_tokens": 64}}}
-    await h.on_chunk(sse("response.output_text.delta", {"delta": "hello"}) + sse("response.completed",
-                                                                                {"response": done}))
+    await h.on_chunk(sse("response.output_text.delta", {"delta": "hello"}))
+    assert not h.complete  # a client that leaves now did disconnect (router/proxy.py)
+    await h.on_chunk(sse("response.completed", {"response": done}))
+    assert h.complete  # ... after this, it had the whole response
     assert h.usage == {"prompt_tokens": 70, "prompt_tokens_details": {"cached_tokens": 64}}
     rec = await st.owners.get("resp_1")
     # instructions do not carry over to a follow-up: the turn is the user's message and the answer
@@ -63,6 +65,9 @@ async def test_messages_usage_and_error_shape():
     await h.on_chunk(sse("message_delta", {"usage": {"input_tokens": 4, "cache_read_input_tokens": 96,
                                                      "cache_creation_input_tokens": 0, "output_tokens": 5}}))
     assert h.usage == {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 96}}
+    assert not h.complete
+    await h.on_chunk(sse("message_stop", {"type": "message_stop"}))
+    assert h.complete
     raw = json.dumps({"error": {"message": "bad messages", "type": "Bad Request", "code": 400}}).encode()
     assert json.loads(await h.on_body(400, raw)) == {
         "type": "error", "error": {"type": "invalid_request_error", "message": "bad messages"}}

@@ -271,6 +271,32 @@ async def test_disconnect_cancels_upstream(fleet, start_gateway):
     await wait_until(lambda: gw.state.registry.get("a").inflight == 0)
 
 
+@pytest.mark.parametrize("mid_stream", [False, True])
+async def test_a_client_that_closes_at_done_had_a_complete_response(fleet, start_gateway, mid_stream):
+    """The OpenAI SDKs stop reading at [DONE] and close the connection; the worker's end of stream can
+    come later. That response is complete: recorded ok, with the worker's usage (delivered cached tokens
+    calibrate the eviction model), not as a disconnect. A client that leaves before [DONE] did disconnect."""
+    # mid-stream: the worker pauses after two words, so the client leaves before the gateway has [DONE]
+    st = fleet.add("a", done_delay_s=5.0, words=4, pause_after=2 if mid_stream else None)
+    gw = start_gateway(fleet)
+    body = chat_body("Hello the gateway " * 20, stream=True, stream_options={"include_usage": True})
+    async with httpx.AsyncClient(timeout=30) as c:
+        async with c.stream("POST", gw.url + "/v1/chat/completions", json=body,
+                            headers={"x-request-id": "done"}) as r:
+            async for line in r.aiter_lines():
+                if line.strip() == "data: [DONE]" or (mid_stream and '"content"' in line):
+                    break  # leaving the block closes the connection
+    d = gw.state.decisions.get("done")
+    await wait_until(lambda: d.outcome is not None and st.active == 0)
+    if mid_stream:
+        assert (d.outcome, d.status, d.delivered_cached_tokens) == ("client_disconnected", 499, None)
+    else:
+        assert (d.outcome, d.status) == ("ok", 200) and d.delivered_cached_tokens is not None
+        assert d.prompt_tokens > 0
+    text = (await httpx.AsyncClient().get(gw.url + "/metrics")).text
+    assert ('outcome="client_disconnected"' in text) == mid_stream
+
+
 @pytest.mark.parametrize("case", ["invalid_json", "not_object", "missing_model", "unknown_model",
                                   "too_large_declared", "too_large_streamed", "no_healthy", "lone_surrogate",
                                   "template_raises"])

@@ -40,6 +40,7 @@ class FakeState:
     chat_template: str | None = None  # the worker's own template (vLLM's --chat-template), else the model's
     fast: bool = False  # benchmark mode: no tokenizer, no cache bookkeeping
     pause_after: int | None = None  # streaming: stop after this many content chunks until released
+    done_delay_s: float = 0.0  # streaming: hold the connection open this long after [DONE]
     release: threading.Event = field(default_factory=threading.Event)
     publisher: object = None  # a bench.sim.vllm_format.EventPublisher: BlockStored for new blocks
     dp_publishers: list = field(default_factory=list)  # data-parallel: one publisher (and cache) per rank
@@ -190,6 +191,8 @@ def create_fake_worker(state: FakeState, tokenizer_dir: str | None = None) -> Fa
                 if include_usage:
                     yield _sse({**base, "choices": [], "usage": usage})
                 yield b"data: [DONE]\n\n"
+                if st.done_delay_s:
+                    await asyncio.sleep(st.done_delay_s)
             except asyncio.CancelledError:
                 st.cancelled += 1
                 raise
