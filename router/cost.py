@@ -39,6 +39,7 @@ from router import eviction
 from router.calibrate import EngineCalibration
 from router.config import RoutingConfig
 from router.kv_room import kv_room, kv_wait_s
+from router.load import HELD
 from router.ttft_fit import TtftFit
 
 MIN_CALIBRATION_TOKENS = 256
@@ -100,6 +101,10 @@ class Candidate:
     calibration: str = "defaults"  # what the step and overhead figures come from (router/calibrate.py)
     clamped: bool = False
     evicted_blocks: int = 0  # of the local prefix, expected evicted by the queue before this is scheduled
+    # what priced that (router/eviction.py): "" nothing to price (no queue, no prefix or room unknown),
+    # "pressure", "lru" (the worker's releases place the prefix), "held" (a request in flight holds it)
+    eviction_model: str = ""
+    lru_older_tokens: float = 0.0  # lru: free tokens released before the prefix (absorbed first)
     eviction_pressure: float = 0.0  # the queue's demand / free blocks, unscaled (router/eviction.py; -1: none free)
     # KV room from vLLM's last scrape: the share of blocks no running request holds, and those blocks in
     # tokens (with num_gpu_blocks); None when the metrics are missing or malformed
@@ -153,9 +158,10 @@ class CostModel:
         return getattr(worker.config, "max_num_batched_tokens", None) or self.cfg.max_num_batched_tokens
 
     def score(self, worker, match: WorkerMatch, g4: int, num_tokens: int, block_size: int,
-              pending_blocks: int = 0) -> Candidate:
+              pending_blocks: int = 0, hashes=None) -> Candidate:
         """``pending_blocks``: the last of ``match.local`` are blocks the gateway sent the worker whose
         events are not indexed yet (router/pending.py): being computed or just computed, not evictable.
+        ``hashes``: the prompt's routable blocks (where the worker's releases place its prefix).
         Runs for every candidate of every request: one load view, one Candidate, no intermediate dicts."""
         cfg = self.cfg
         tps = self.prefill_speed(worker)
@@ -168,7 +174,20 @@ class CostModel:
         usage = load.kv_usage
         kv_free, kv_free_tokens = kv_room(load, block_size)
         p = eviction.pressure(queue_tokens, kv_free_tokens)
-        local = eviction.surviving(indexed, p, worker.eviction.scale)
+        ev_model, older = "", 0.0
+        if p > 0 and indexed > 0:
+            age = worker.active.prefix_age(hashes, indexed) if hashes else None
+            if age is None:
+                ev_model = "pressure"
+                local = eviction.surviving(indexed, p, worker.eviction.scale)
+            elif age == HELD:
+                ev_model, local = "held", indexed
+            else:
+                ev_model = "lru"
+                local, older = eviction.lru_surviving(indexed, block_size, queue_tokens, kv_free_tokens, age,
+                                                      worker.eviction.scale)
+        else:
+            local = indexed
         if local == indexed:  # nothing evicted ahead of them: the pending blocks extend the prefix
             local = m_local
         g4_extra = max(0, g4 - local)
@@ -220,6 +239,7 @@ class CostModel:
             queue_requests=v.queue_requests, queue_tokens=queue_tokens, decodes=decodes, steps=steps,
             step_ms=step_ms, overhead_ms=overhead_ms, calibration=cal.source, clamped=clamped,
             evicted_blocks=m_local - local, eviction_pressure=p if math.isfinite(p) else -1.0,
+            eviction_model=ev_model, lru_older_tokens=older,
             kv_free=kv_free, kv_free_tokens=kv_free_tokens, kv_wait_ms=wait_ms,
         )
 

@@ -9,10 +9,18 @@ that shows no first token (not streamed) counts as prefilling until twice its pr
 vLLM's gauges see what the gateway does not (another gateway, clients that bypass it): requests vLLM
 reports waiting beyond the gateway's prefilling ones are queued work of the worker's mean request size;
 running beyond the gateway's ones that must be prefilling are decodes.
+
+It also keeps the worker's recent releases as an LRU clock (router/eviction.py): vLLM puts a finished
+request's blocks at the recent end of its free queue and evicts from the other end, so a cached prefix is
+evicted once new allocations exceed the free blocks released *before* it. :meth:`prefix_age` says how many
+tokens were released after the last request that held a prefix (or that one still holds it), from the
+requests' own block hashes (references, no copies; one probe per recent request, not per block: hashes are
+chained, so equal hashes at one position mean equal prefixes).
 """
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -26,6 +34,7 @@ class Sequence:
     first_at: float | None = None
     tokens: int = 0  # the whole prompt (the KV it holds once scheduled)
     max_tokens: int = 0  # the tokens it may generate (0: unknown)
+    hashes: list | None = None  # its routable block hashes (a reference), for the LRU clock
 
     def kv_release(self, step_s: float) -> tuple[float, int]:
         """When a decoding sequence is expected to end (``max_tokens`` steps after its first token, or its
@@ -64,24 +73,31 @@ class LoadView:
         return self.prefill_tokens + self.unknown_waiting * self.mean_tokens
 
 
+HELD = -1.0  # prefix_age: a request in flight holds the prefix (or touches it before a later one runs)
+RECENT = 64  # releases remembered per worker
+
+
 class ActiveSequences:
-    """A worker's in-flight requests from this gateway (bounded by what is in flight)."""
+    """A worker's in-flight requests from this gateway (bounded by what is in flight), and its last
+    ``RECENT`` releases."""
 
     def __init__(self, default_work: float = 1024.0, clock=time.monotonic) -> None:
         self._live: dict[int, Sequence] = {}  # id(seq) -> seq, in arrival order
         self._clock = clock
         self.mean_work = default_work
         self.mean_tokens = default_work
+        self.released_tokens = 0.0  # KV tokens released by finished requests, cumulative: the LRU clock
+        self._recent: deque = deque(maxlen=RECENT)  # (hashes, clock just after its release), oldest first
 
     def add(self, uncached: int, work: float, predicted_s: float, streamed: bool = False, tokens: int = 0,
-            max_tokens: int = 0) -> Sequence:
+            max_tokens: int = 0, hashes: list | None = None) -> Sequence:
         """``streamed``: its first token will be seen, so it is prefilling until then however long that
         takes (early predictions, on default figures, can be far too short). ``tokens``, ``max_tokens``:
         the prompt's and the generation's length (0: unknown), the KV it will hold and for how long."""
         now = self._clock()
         deadline = float("inf") if streamed else now + max(0.01, 2.0 * predicted_s)
         seq = Sequence(uncached=max(0, int(uncached)), work=max(0.0, float(work)), deadline=deadline,
-                       tokens=max(0, int(tokens)), max_tokens=max(0, int(max_tokens)))
+                       tokens=max(0, int(tokens)), max_tokens=max(0, int(max_tokens)), hashes=hashes or None)
         self._live[id(seq)] = seq
         self.mean_work = 0.9 * self.mean_work + 0.1 * seq.work
         self.mean_tokens = 0.9 * self.mean_tokens + 0.1 * seq.uncached
@@ -93,7 +109,26 @@ class ActiveSequences:
 
     def finish(self, seq: Sequence) -> None:
         self.first_token(seq)
-        self._live.pop(id(seq), None)
+        if self._live.pop(id(seq), None) is not None:
+            self.released_tokens += seq.tokens + seq.max_tokens
+            if seq.hashes:
+                self._recent.append((seq.hashes, self.released_tokens))
+
+    def prefix_age(self, hashes, n: int) -> float | None:
+        """KV tokens released on this worker since the last of the gateway's requests that held the first
+        ``n`` blocks of ``hashes`` ended; ``HELD`` while one is in flight; None when none of the last
+        ``RECENT`` releases had it (another gateway's, or older than the window: unknown)."""
+        if n <= 0 or not hashes or n > len(hashes):
+            return None
+        h = hashes[n - 1]
+        for s in self._live.values():
+            sh = s.hashes
+            if sh is not None and len(sh) >= n and sh[n - 1] == h:
+                return HELD
+        for sh, at in reversed(self._recent):
+            if len(sh) >= n and sh[n - 1] == h:
+                return self.released_tokens - at
+        return None
 
     def __len__(self) -> int:
         return len(self._live)

@@ -219,12 +219,12 @@ class _Lease:
     """A request's place in its worker's load tracker (router/load.py): prefilling until its first byte,
     in flight until done."""
 
-    def __init__(self, metrics, worker, cand, streamed: bool, max_tokens: int = 0) -> None:
+    def __init__(self, metrics, worker, cand, streamed: bool, max_tokens: int = 0, hashes=None) -> None:
         # prefill work (tokens at context 0, router/cost.py), so a long context queues as what it costs
         self.metrics, self.worker = metrics, worker
         self.seq = worker.active.add(cand.uncached_tokens, cand.prefill_work, cand.predicted_ttft_ms / 1000.0,
                                      streamed, tokens=cand.cached_tokens + cand.uncached_tokens,
-                                     max_tokens=max_tokens)
+                                     max_tokens=max_tokens, hashes=hashes)
         self.active = True
         metrics.child(metrics.inflight, worker.name).set(worker.inflight)
 
@@ -281,8 +281,12 @@ class Forwarder:
         if cand is None or w is None or not d.block_size:
             return
         indexed = cand.local_blocks + cand.evicted_blocks
-        delivered_local = d.delivered_cached_tokens // d.block_size - cand.g4_blocks
-        w.eviction.observe(cand.eviction_pressure, indexed, min(indexed, max(0, delivered_local)))
+        delivered_local = min(indexed, max(0, d.delivered_cached_tokens // d.block_size - cand.g4_blocks))
+        if cand.eviction_model == "lru":
+            w.eviction.observe_lru(cand.queue_tokens, cand.lru_older_tokens, indexed, delivered_local,
+                                   d.block_size)
+        elif cand.eviction_model == "pressure":
+            w.eviction.observe(cand.eviction_pressure, indexed, delivered_local)
 
     def _prefetch(self, worker, cand) -> None:
         if cand.g4_blocks <= 0 or not self.hashes:
@@ -324,7 +328,7 @@ class Forwarder:
             d.chosen = w.name
             d.attempts.append(w.name)
             self._prefetch(w, cand)
-            lease = _Lease(st.metrics, w, cand, d.stream, d.max_tokens)
+            lease = _Lease(st.metrics, w, cand, d.stream, d.max_tokens, self.hashes)
             if cand.clamped:
                 st.metrics.child(st.metrics.prediction_clamped, w.name).inc()
             t_send = time.perf_counter()

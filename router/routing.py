@@ -264,7 +264,7 @@ class Router:
             return m, 0
 
         score = self.cost.score
-        scored = [score(w, m, g4, d.num_tokens, bs, pending_blocks=p)
+        scored = [score(w, m, g4, d.num_tokens, bs, pending_blocks=p, hashes=d.hashes)
                   for w, g4 in zip(workers, g4_runs) for m, p in (match(w),)]
         d.candidates = policy.order(RouteRequest(model, path, headers), scored)
         d.chosen = d.candidates[0].worker if d.candidates else None

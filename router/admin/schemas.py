@@ -300,6 +300,13 @@ class CandidateOut(_Open):
     evicted_blocks: int = Field(0, description="blocks of the local prefix expected to be evicted by the "
                                                "queue ahead before this request is scheduled (not counted "
                                                "as cached)")
+    eviction_model: str = Field("", description="what priced evicted_blocks: empty (no queue ahead, no "
+                                "prefix, or the room unknown), pressure (the queue's demand over the free room), "
+                                "lru (this gateway's recent releases on the worker place the prefix in vLLM's "
+                                "free queue: the demand evicts it past the free blocks released before it), "
+                                "held (a request in flight holds it)")
+    lru_older_tokens: float = Field(0.0, description="lru: the free tokens released before the prefix, which "
+                                    "the queue's demand evicts first")
     eviction_pressure: float = Field(0.0, description="the queue ahead's block demand / the worker's free "
                                      "blocks, before the worker's learnt pressure scale (0: no queue or "
                                      "capacity unknown; -1: no free block)")

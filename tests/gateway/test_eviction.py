@@ -115,3 +115,66 @@ async def test_a_worker_that_keeps_evicting_what_the_index_shows_is_priced_witho
     assert predicted[-1] <= predicted[0] // 4 and predicted == sorted(predicted, reverse=True), predicted
     ev = next(w for w in (workers if isinstance(workers, list) else workers["workers"]) if w["name"] == "h")
     assert ev["load"]["eviction"]["shortfalls"] >= 3 and ev["load"]["eviction"]["pressure_scale"] > 1.5
+
+
+def test_a_prefix_released_before_most_of_the_free_room_goes_first():
+    """vLLM evicts free blocks oldest release first. Same worker (2,000 free tokens, a 640-token prefix,
+    300 tokens of demand queued ahead): released just now, 1,360 older free tokens absorb the demand; released
+    before 1,200 other tokens, only 160 do, and the demand's excess cuts the prefix from its tail."""
+    from router.eviction import lru_surviving
+
+    assert lru_surviving(40, 16, 300, 2000, age_tokens=0) == (40, 1360)
+    kept, older = lru_surviving(40, 16, 300, 2000, age_tokens=1200)
+    assert older == 160 and kept == 40 - math.ceil(140 / 16)
+    assert lru_surviving(40, 16, 300, 2000, age_tokens=5000)[0] == 40 - math.ceil(300 / 16)  # at the head
+    assert lru_surviving(40, 16, 3000, 2000, age_tokens=0)[0] == 0
+    assert lru_surviving(40, 16, 300, 2000, age_tokens=1200, scale=0.25)[0] == 40  # a learnt smaller demand
+
+
+def test_the_workers_releases_place_a_prefix_in_the_lru_order():
+    """Two sessions on one worker, each prompt 40 blocks: after A's turn and then B's, B's prefix is the
+    recent one and A's the old one; a third request still holding A's prefix keeps it whole."""
+    from router.load import HELD
+
+    cm = model(RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0))
+    w = worker("a")
+    w.load.kv_usage, w.load.num_gpu_blocks, w.load.updated_at = 0.0, 125, 1.0  # 2,000 free tokens
+    a_hashes, b_hashes = list(range(100, 140)), list(range(200, 240))
+    for hashes in (a_hashes, b_hashes):
+        w.active.finish(w.active.add(0, 0.0, 1.0, tokens=640, max_tokens=0, hashes=hashes))
+    assert w.active.prefix_age(a_hashes, 40) == 640 and w.active.prefix_age(b_hashes, 40) == 0
+    assert w.active.prefix_age(list(range(300, 340)), 40) is None  # never released here
+    queued = w.active.add(300, 300.0, 1e6)  # 300 tokens ahead of the next request, prefilling
+    old = cm.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16, hashes=a_hashes)
+    new = cm.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16, hashes=b_hashes)
+    assert new.eviction_model == old.eviction_model == "lru"
+    assert new.evicted_blocks == 0 and new.lru_older_tokens == 2000 - 640 - 0
+    # A's prefix: 2,000 - 640 - 640 released after it = 720 older free tokens, which absorb the 300
+    assert old.evicted_blocks == 0 and old.lru_older_tokens == 720
+    w.load.kv_usage = 0.5  # 1,000 free tokens: none older than A's prefix, B's keeps 360
+    old = cm.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16, hashes=a_hashes)
+    new = cm.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16, hashes=b_hashes)
+    assert old.lru_older_tokens == 0 and old.evicted_blocks == math.ceil(300 / 16)
+    assert new.evicted_blocks == 0
+    holder = w.active.add(0, 0.0, 1e6, tokens=640, hashes=a_hashes[:30] + [999] * 10)
+    assert w.active.prefix_age(a_hashes, 30) == HELD
+    held = cm.score(w, WorkerMatch(gpu=30, local=30), 0, 1000, 16, hashes=a_hashes)
+    assert held.eviction_model == "held" and held.evicted_blocks == 0
+    w.active.finish(holder), w.active.finish(queued)
+    idle = cm.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16, hashes=a_hashes)
+    assert idle.eviction_model == "" and idle.evicted_blocks == 0  # no queue ahead: nothing to price
+
+
+def test_the_scale_learns_from_what_the_lru_model_priced():
+    ev = EvictionCalibration()
+    for _ in range(10):  # 300 tokens ahead, 160 older: the model cuts 9 blocks; vLLM evicted all 40
+        ev.observe_lru(300, 160, indexed=40, delivered=0, block_size=16)
+    assert ev.scale > 2.0 and ev.shortfalls == 10
+    calm = EvictionCalibration(scale=4.0)
+    for _ in range(10):  # the model, at scale 4, expected evictions; vLLM delivered the whole prefix
+        calm.observe_lru(300, 160, indexed=40, delivered=40, block_size=16)
+    assert calm.scale < 1.0 and calm.shortfalls == 0
+    same = EvictionCalibration()
+    same.observe_lru(300, 500, indexed=40, delivered=40, block_size=16)  # consistent: nothing learnt
+    same.observe_lru(0, 500, indexed=40, delivered=0, block_size=16)  # no demand: says nothing
+    assert (same.scale, same.samples) == (1.0, 0)
