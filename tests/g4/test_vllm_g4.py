@@ -24,6 +24,7 @@ from tests.g4.real_vllm import (
     corrupt,
     g4_server,
     prompt,
+    assert_same_output,
     store_of,
     wait_for,
 )
@@ -102,7 +103,7 @@ def test_2_b_serves_p_plus_question_from_g4_with_the_same_output(servers):
     got = complete(b, pq, max_tokens=12)
     full_p = (len(P) // BLOCK) * BLOCK
     assert cached(got) >= 0.9 * full_p, got["usage"]
-    assert got["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+    assert_same_output(got, ref)
     after = b.g4_stats()
     assert after["loads"] - before["loads"] >= 0.9 * full_p // BLOCK
     assert after["load_failures"] == before["load_failures"]
@@ -134,12 +135,12 @@ def test_2b_through_kvgate_the_gateway_plans_the_g4_load_on_the_worker_without_p
         ref = complete(b, p4 + QUESTION, max_tokens=8, cache_salt="no-g4-reference-2b")
         r = httpx.post(gw.url + "/v1/completions", timeout=300, json={
             "model": MODEL, "prompt": p4 + QUESTION, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True})
+            "return_token_ids": True, "logprobs": 2})
         assert r.status_code == 200, r.text
         assert r.headers["x-kvgate-worker"] == "b"
         got = r.json()
         assert cached(got) >= 0.9 * (len(p4) // BLOCK) * BLOCK, got["usage"]
-        assert got["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+        assert_same_output(got, ref)
         d = st.decisions.get(r.headers["x-request-id"])
         assert d is not None and d.g4_blocks == len(hs), d and d.to_dict()
     finally:
@@ -163,7 +164,7 @@ def test_4_corrupted_block_is_recomputed_with_correct_output_and_counted(servers
     after = b.g4_stats()
     assert after["load_failures_by_reason"]["corrupt"] - before["load_failures_by_reason"]["corrupt"] == 1
     assert after["load_failures"] - before["load_failures"] >= 1
-    assert got["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+    assert_same_output(got, ref)
     # never served again: removed, then rewritten from the recomputed KV (a valid block of this namespace)
     assert wait_for(lambda: st.contains(bad)), "the recomputed block was not saved again"
     st.read(bad, q[5 * BLOCK : 6 * BLOCK])

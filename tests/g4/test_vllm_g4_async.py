@@ -34,6 +34,7 @@ from bench.vllm_server import VllmServer, vllm_python
 from cache_tier.store import G4Store
 from indexer.hashing import routable_blocks, sequence_hashes
 from tests.g4.real_vllm import (
+    assert_same_output,
     BLOCK,
     cached,
     complete,
@@ -111,7 +112,7 @@ def test_output_equals_the_reference_and_cached_tokens_show_the_g4_hit(srv):
     got = complete(s, p + QUESTION, max_tokens=12)
     after = s.g4_stats()
     assert cached(got) == 20 * BLOCK, got["usage"]
-    assert got["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+    assert_same_output(got, ref)
     assert after["loads"] - before["loads"] == 20
     assert after["load_failures"] == before["load_failures"]
     assert after["async_loads"] - before["async_loads"] == (1 if srv["mode"] == "async" else 0)
@@ -142,7 +143,7 @@ def test_a_short_request_is_served_while_a_long_load_is_in_flight(srv):
         t.join(300)
     got = result["resp"]
     assert cached(got) == 64 * BLOCK, got["usage"]
-    assert got["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+    assert_same_output(got, ref)
 
 
 def make_foreign(s: VllmServer, g4: str, h: int, token_ids: list[int], parent) -> None:
@@ -188,7 +189,7 @@ def test_a_bad_block_is_recomputed_with_the_reference_output_and_rewritten(srv, 
     before = g4_metrics(s)
     got = complete(s, q, max_tokens=12)
     after = g4_metrics(s)
-    assert got["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+    assert_same_output(got, ref)
     assert failures(before, after) == {r: (1 if r == kind else 0) for r in LOAD_REASONS}
     # every other block was read once; the request was not offered the bad block again (vLLM's
     # cached_tokens still counts the whole planned hit: it is recorded when the request is admitted)
@@ -201,7 +202,7 @@ def test_a_bad_block_is_recomputed_with_the_reference_output_and_rewritten(srv, 
     httpx.post(s.url + "/reset_prefix_cache", timeout=60).raise_for_status()
     again = complete(s, q, max_tokens=12)
     last = g4_metrics(s)
-    assert again["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+    assert_same_output(again, ref)
     assert cached(again) == len(hq) * BLOCK
     assert last["kvgate_g4_loads_total"] - after["kvgate_g4_loads_total"] == len(hq)
     assert not any(failures(after, last).values())
@@ -222,7 +223,7 @@ def test_a_store_removed_under_the_server_costs_a_recompute_and_is_recreated(srv
     before = g4_metrics(s)
     got = complete(s, q, max_tokens=12)
     after = g4_metrics(s)
-    assert got["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+    assert_same_output(got, ref)
     assert failures(before, after) == {r: (len(hs) if r == "missing" else 0) for r in LOAD_REASONS}
     assert after["kvgate_g4_loads_total"] == before["kvgate_g4_loads_total"]
     assert wait_for(lambda: os.path.exists(ns_json)), "the G4 directory was not recreated (namespace.json)"
@@ -263,7 +264,7 @@ def saves_fail_then_resume(s: VllmServer, g4: str, seed: int, reason: str, resto
     finally:
         restore()
     ref = complete(s, p, max_tokens=4, cache_salt=f"no-g4-reference-{seed}")
-    assert got["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+    assert_same_output(got, ref)
     assert failures(before, after, "save") == {r: (len(hs) if r == reason else 0) for r in SAVE_REASONS}
     assert save_counts(before, after) == (0, len(hs))
     assert s.healthy()
