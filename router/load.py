@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 
 
 @dataclass(slots=True, eq=False)
@@ -35,6 +36,7 @@ class Sequence:
     tokens: int = 0  # the whole prompt (the KV it holds once scheduled)
     max_tokens: int = 0  # the tokens it may generate (0: unknown)
     hashes: list | None = None  # its routable block hashes (a reference), for the LRU clock
+    block_size: int = 0
 
     def kv_release(self, step_s: float) -> tuple[float, int]:
         """When a decoding sequence is expected to end (``max_tokens`` steps after its first token, or its
@@ -75,6 +77,33 @@ class LoadView:
 
 HELD = -1.0  # prefix_age: a request in flight holds the prefix (or touches it before a later one runs)
 RECENT = 64  # releases remembered per worker
+DEDUP = 8  # a release's blocks shared with this many recent releases (or a request in flight) are not new
+LIVE_PROBES = 32  # requests in flight probed (the most recent): bounded cost at any concurrency
+
+
+def shared_blocks(a, b) -> int:
+    """Leading blocks two prompts' chained block hashes share (equal at ``i`` means equal up to ``i``):
+    by bisection, a few probes."""
+    n = min(len(a), len(b))
+    if n == 0 or a[0] != b[0]:
+        return 0
+    if a[n - 1] == b[n - 1]:
+        return n
+    lo, hi = 0, n - 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[mid] == b[mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo + 1
+
+
+def _holds(sh, hashes, n: int) -> bool:
+    """Whether a request whose prompt blocks are ``sh`` held the first ``n`` of ``hashes``: it had them in
+    its prompt, or its whole prompt is their start (the rest is its own output, which the index shows)."""
+    m = len(sh)
+    return sh[n - 1] == hashes[n - 1] if m >= n else m > 0 and sh[m - 1] == hashes[m - 1]
 
 
 class ActiveSequences:
@@ -90,14 +119,15 @@ class ActiveSequences:
         self._recent: deque = deque(maxlen=RECENT)  # (hashes, clock just after its release), oldest first
 
     def add(self, uncached: int, work: float, predicted_s: float, streamed: bool = False, tokens: int = 0,
-            max_tokens: int = 0, hashes: list | None = None) -> Sequence:
+            max_tokens: int = 0, hashes: list | None = None, block_size: int = 0) -> Sequence:
         """``streamed``: its first token will be seen, so it is prefilling until then however long that
         takes (early predictions, on default figures, can be far too short). ``tokens``, ``max_tokens``:
         the prompt's and the generation's length (0: unknown), the KV it will hold and for how long."""
         now = self._clock()
         deadline = float("inf") if streamed else now + max(0.01, 2.0 * predicted_s)
         seq = Sequence(uncached=max(0, int(uncached)), work=max(0.0, float(work)), deadline=deadline,
-                       tokens=max(0, int(tokens)), max_tokens=max(0, int(max_tokens)), hashes=hashes or None)
+                       tokens=max(0, int(tokens)), max_tokens=max(0, int(max_tokens)), hashes=hashes or None,
+                       block_size=block_size)
         self._live[id(seq)] = seq
         self.mean_work = 0.9 * self.mean_work + 0.1 * seq.work
         self.mean_tokens = 0.9 * self.mean_tokens + 0.1 * seq.uncached
@@ -109,24 +139,34 @@ class ActiveSequences:
 
     def finish(self, seq: Sequence) -> None:
         self.first_token(seq)
-        if self._live.pop(id(seq), None) is not None:
-            self.released_tokens += seq.tokens + seq.max_tokens
-            if seq.hashes:
-                self._recent.append((seq.hashes, self.released_tokens))
+        if self._live.pop(id(seq), None) is None:
+            return
+        released = seq.tokens + seq.max_tokens
+        h = seq.hashes
+        if h and seq.block_size:
+            # blocks another recent release freed too are not new to the free queue (they move to its
+            # recent end), and blocks a request in flight shares are not freed at all
+            others = [x for x, _ in islice(reversed(self._recent), DEDUP)]
+            others += [s.hashes for s in islice(reversed(self._live.values()), LIVE_PROBES) if s.hashes]
+            shared = max((shared_blocks(h, x) for x in others), default=0)
+            released = max(0, released - shared * seq.block_size)
+        self.released_tokens += released
+        if h:
+            self._recent.append((h, self.released_tokens))
 
     def prefix_age(self, hashes, n: int) -> float | None:
         """KV tokens released on this worker since the last of the gateway's requests that held the first
-        ``n`` blocks of ``hashes`` ended; ``HELD`` while one is in flight; None when none of the last
-        ``RECENT`` releases had it (another gateway's, or older than the window: unknown)."""
+        ``n`` blocks of ``hashes`` ended (new to the free queue: a release's blocks that a recent release or a
+        request in flight shares are not counted); ``HELD`` while one of the last ``LIVE_PROBES`` requests
+        in flight holds them; None when none of the last ``RECENT`` releases had them (another gateway's,
+        or older than the window: unknown)."""
         if n <= 0 or not hashes or n > len(hashes):
             return None
-        h = hashes[n - 1]
-        for s in self._live.values():
-            sh = s.hashes
-            if sh is not None and len(sh) >= n and sh[n - 1] == h:
+        for s in islice(reversed(self._live.values()), LIVE_PROBES):
+            if s.hashes is not None and _holds(s.hashes, hashes, n):
                 return HELD
         for sh, at in reversed(self._recent):
-            if len(sh) >= n and sh[n - 1] == h:
+            if _holds(sh, hashes, n):
                 return self.released_tokens - at
         return None
 

@@ -219,12 +219,13 @@ class _Lease:
     """A request's place in its worker's load tracker (router/load.py): prefilling until its first byte,
     in flight until done."""
 
-    def __init__(self, metrics, worker, cand, streamed: bool, max_tokens: int = 0, hashes=None) -> None:
+    def __init__(self, metrics, worker, cand, streamed: bool, max_tokens: int = 0, hashes=None,
+                 block_size: int = 0) -> None:
         # prefill work (tokens at context 0, router/cost.py), so a long context queues as what it costs
         self.metrics, self.worker = metrics, worker
         self.seq = worker.active.add(cand.uncached_tokens, cand.prefill_work, cand.predicted_ttft_ms / 1000.0,
                                      streamed, tokens=cand.cached_tokens + cand.uncached_tokens,
-                                     max_tokens=max_tokens, hashes=hashes)
+                                     max_tokens=max_tokens, hashes=hashes, block_size=block_size)
         self.active = True
         metrics.child(metrics.inflight, worker.name).set(worker.inflight)
 
@@ -328,7 +329,7 @@ class Forwarder:
             d.chosen = w.name
             d.attempts.append(w.name)
             self._prefetch(w, cand)
-            lease = _Lease(st.metrics, w, cand, d.stream, d.max_tokens, self.hashes)
+            lease = _Lease(st.metrics, w, cand, d.stream, d.max_tokens, self.hashes, d.block_size)
             if cand.clamped:
                 st.metrics.child(st.metrics.prediction_clamped, w.name).inc()
             t_send = time.perf_counter()

@@ -178,3 +178,41 @@ def test_the_scale_learns_from_what_the_lru_model_priced():
     same.observe_lru(300, 500, indexed=40, delivered=40, block_size=16)  # consistent: nothing learnt
     same.observe_lru(0, 500, indexed=40, delivered=0, block_size=16)  # no demand: says nothing
     assert (same.scale, same.samples) == (1.0, 0)
+
+
+def test_a_follow_up_turn_finds_the_release_of_the_turn_it_extends():
+    """A chat's next prompt is the last prompt plus the answer plus a new message: the index shows the
+    answer's blocks too (vLLM announced them while decoding), past the last request's prompt blocks."""
+    from router.load import ActiveSequences, shared_blocks
+
+    a = ActiveSequences()
+    turn1 = list(range(100, 130))  # 30 prompt blocks
+    a.finish(a.add(0, 0.0, 1.0, tokens=480, max_tokens=64, hashes=turn1, block_size=16))
+    turn2 = turn1 + [500, 501, 502, 503, 504]  # + the answer's 4 blocks + the new message
+    assert a.prefix_age(turn2, 34) == 0  # the indexed 34 blocks: turn 1's prompt and answer
+    assert a.prefix_age(list(range(700, 735)), 34) is None  # another conversation (chained: all differ)
+    assert shared_blocks(turn1, turn2) == 30 and shared_blocks(turn1, [1, 2]) == 0
+    assert shared_blocks(turn2, turn2[:12] + [9] * 20) == 12
+
+
+def test_a_document_released_by_several_requests_is_counted_once():
+    """Four RAG requests over one 1,000-token document (62 blocks) and their own questions: the LRU clock
+    counts the document once, not four times (its blocks only move to the free queue's recent end), and
+    not at all while a request in flight still holds it."""
+    from router.load import ActiveSequences
+
+    a = ActiveSequences()
+    doc = list(range(1000, 1062))
+    first = None
+    for q in range(4):
+        prompt = doc + [2000 + 10 * q, 2001 + 10 * q]  # + a 2-block question
+        a.finish(a.add(0, 0.0, 1.0, tokens=64 * 16, max_tokens=16, hashes=prompt, block_size=16))
+        if first is None:
+            first = a.released_tokens
+    assert first == 64 * 16 + 16
+    assert a.released_tokens == first + 3 * (2 * 16 + 16)  # each later one: its question and answer
+    holding = a.add(0, 0.0, 1e6, tokens=63 * 16, hashes=doc + [3000], block_size=16)
+    before = a.released_tokens
+    a.finish(a.add(0, 0.0, 1.0, tokens=64 * 16, max_tokens=16, hashes=doc + [4000, 4001], block_size=16))
+    assert a.released_tokens - before == 2 * 16 + 16  # the document stays held
+    a.finish(holding)
