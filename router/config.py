@@ -119,6 +119,8 @@ class RoutingConfig(BaseModel):
     # Blocks of a forwarded prompt count as the chosen worker's until its KV events reach the index
     # (router/pending.py); 0 turns it off.
     pending_ttl_s: float = 30.0
+    # ... and this long after the prompt's first token (computed, so its events follow; router/pending.py)
+    pending_settle_s: float = Field(2.0, ge=0)
     # kv policy: a worker holding the whole prompt counts its predicted TTFT up to this share lower
     # (router/policies/kv.py), so near ties stay where the conversation's prefix lives.
     cache_affinity: float = Field(0.1, ge=0.0, lt=1.0)

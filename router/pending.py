@@ -10,7 +10,8 @@ Cost per request is in new blocks, not prompt blocks: a forward records only the
 worker's known prefix, and a lookup costs one probe per worker plus a bisection when something is pending.
 That works because block hashes are chained: a worker sent block ``i`` of a prompt was sent blocks
 ``0..i`` with it, so any live entry proves the whole run before it. Bounded (oldest entries dropped first);
-the index stays the source of truth once the events arrive.
+the index is the source of truth once the events arrive: a prompt's entries expire shortly after its first
+token (:meth:`settle`), when its blocks were computed and announced.
 """
 from __future__ import annotations
 
@@ -19,9 +20,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 
+# how long a computed prompt's entries outlive its first token: the events' usual delay, with room
+SETTLE_S = 2.0
+
+
 class PendingBlocks:
-    def __init__(self, ttl_s: float = 30.0, max_entries: int = 100_000) -> None:
+    def __init__(self, ttl_s: float = 30.0, max_entries: int = 100_000, settle_s: float = SETTLE_S) -> None:
         self.ttl_s = ttl_s
+        self.settle_s = settle_s
         self.max_entries = max_entries
         self._w: dict[tuple[str, str], OrderedDict[int, float]] = {}  # (model, worker) -> hash -> expiry
         self._n = 0
@@ -51,6 +57,22 @@ class PendingBlocks:
             oldest = min((x for x in self._w.values() if x), key=lambda x: next(iter(x.values())))
             oldest.popitem(last=False)
             self._n -= 1
+
+    def settle(self, namespace: str, hashes: Sequence[int], worker: str, start: int = 0,
+               now: float | None = None) -> None:
+        """``worker`` has computed the blocks recorded for this prompt (its first token came): their
+        events follow within moments, and from then on the index, which also sees them evicted, is the
+        truth. The entries expire ``settle_s`` from now instead of at the TTL (a capacity-bound vLLM can
+        evict a prompt's blocks seconds after computing them; a 30 s entry kept claiming them)."""
+        d = self._w.get((namespace, worker))
+        if not d:
+            return
+        now = time.monotonic() if now is None else now
+        exp = now + self.settle_s
+        for i in range(max(0, start), len(hashes)):
+            e = d.get(hashes[i])
+            if e is not None and e > exp:
+                d[hashes[i]] = exp  # out of expiry order: leading() checks each entry's own expiry
 
     def leading(self, namespace: str, hashes: Sequence[int], worker: str, start: int = 0,
                 now: float | None = None) -> int:

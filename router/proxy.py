@@ -341,13 +341,16 @@ class Forwarder:
                     last_error, last_status = f"upstream_{resp.status}: worker {w.name}", 502
                     continue
                 self._tell_policy(w)
-                if self.hashes and not w.blind_for(kind_of(self.path)):
+                recorded = bool(self.hashes) and not w.blind_for(kind_of(self.path))
+                if recorded:
                     st.pending.record(d.namespace, self.hashes, w.name, cand.local_blocks)
                 if resp.headers.get("content-type", "").startswith("text/event-stream"):
-                    await self._stream(send, resp, lease, w, cand, t_send)
+                    await self._stream(send, resp, lease, w, cand, t_send, recorded)
                     return
                 raw = await resp.read()
                 lease.release()
+                if recorded:
+                    st.pending.settle(d.namespace, self.hashes, w.name, cand.local_blocks)
                 ok = resp.status < 400
                 if self.hooks is not None:
                     raw = await self.hooks.on_body(resp.status, raw)
@@ -389,15 +392,19 @@ class Forwarder:
             m.child(m.ttft_ratio, w.name).observe(ratio)
         self.st.router.cost.observe_ttft(w, ttft, cand)
 
-    async def _stream(self, send, resp: UpstreamResponse, lease, w, cand, t_send: float) -> None:
+    async def _stream(self, send, resp: UpstreamResponse, lease, w, cand, t_send: float,
+                      recorded: bool = False) -> None:
         """Pass an SSE response through chunk by chunk. A failure before the first chunk is the worker's
-        (retried by :meth:`run`); after it, the stream ends with an error event."""
+        (retried by :meth:`run`); after it, the stream ends with an error event. ``recorded``: the prompt's
+        blocks are in the pending record (router/pending.py), settled at the first chunk."""
         it = resp.chunks()
         try:
             first = await it.__anext__()
         except StopAsyncIteration:
             first = b""
         lease.first_byte()
+        if recorded:
+            self.st.pending.settle(self.d.namespace, self.hashes, w.name, cand.local_blocks)
         self._observe_ttft(w, cand, time.perf_counter() - t_send)
         await send({"type": "http.response.start", "status": resp.status, "headers": response_headers(resp, self.d)})
         tail = bytearray(first[-_TAIL_KEEP:])
