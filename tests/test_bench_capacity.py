@@ -120,3 +120,25 @@ def test_g4_goals_are_on_mean_ttft_against_round_robin_and_the_peer():
     cb.add_ratios(rows)
     g = cb.goals(rows, g4=True)
     assert not g["g4_kv_mean_ttft_vs_round_robin_le_0.85x"] and g["g4_kv_mean_ttft_vs_sglang_le_0.8x"]
+
+
+def test_rounds_summarize_as_medians_of_per_round_ratios():
+    """``--rounds``: whoever runs last in a round is faster, so each round rotates the order and a ratio is
+    taken inside a round only; the summary's ratio is the median of the per-round ratios, with its range."""
+    pred = {"ttft_ratio_p50": 1.0, "ttft_ratio_p90": 2.0, "cached_exact_share": 0.8}
+    rounds = []
+    for kv_mean, peer_mean in ((0.9, 1.5), (1.5, 0.9), (1.0, 1.0)):  # the later one faster each time
+        rows = [row("kv", 0.55, kv_mean, prediction=pred), row(cb.PEER, 0.50, peer_mean),
+                row("round_robin", 0.30, 2.0)]
+        cb.add_ratios(rows)
+        rounds.append(rows)
+    s = cb.summarize_rounds(rounds)
+    kv = next(r for r in s if r["target"] == "kv")
+    assert kv["rounds"] == 3 and kv["ttft_mean_s"] == pytest.approx(1.0)
+    assert kv["vs_sglang"]["ttft_mean"] == pytest.approx(1.0)  # median of 0.6, 1.67, 1.0
+    assert kv["vs_sglang_range"]["ttft_mean"] == (pytest.approx(0.6), pytest.approx(1.5 / 0.9))
+    assert kv["vs_sglang"]["hit_rate_points"] == pytest.approx(5.0)
+    assert kv["prediction"] == pred
+    g = cb.goals(s)
+    assert g["kv_hit_rate_vs_sglang_ge_plus_5_points"] and not g["kv_mean_ttft_vs_sglang_le_0.8x"]
+    assert "| kv |" in cb.table(s)
