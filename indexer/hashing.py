@@ -137,3 +137,21 @@ def sequence_hashes_from(
 def routable_blocks(num_prompt_tokens: int, block_size: int) -> int:
     """Blocks vLLM can hit for a prompt: it never serves the last prompt token from cache."""
     return max(0, (num_prompt_tokens - 1) // block_size)
+
+
+def chained_run(start: int, n: int, holds) -> int:
+    """The end of the run of positions ``start..n-1`` for which ``holds(i)`` is true, where a true position
+    proves every one before it (chained hashes: equal, or known, at ``i`` means at ``0..i`` too). ``start``
+    when it does not hold there; a probe at each end, then bisection."""
+    if start >= n or not holds(start):
+        return start
+    if holds(n - 1):
+        return n
+    lo, hi = start, n - 1  # lo holds, hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if holds(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo + 1

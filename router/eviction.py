@@ -92,10 +92,7 @@ class EvictionCalibration:
             target = 0.9 * KEEP_BELOW / p  # all of it survived: just inside the scales that predict that
         else:
             return  # consistent with the current scale
-        lo, hi = SCALE_RANGE
-        target = min(hi, max(lo, target))
-        self.scale = min(hi, max(lo, math.exp((1 - ALPHA) * math.log(self.scale) + ALPHA * math.log(target))))
-        self.samples += 1
+        self._towards(target)
 
     def observe_lru(self, demand_tokens: float, older_tokens: float, indexed: int, delivered: int,
                     block_size: int) -> None:
@@ -114,6 +111,10 @@ class EvictionCalibration:
             return
         if evicted:
             self.shortfalls += 1
+        self._towards(target)
+
+    def _towards(self, target: float) -> None:
+        """One sample's move of the scale (log-space EWMA), target and result clamped to the range."""
         lo, hi = SCALE_RANGE
         target = min(hi, max(lo, target))
         self.scale = min(hi, max(lo, math.exp((1 - ALPHA) * math.log(self.scale) + ALPHA * math.log(target))))

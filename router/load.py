@@ -22,7 +22,9 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from itertools import islice
+from itertools import chain, islice
+
+from indexer.hashing import chained_run
 
 
 @dataclass(slots=True, eq=False)
@@ -82,21 +84,8 @@ LIVE_PROBES = 32  # requests in flight probed (the most recent): bounded cost at
 
 
 def shared_blocks(a, b) -> int:
-    """Leading blocks two prompts' chained block hashes share (equal at ``i`` means equal up to ``i``):
-    by bisection, a few probes."""
-    n = min(len(a), len(b))
-    if n == 0 or a[0] != b[0]:
-        return 0
-    if a[n - 1] == b[n - 1]:
-        return n
-    lo, hi = 0, n - 1
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[mid] == b[mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo + 1
+    """Leading blocks two prompts' chained block hashes share (equal at ``i`` means equal up to ``i``)."""
+    return chained_run(0, min(len(a), len(b)), lambda i: a[i] == b[i])
 
 
 def _holds(sh, hashes, n: int) -> bool:
@@ -146,8 +135,8 @@ class ActiveSequences:
         if h and seq.block_size:
             # blocks another recent release freed too are not new to the free queue (they move to its
             # recent end), and blocks a request in flight shares are not freed at all
-            others = [x for x, _ in islice(reversed(self._recent), DEDUP)]
-            others += [s.hashes for s in islice(reversed(self._live.values()), LIVE_PROBES) if s.hashes]
+            others = chain((x for x, _ in islice(reversed(self._recent), DEDUP)),
+                           (s.hashes for s in islice(reversed(self._live.values()), LIVE_PROBES) if s.hashes))
             shared = max((shared_blocks(h, x) for x in others), default=0)
             released = max(0, released - shared * seq.block_size)
         self.released_tokens += released

@@ -19,6 +19,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from indexer.hashing import chained_run
+
 
 # how long a computed prompt's entries outlive its first token: the events' usual delay, with room
 SETTLE_S = 2.0
@@ -79,25 +81,15 @@ class PendingBlocks:
         """Leading blocks of ``hashes`` that ``worker`` holds, given that it holds the first ``start``
         (the index's run): ``start``, or more when the block after it was sent there recently."""
         d = self._w.get((namespace, worker))
-        n = len(hashes)
-        if not d or start >= n:
+        if not d:
             return start
         now = time.monotonic() if now is None else now
-        e = d.get(hashes[start])
-        if e is None or e < now:
-            return start
-        e = d.get(hashes[n - 1])
-        if e is not None and e >= now:
-            return n
-        lo, hi = start, n - 1  # lo is live, hi is not: bisect (a live entry proves its whole run)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            e = d.get(hashes[mid])
-            if e is not None and e >= now:
-                lo = mid
-            else:
-                hi = mid
-        return lo + 1
+
+        def live(i: int) -> bool:
+            e = d.get(hashes[i])
+            return e is not None and e >= now
+
+        return chained_run(start, len(hashes), live)
 
     def forget_worker(self, worker: str) -> None:
         """Drop a worker's entries (it restarted or left)."""

@@ -435,8 +435,8 @@ class Forwarder:
             # OpenAI stream's [DONE]; the Responses and Messages streams' final events, in their hooks).
             if hooks is not None and hooks.complete:
                 self.finish("ok", resp.status, hooks.usage)
-            elif hooks is None and bytes(tail).rstrip().endswith(b"data: [DONE]"):
-                self.finish("ok", resp.status, usage_from_sse_tail(bytes(tail)))
+            elif hooks is None and (end := bytes(tail)).rstrip().endswith(b"data: [DONE]"):
+                self.finish("ok", resp.status, usage_from_sse_tail(end))
             else:
                 self.finish("client_disconnected", 499)
             raise

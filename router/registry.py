@@ -30,10 +30,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from indexer.events.state import local_g4_member, shared_g4_member
 from indexer.events.subscriber import resolve_endpoint
 from router.calibrate import EngineCalibration, PredictionErrors, default_calibration
-from router.ttft_fit import TtftFit
 from router.config import Settings, WorkerConfig
 from router.eviction import EvictionCalibration
 from router.load import ActiveSequences, LoadView
+from router.ttft_fit import TtftFit
 
 log = logging.getLogger("kvgate.registry")
 
