@@ -196,6 +196,11 @@ class EventPublisher:
             self._queue.put((seq, raw_payload, send))
         return seq
 
+    def send_raw(self, frames: list[bytes]) -> None:
+        """Send frames exactly as given (a malformed message), in order with published batches. Through
+        the publisher's thread: a ZMQ socket must never be used from two threads."""
+        self._queue.put(("raw", list(frames), True))
+
     def wait_subscribed(self, timeout: float = 30.0) -> bool:
         """Block until at least one subscriber's subscription reached this publisher."""
         return self._subscribed.wait(timeout)
@@ -228,6 +233,9 @@ class EventPublisher:
                 seq = None
             if seq == "restart":
                 self._ring.clear()
+                self._queue.task_done()
+            elif seq == "raw":
+                self._pub.send_multipart(payload)
                 self._queue.task_done()
             elif seq is not None:
                 seq_b = seq.to_bytes(8, "big")

@@ -174,8 +174,8 @@ async def test_malformed_messages_are_dropped_and_counted(index):
     async with Rig(index) as r:
         r.pub.publish([], raw_payload=b"\xc1 garbage")
         r.pub.publish([], raw_payload=vf.msgspec.msgpack.encode([1.0, [{"type": "BlockStored"}, 7], 0]))
-        r.pub._pub.send_multipart([b"kv@w1@m", b"\x00\x01", b"x"])  # bad seq frame
-        r.pub._pub.send_multipart([b"kv@w1@m"])  # one frame only
+        r.pub.send_raw([b"kv@w1@m", b"\x00\x01", b"x"])  # bad seq frame
+        r.pub.send_raw([b"kv@w1@m"])  # one frame only
         r.pub.publish([blk(0, 2)])
         await r.wait_seq(2)
         st = r.ing.status("w1")
