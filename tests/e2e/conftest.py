@@ -1,7 +1,8 @@
 """Fixtures for the end-to-end tests against real vLLM servers on the CPU (marker ``vllm``).
 
 Two servers run the tiny model built offline by ``bench.tiny_model`` (cached under ``$KVGATE_CACHE``),
-one per core (``VLLM_CPU_OMP_THREADS_BIND=auto`` binds core 0, ``=1`` core 1), started side by side, with
+one per core (``VLLM_CPU_OMP_THREADS_BIND`` "0" and "1", from ``bench.vllm_server.one_core_each``: vLLM's
+"auto" would bind the first to both cores), started side by side, with
 a KV cache of ``E2E_GPU_BLOCKS`` blocks so the eviction test can fill it. They are shared by every test
 of this package and stopped by process group when it is done, even when tests fail. A server that does not
 start fails the tests with its log; nothing is skipped.
