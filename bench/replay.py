@@ -242,6 +242,9 @@ def table(summaries: Sequence[dict], baseline: str | None = None) -> str:
             "req/s", "busiest worker", "failed"]
     if base:
         head.append(f"mean TTFT vs {baseline}")
+    occ = any(s.get("occupancy") for s in summaries)
+    if occ:  # bench/sim/occupancy.py: the share of the fleet's resident KV blocks that are second copies
+        head.append("KV duplicated")
     pred = any(isinstance(s.get("prediction"), dict) for s in summaries)
     if pred:  # kvgate's own accuracy (bench/prediction.py)
         head += ["obs/pred TTFT p50", "p90", "cached = predicted"]
@@ -255,6 +258,8 @@ def table(summaries: Sequence[dict], baseline: str | None = None) -> str:
         if base:
             ratio = (s["ttft_mean_s"] / base["ttft_mean_s"]) if s["ttft_mean_s"] and base["ttft_mean_s"] else None
             row.append("-" if ratio is None else f"{ratio:.2f}x")
+        if occ:
+            row.append(_fmt((s.get("occupancy") or {}).get("dup_share_mean"), True))
         if pred:
             p = s.get("prediction") or {}
             row += [_fmt(p.get("ttft_ratio_p50")), _fmt(p.get("ttft_ratio_p90")), _fmt(p.get("cached_exact_share"), True)]

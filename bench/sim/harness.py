@@ -17,6 +17,7 @@ import numpy as np
 from bench import prediction
 from bench import replay as rp
 from bench.sim import procs
+from bench.sim.occupancy import OccupancySampler
 
 PEERS_DIR = Path.home() / ".cache" / "kvgate" / "peers"
 
@@ -93,9 +94,11 @@ def run_target(t: Target, items, *, log_dir: Path, workers: int, num_blocks: int
         time.sleep(settle_s)  # let event subscriptions connect (ZMQ slow joiner)
         cpu0 = {"fleet": fleet.cpu_s(), "router": router.cpu_s(), "replayer": time.process_time()}
         load0 = os.getloadavg()[0]
+        occupancy = OccupancySampler(urls).start()
         res = asyncio.run(rp.replay(items, f"http://127.0.0.1:{port}", desc["model"], name=label or t.name,
                                     time_scale=time_scale, text=t.text, worker_urls=urls, ceiling=ceiling,
                                     progress=progress))
+        res.extra["occupancy"] = occupancy.stop()  # duplicated blocks in the fleet's caches (bench/sim/occupancy.py)
         # CPU seconds each process used during the replay (wall x time scale = trace seconds of delay, when
         # the machine's cores are short), and the 1-minute load average before and after
         cpu1 = {"fleet": fleet.cpu_s(), "router": router.cpu_s(), "replayer": time.process_time()}
