@@ -27,7 +27,7 @@ ROUTING = {BEFORE: {"future_turns": 0.0, "stay_margin": 0.0, "stay_margin_ms": 0
 
 def variant(spec: str) -> tuple[str, dict]:
     """``--kv-variant future_turns=3,stay_margin=0.3``: a kvgate kv (memory) target with those routing
-    settings, named after them."""
+    settings, named after them; ``tokenizer.defer_tail_bytes=4096`` sets another section's."""
     routing = {}
     for kv in filter(None, (x.strip() for x in spec.split(","))):
         k, _, v = kv.partition("=")

@@ -74,7 +74,8 @@ def run_target(t: Target, items, *, log_dir: Path, workers: int, num_blocks: int
                time_scale: float, tokenizer_dir: str, ceiling: float | None, redis_url: str | None = None,
                label: str | None = None, progress: bool = True, settle_s: float = 1.0,
                g4_capacity_blocks: int = 1_000_000, routing: dict | None = None) -> rp.RunResult:
-    """``routing``: overrides of the gateway's ``routing`` settings (kvgate targets). With ``t.g4`` the
+    """``routing``: overrides of the gateway's ``routing`` settings (kvgate targets); a dotted key such as
+    ``tokenizer.defer_tail_bytes`` sets another section's. With ``t.g4`` the
     result's extra also holds what the gateway saw of G4 (``gateway_g4``, see :func:`gateway_g4_view`)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     g4_args = ["--g4", "--g4-capacity-blocks", str(g4_capacity_blocks)] if t.g4 else []
@@ -87,7 +88,9 @@ def run_target(t: Target, items, *, log_dir: Path, workers: int, num_blocks: int
         if t.kind == "kvgate":
             settings = procs.gateway_settings(desc, t.policy, port, tokenizer_dir, t.index, redis_url)
             settings["routing"].setdefault("decisions_kept", prediction.MAX_DECISIONS)  # the report reads them
-            settings["routing"].update(routing or {})
+            for key, value in (routing or {}).items():  # "section.key" reaches other settings sections
+                section, _, name = key.rpartition(".")
+                settings.setdefault(section or "routing", {})[name] = value
             router = procs.start_gateway(log_dir, f"gateway-{t.name}", settings)
         else:
             router = start_peer(t, log_dir, urls, port, desc)
