@@ -110,7 +110,7 @@ def goals(rows: list[dict], g4: bool = False) -> dict:
     elif vs:
         out["kv_hit_rate_vs_sglang_ge_plus_5_points"] = vs["hit_rate_points"] >= 5.0
         out["kv_mean_ttft_vs_sglang_le_0.8x"] = vs["ttft_mean"] is not None and vs["ttft_mean"] <= 0.8
-    mine = [r for r in rows if r["target"] != PEER]
+    mine = [r for r in rows if r["target"] != PEER and "[" not in r["target"]]  # variants are not policies
     out["kv_lowest_mean_ttft_of_kvgate_policies"] = min(mine, key=lambda r: r["ttft_mean_s"]) is kv
     pr = kv.get("prediction") or {}
     med, p90 = pr.get("ttft_ratio_p50"), pr.get("ttft_ratio_p90")
@@ -220,8 +220,9 @@ def run_target(target: str, servers, model_dir: str, clients: list[mw.Client], a
             peer.stop()
         label = "sglang-router cache_aware"
     else:
-        routing = {"decisions_kept": max(1000, 2 * requests)}
-        with Gateway(servers, model_dir, target, workdir, routing=routing) as gw:
+        policy, routing = variant_of(target)
+        routing["decisions_kept"] = max(1000, 2 * requests)
+        with Gateway(servers, model_dir, policy, workdir, routing=routing) as gw:
             results, total, before, after = drive(gw.url, gw.proc.pid)
             decisions = httpx.get(f"{gw.url}/admin/decisions", params={"limit": prediction.MAX_DECISIONS},
                                   timeout=60.0).json()
@@ -239,6 +240,15 @@ def run_target(target: str, servers, model_dir: str, clients: list[mw.Client], a
         (workdir / f"decisions-{target}.json").write_text(json.dumps(decisions))
     return {"target": target, "label": label, **summarize(results, total, before, after),
             "by_kind": by_kind(results, kind_of_session), **extra}
+
+
+def variant_of(target: str) -> tuple[str, dict]:
+    """``kv[future_turns=5,stay_margin=0.5]`` (``--kv-variant``): the kv policy with those routing settings
+    beside the default one, on the same servers and in the same rounds; a plain name has no overrides."""
+    from bench.sim.harness import overrides
+
+    policy, _, spec = target.partition("[")
+    return policy, overrides(spec.rstrip("]"))
 
 
 # MixSpec fields set by the chat options the default mode has too
@@ -262,6 +272,8 @@ def add_arguments(ap) -> None:
                      help="working set (distinct prefix blocks) / one server's KV cache")
     cap.add_argument("--num-gpu-blocks", type=int, default=0, help="override the computed blocks per server")
     cap.add_argument("--block-size", type=int, default=32)
+    cap.add_argument("--kv-variant", action="append", default=[], metavar="KEY=VALUE,...",
+                     help="also run kv with these routing settings, as target kv[KEY=VALUE,...] (repeatable)")
     cap.add_argument("--g4", action="store_true",
                      help="both servers run kvgate's connector on one shared G4 directory (emptied before each target)")
     for f in dataclasses.fields(mw.MixSpec):
@@ -353,6 +365,7 @@ def run(args, model_dir: str) -> int:
         start_all(servers)
         warm_up(servers, model_dir, ws["max_prompt_tokens"], args.max_tokens)
         targets = [t.strip() for t in (args.policies or TARGETS).split(",") if t.strip()]
+        targets += [f"kv[{spec}]" for spec in args.kv_variant]
         for rnd in range(max(1, args.rounds)):
             # each round rotates the order by one: the same servers run faster later in a run (a target
             # that ran last got 0.84-0.88 s mean TTFT where the same code first got 1.35-1.65 s)

@@ -16,7 +16,7 @@ from pathlib import Path
 from bench import replay as rp
 from bench import replay_workloads as wl
 from bench.sim import procs
-from bench.sim.harness import Target, run_target
+from bench.sim.harness import Target, overrides, run_target
 from bench.sim.tokenizer import save_model_dir
 
 
@@ -28,11 +28,7 @@ ROUTING = {BEFORE: {"future_turns": 0.0, "stay_margin": 0.0, "stay_margin_ms": 0
 def variant(spec: str) -> tuple[str, dict]:
     """``--kv-variant future_turns=3,stay_margin=0.3``: a kvgate kv (memory) target with those routing
     settings, named after them; ``tokenizer.defer_tail_bytes=4096`` sets another section's."""
-    routing = {}
-    for kv in filter(None, (x.strip() for x in spec.split(","))):
-        k, _, v = kv.partition("=")
-        routing[k.strip()] = float(v)
-    return f"kvgate kv (memory, {spec})", routing
+    return f"kvgate kv (memory, {spec})", overrides(spec)
 
 
 def targets(text: bool, redis: bool, include: set[str] | None, with_ids: bool = False,

@@ -142,3 +142,16 @@ def test_rounds_summarize_as_medians_of_per_round_ratios():
     g = cb.goals(s)
     assert g["kv_hit_rate_vs_sglang_ge_plus_5_points"] and not g["kv_mean_ttft_vs_sglang_le_0.8x"]
     assert "| kv |" in cb.table(s)
+
+
+def test_a_kv_variant_runs_beside_kv_but_is_not_one_of_its_policies():
+    """``--kv-variant future_turns=5,stay_margin=0.5`` adds target ``kv[...]``: kv with those routing settings.
+    It is compared in the same rounds, but kv's goal "lowest mean TTFT of kvgate's policies" is not about it."""
+    assert cb.variant_of("kv[future_turns=5,stay_margin=0.5]") == ("kv", {"future_turns": 5.0, "stay_margin": 0.5})
+    assert cb.variant_of("round_robin") == ("round_robin", {})
+    rows = [row("kv", 0.60, 0.7), row("kv[future_turns=5]", 0.62, 0.6), row("round_robin", 0.30, 1.4),
+            row(cb.PEER, 0.50, 1.0)]
+    cb.add_ratios(rows)
+    assert cb.goals(rows)["kv_lowest_mean_ttft_of_kvgate_policies"]
+    rows[2]["ttft_mean_s"] = 0.65
+    assert not cb.goals(rows)["kv_lowest_mean_ttft_of_kvgate_policies"]

@@ -33,6 +33,16 @@ class Target:
     g4: bool = False               # the fleet shares a simulated G4 store (``kvgate sim --g4``)
 
 
+def overrides(spec: str) -> dict:
+    """``future_turns=5,stay_margin=0.5`` -> ``{"future_turns": 5.0, "stay_margin": 0.5}``: the settings of
+    a kv variant target (``--kv-variant`` of bench.side_by_side and of the capacity-bound mode)."""
+    out = {}
+    for kv in filter(None, (x.strip() for x in spec.split(","))):
+        k, _, v = kv.partition("=")
+        out[k.strip()] = float(v)
+    return out
+
+
 def peer_venv(package: str, log=print) -> Path:
     """``~/.cache/kvgate/peers/<package>``: created and ``pip install <package>`` on first use."""
     venv = PEERS_DIR / package
