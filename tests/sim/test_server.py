@@ -111,6 +111,41 @@ async def test_metrics_use_vllms_names_and_labels(fleet):
     assert load.e2e[1] == load.inference[1] == 2 and load.e2e[0] >= load.inference[0] > 0
 
 
+async def test_metrics_read_from_the_kept_lines_equal_those_of_the_whole_page(fleet, monkeypatch):
+    """The scrape keeps only the families the gateway reads, without buckets (router.registry.wanted_metrics),
+    before prometheus_client parses them: every figure must be what the whole page gives, for the server and
+    for each engine of a data-parallel page, with other families that share a prefix beside them."""
+    import dataclasses
+
+    import router.registry as reg
+
+    url = fleet.workers[0].url
+    async with httpx.AsyncClient(timeout=30) as c:
+        for n in (40, 72):
+            await c.post(url + "/v1/completions", json={"prompt": list(range(n)), "max_tokens": 3})
+        text = (await c.get(url + "/metrics")).text
+    # a second engine (a DP rank) and look-alike families
+    lines = []
+    for line in text.splitlines():
+        lines.append(line)
+        if 'engine="0"' in line:
+            lines.append(line.replace('engine="0"', 'engine="1"'))
+    text = "\n".join(lines) + "\n"
+    text += ('# TYPE vllm:num_requests_running_extra gauge\nvllm:num_requests_running_extra{engine="0"} 9.0\n'
+             'vllm:kv_cache_usage_perc_bucket{le="1"} 7.0\n')
+    kept = reg.wanted_metrics(text)
+    assert len(kept) < len(text) / 3 and "_bucket" not in kept and "# HELP" not in kept
+
+    def figures(engine=None):
+        load, bs = reg.parse_metrics(text, engine)
+        return {k: v for k, v in dataclasses.asdict(load).items() if k != "updated_at"}, bs
+
+    kept_figures = [figures(), figures("0"), figures("1")]
+    monkeypatch.setattr(reg, "wanted_metrics", lambda t: t)
+    assert kept_figures == [figures(), figures("0"), figures("1")]
+    assert kept_figures[0][0]["prefill_requests"] == 4 and kept_figures[1][0]["prefill_requests"] == 2
+
+
 async def test_discovery_models_health(fleet):
     w = fleet.workers[0]
     async with httpx.AsyncClient(timeout=30) as c:
