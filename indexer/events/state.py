@@ -250,6 +250,29 @@ class WorkerState:
             if n == 1:
                 _touch(pending, rh, True)
 
+    def _incr_all(self, keys: list, rhs: list[int], code: int, pending: dict[int, tuple[bool, bool]]) -> None:
+        """:meth:`_incr` of every block of one stored event, in one loop. Why: at ~700 blocks per request
+        (a 16-worker simulator replay) the per-block calls of ``_incr`` and ``_touch`` were most of the event
+        loop's ingestion time (cProfile: 2.0 of 4.3 us per stored block)."""
+        handles = self._handles
+        get = handles.get
+        held = self._held[code]
+        i = code + 1
+        self._changed.update(keys)
+        for key, rh in zip(keys, rhs):
+            h = get(key)
+            if h is None:
+                h = handles[key] = [rh, 0, 0]
+            c = h[i] + 1
+            h[i] = c
+            if c == 1:
+                rh = h[0]
+                n = held.get(rh, 0) + 1
+                held[rh] = n
+                if n == 1:  # _touch(pending, rh, True)
+                    prev = pending.get(rh)
+                    pending[rh] = (False if prev is None else prev[0], True)
+
     def _decr(self, key, code: int, pending: dict[int, tuple[bool, bool]]) -> None:
         h = self._handles.get(key)
         if h is None or h[code + 1] == 0:
@@ -365,13 +388,8 @@ class WorkerState:
         rhs = self._computed(ev, g)
         if rhs is None:
             return
-        changes = pending[code]
-        if g == 0:
-            for eh, rh in zip(ev.block_hashes, rhs):
-                self._incr(eh, rh, code, changes)
-        else:
-            for eh, rh in zip(ev.block_hashes, rhs):
-                self._incr((g, eh), rh, code, changes)
+        keys = ev.block_hashes if g == 0 else [(g, eh) for eh in ev.block_hashes]
+        self._incr_all(keys, rhs, code, pending[code])
 
     def _computed(self, ev: BlockStored, g: int) -> list[int] | None:
         """kvgate's hashes of a self-describing event's blocks, from its parent's handle and token ids;
