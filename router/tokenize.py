@@ -568,13 +568,17 @@ class Tokenizers:
             return res
 
         known, known_tokens = lk.known_bytes, lk.known_tokens
+        # A start is found again through the text's anchors only: it must hold the first one past the
+        # known part, and the bytes that decided it (a stage shorter than the anchor spacing would not).
+        nxt = next((a for a, _ in lk.keys if a > known), None)
+        floor = 0 if nxt is None else nxt + local.prefix.cut.context
         if lk.source is not None and known_tokens:
             res = await held(lk.source, known, known_tokens, known_tokens / max(1, known))
             if res is not None:
                 local.prefix.touch(lk)
                 return res
         while len(data) - known > 2 * stage:
-            cut = local.prefix.cut_after(data, known + stage)
+            cut = local.prefix.cut_after(data, max(known + stage, floor))
             if cut is None or cut >= len(data):
                 return None
             sub = local.prepare(data[:cut].decode("utf-8"), add_special)

@@ -153,8 +153,10 @@ def test_openapi_documents_the_admin_api(admin_env):
 
 
 def test_tokenize_cache_metrics(admin_env):
-    """Two text prompts over one long document: the second reuses the first's ids, and /metrics says so."""
-    env = admin_env(1)
+    """Two text prompts over one long document: the second reuses the first's ids, and /metrics says so.
+    Deferred tokenization is off: the fake worker announces no blocks, so the document would be encoded
+    only as far as its first stage (that path has its own tests in tests/gateway/test_tokenize.py)."""
+    env = admin_env(1, tokenizer={"defer_tail_bytes": 0})
     doc = "The gateway keeps every tokenized text with its block hashes. " * 200
     fams0 = scrape(env)
     rids = []
