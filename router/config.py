@@ -242,6 +242,8 @@ class Settings(BaseSettings):
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
     health_interval_s: float = 5.0
+    # How often the event loop's lag is sampled into kvgate_event_loop_lag_seconds (0: not sampled).
+    loop_lag_interval_s: float = Field(0.25, ge=0)
     health_timeout_s: float = 2.0
     # Consecutive failed health checks before a worker leaves the candidate set.
     unhealthy_after: int = 2

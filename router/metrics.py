@@ -77,6 +77,7 @@ class _Snapshot:
 
 
 # observed / predicted: a factor of 10 either way, finer near 1
+_LAG_BUCKETS = (1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 10.0)
 
 
@@ -108,6 +109,10 @@ class GatewayMetrics:
                                          "Routing decisions in which a scorer found this worker's figures missing "
                                          "or malformed and counted a neutral term (explain: score_notes)",
                                          ["worker"], registry=r)
+        self.loop_lag = Histogram("kvgate_event_loop_lag_seconds",
+                                  "How late the event loop ran a timer, sampled every loop_lag_interval_s: the "
+                                  "wait of every request it serves for its turn (a stall shows here first)",
+                                  buckets=_LAG_BUCKETS, registry=r)
         self.inflight = Gauge("kvgate_inflight_requests", "Requests in flight per worker", ["worker"], registry=r)
         self.retries = Counter("kvgate_retries", "Requests retried on another worker before the first byte",
                                ["model", "reason"], registry=r)

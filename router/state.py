@@ -168,7 +168,20 @@ class GatewayState:
         if self.ingestor is not None:
             await self.ingestor.start()
         await self.registry.start()
+        if self.settings.loop_lag_interval_s > 0:
+            self.spawn(self._watch_loop(self.settings.loop_lag_interval_s))
         self.started = True
+
+    async def _watch_loop(self, interval: float) -> None:
+        """Sample how late the loop wakes a timer: tokenizing, hashing and event application are kept off
+        it or bounded, and this says whether that holds under the real load (bench/bench_loop_stall.py
+        measures the same from a client)."""
+        loop = asyncio.get_running_loop()
+        lag = self.metrics.loop_lag
+        while True:
+            t = loop.time()
+            await asyncio.sleep(interval)
+            lag.observe(max(0.0, loop.time() - t - interval))
 
     async def stop(self) -> None:
         await self.registry.stop()

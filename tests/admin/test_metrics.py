@@ -189,3 +189,27 @@ def test_tokenize_cache_metrics(admin_env):
     assert value(fams2, "kvgate_tokenize_cache_segment_encoded_chars",
                  "kvgate_tokenize_cache_segment_encoded_chars_total", model=MODEL) >= len("second question")
     assert value(fams2, "kvgate_tokenize_cache_segment_bytes", model=MODEL) > 0
+
+
+def test_event_loop_lag_shows_a_stall(admin_env):
+    """``kvgate_event_loop_lag_seconds``: a 0.4 s block of the gateway's event loop (a stand-in for a
+    blocking call in a handler) is seen as one late timer of at least 0.25 s; an idle loop's timers are not
+    late by that much."""
+    import time
+
+    env = admin_env(1, loop_lag_interval_s=0.05)
+    until(lambda: value(scrape(env), "kvgate_event_loop_lag_seconds", "kvgate_event_loop_lag_seconds_count") >= 5,
+          what="lag samples")
+
+    def late(fams) -> float:  # samples above 0.25 s
+        return (value(fams, "kvgate_event_loop_lag_seconds", "kvgate_event_loop_lag_seconds_count")
+                - value(fams, "kvgate_event_loop_lag_seconds", "kvgate_event_loop_lag_seconds_bucket", le="0.25"))
+
+    before = late(scrape(env))
+
+    async def block():
+        time.sleep(0.4)
+
+    env.call(block())
+    until(lambda: late(scrape(env)) >= before + 1, what="the stall counted")
+    assert value(scrape(env), "kvgate_event_loop_lag_seconds", "kvgate_event_loop_lag_seconds_sum") >= 0.3
