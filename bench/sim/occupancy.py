@@ -8,7 +8,6 @@ it is measured the same way for every target, peers included, from the simulated
 from __future__ import annotations
 
 import threading
-from collections import Counter
 
 import httpx
 
@@ -17,8 +16,7 @@ def duplication(per_worker: list[list[int]]) -> dict:
     """``resident``: blocks held, summed over workers; ``distinct``: blocks held by at least one;
     ``dup_share``: the share of resident blocks that are a second or later copy (0: no block twice)."""
     resident = sum(len(h) for h in per_worker)
-    counts = Counter(x for h in per_worker for x in set(h))
-    distinct = len(counts)
+    distinct = len(set().union(*per_worker))
     return {"resident": resident, "distinct": distinct,
             "dup_share": (resident - distinct) / resident if resident else 0.0}
 
