@@ -147,6 +147,8 @@ class RoutingConfig(BaseModel):
     # kv policy: ms per request in flight beyond the least loaded candidate (0: the TTFT prices the queue).
     load_weight: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     pending_max_blocks: int = 100_000
+    # Texts of deferred prompts in flight kept beside their blocks (router/pending.py), in bytes; 0: none.
+    pending_text_bytes: int = Field(16 << 20, ge=0)
 
 
 class TokenizerConfig(BaseModel):

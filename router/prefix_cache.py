@@ -255,7 +255,7 @@ class PrefixTokenCache:
             pos, ks = rec.anchor_pos, rec.anchors
             i = bisect_right(pos, a) if len(pos) == len(ks) else len(pos)
             if i < len(pos):
-                common = _common(data, rec.data, a, self.step)
+                common = common_prefix(data, rec.data, a, self.step)
                 jumped = prev
                 while i < len(pos) and pos[i] + reach <= common:
                     prev, key = pos[i], ks[i]
@@ -303,7 +303,7 @@ class PrefixTokenCache:
     def _extend(self, lk: Lookup, rec: Record, anchor: int) -> None:
         """The known prefix: past ``anchor``, as far as the bytes agree, back to a fine cut of both texts."""
         data, other = lk.data, rec.data
-        common = _common(data, other, anchor, self.step)
+        common = common_prefix(data, other, anchor, self.step)
         if common == len(data) == len(other):
             lk.source, lk.known_bytes, lk.known_tokens = rec, common, len(rec.tokens)
             return
@@ -404,7 +404,7 @@ class PrefixTokenCache:
         self.bytes = 0
 
 
-def _common(data: bytes, other: bytes, lo: int, step: int) -> int:
+def common_prefix(data: bytes, other: bytes, lo: int, step: int) -> int:
     """The length of the common prefix of ``data`` and ``other``, known to be at least ``lo``: gallop, then
     bisect (memcmp, no copies)."""
     end = min(len(data), len(other))

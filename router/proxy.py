@@ -247,6 +247,7 @@ class Forwarder:
         self.st, self.d, self.body, self.path = dp, d, body, path
         self.method, self.query, self.headers = method, query, headers
         self.hashes = d.hashes
+        self.sent_text = d.sent_text  # the decision log drops it too
         self.hooks = hooks  # router/apis/hooks.py: another API's usage, error events and response ids
         self._finished = False
 
@@ -332,26 +333,32 @@ class Forwarder:
             lease = _Lease(st.metrics, w, cand, d.stream, d.max_tokens, self.hashes, d.block_size)
             if cand.clamped:
                 st.metrics.child(st.metrics.prediction_clamped, w.name).inc()
+            # Recorded as sent before it is: vLLM answers a non-streaming request only when it is done, and a
+            # request that arrives meanwhile should know what this one will have left there.
+            recorded = bool(self.hashes) and not w.blind_for(kind_of(self.path))
+            if recorded:
+                st.pending.record(d.namespace, self.hashes, w.name, cand.local_blocks, text=self.sent_text)
             t_send = time.perf_counter()
             resp = None
             try:
                 resp = await st.upstream.open(self.method, w.url + self.path, self.body, w.pin(headers),
                                               self.query)
                 if resp.status >= 500:
+                    self._withdraw(w, cand, recorded)
                     last_error, last_status = f"upstream_{resp.status}: worker {w.name}", 502
                     continue
                 self._tell_policy(w)
-                recorded = bool(self.hashes) and not w.blind_for(kind_of(self.path))
-                if recorded:
-                    st.pending.record(d.namespace, self.hashes, w.name, cand.local_blocks)
                 if resp.headers.get("content-type", "").startswith("text/event-stream"):
                     await self._stream(send, resp, lease, w, cand, t_send, recorded)
                     return
                 raw = await resp.read()
                 lease.release()
-                if recorded:
-                    st.pending.settle(d.namespace, self.hashes, w.name, cand.local_blocks)
                 ok = resp.status < 400
+                if not ok:  # refused (a prompt too long, a bad parameter): nothing was computed
+                    self._withdraw(w, cand, recorded)
+                elif recorded:
+                    st.pending.settle(d.namespace, self.hashes, w.name, cand.local_blocks,
+                                      text=self.sent_text)
                 if self.hooks is not None:
                     raw = await self.hooks.on_body(resp.status, raw)
                 usage = (self.hooks.usage if self.hooks is not None else usage_from_body(raw)) if ok else None
@@ -362,6 +369,7 @@ class Forwarder:
                 await send({"type": "http.response.body", "body": raw})
                 return
             except UpstreamError as e:
+                self._withdraw(w, cand, recorded)
                 if e.kind == "connect":
                     reg.mark_failed(w, str(e))
                 last_error = f"{e.kind}: worker {w.name}: {e}"
@@ -379,6 +387,10 @@ class Forwarder:
             raise APIError(503, f"No healthy worker serves the model `{d.model}`.", code="no_healthy_worker")
         raise APIError(last_status, f"All {attempts} attempt(s) failed; last: {last_error}",
                        code="upstream_error")
+
+    def _withdraw(self, w, cand, recorded: bool) -> None:
+        if recorded:
+            self.st.pending.withdraw(self.d.namespace, self.hashes, w.name, cand.local_blocks, self.sent_text)
 
     def _tell_policy(self, w) -> None:
         self.st.policy.chosen(RouteRequest(self.d.model, self.path, self.headers), w.name)
@@ -404,7 +416,8 @@ class Forwarder:
             first = b""
         lease.first_byte()
         if recorded:
-            self.st.pending.settle(self.d.namespace, self.hashes, w.name, cand.local_blocks)
+            self.st.pending.settle(self.d.namespace, self.hashes, w.name, cand.local_blocks,
+                                   text=self.sent_text)
         self._observe_ttft(w, cand, time.perf_counter() - t_send)
         await send({"type": "http.response.start", "status": resp.status, "headers": response_headers(resp, self.d)})
         tail = bytearray(first[-_TAIL_KEEP:])

@@ -56,6 +56,8 @@ class Decision:
     observed_ttft_ms: float | None = None
     prompt_tokens: int | None = None
     delivered_cached_tokens: int | None = None
+    # (key, UTF-8 text) of a prompt planned on its start only: the pending record keeps it while in flight
+    sent_text: tuple | None = field(default=None, repr=False)
 
     @property
     def best(self) -> Candidate | None:
@@ -115,7 +117,7 @@ class DecisionLog:
         self._d: deque[Decision] = deque(maxlen=max(1, maxlen))
 
     def add(self, d: Decision) -> None:
-        d.hashes = []
+        d.hashes, d.sent_text = [], None
         self._d.append(d)
 
     def recent(self, limit: int | None = None) -> list[Decision]:
@@ -215,12 +217,19 @@ class Router:
             probed[:] = [hashes, r]
             return max([r.g4, *(r.match(n).local for n in names)])
 
+        candidates = {w.name for w in workers}
+
+        def sent(data: bytes, pre: tuple) -> dict[str, tuple[int, bytes]]:
+            """The deferred prompt in flight on each candidate that shares the prompt's start."""
+            return {w: n for w, n in pending.shares(ns, (lora, salt, pre), data).items() if w in candidates}
+
         if kind != "other":
             # a worker's /tokenize only when no local tokenizer serves the model: the least busy one
             tok_url = (None if self.tokenizers.for_model(model, ns) is not None
                        else min(workers, key=lambda w: w.inflight).url)
             res = await self.tokenizers.tokenize(model, kind, tok_body, size=size or 0, namespace=ns,
-                                               worker_url=tok_url, hashing=(bs, lora, salt), reach=reach)
+                                               worker_url=tok_url, hashing=(bs, lora, salt), reach=reach,
+                                               sent=sent)
             d.tokenizer, d.tokenize_error = res.source, res.error
             d.reused_bytes, d.new_bytes = res.reused_bytes, res.new_bytes
         t1 = time.perf_counter()
@@ -232,6 +241,11 @@ class Router:
             except (OverflowError, TypeError, ValueError):  # ids outside uint32: vLLM will refuse the prompt
                 d.tokenize_error, d.num_tokens = "token ids outside uint32", 0
             d.num_blocks = len(d.hashes)
+            if res.text is not None:
+                d.sent_text = ((lora, salt, res.pre), res.text)
+        shared = {}  # blocks a candidate will hold: sent there in a deferred prompt in flight
+        if res is not None and res.shared_ids and d.hashes:
+            shared = {w: min(len(d.hashes), (len(res.pre) + n) // bs) for w, n in res.shared_ids.items()}
         t2 = time.perf_counter()
         result = LookupResult(num_blocks=len(d.hashes))
         if probed and probed[0] == d.hashes:
@@ -258,7 +272,7 @@ class Router:
                 return WorkerMatch(), 0
             m = result.match(w.name)
             if d.hashes:
-                n = pending.leading(ns, d.hashes, w.name, m.local)
+                n = max(pending.leading(ns, d.hashes, w.name, m.local), shared.get(w.name, 0))
                 if n > m.local:  # sent there, events not indexed yet
                     return WorkerMatch(gpu=max(m.gpu, n), cpu=m.cpu, local=n), n - m.local
             return m, 0

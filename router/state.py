@@ -70,7 +70,7 @@ class GatewayState:
         self.policy: Policy = create_policy(settings.routing)
         self.decisions = DecisionLog(settings.routing.decisions_kept)
         self.pending = PendingBlocks(settings.routing.pending_ttl_s, settings.routing.pending_max_blocks,
-                                     settings.routing.pending_settle_s)
+                                     settings.routing.pending_settle_s, settings.routing.pending_text_bytes)
         self.registry.on_cleared = self.pending.forget_worker
         self.router = Router(registry=self.registry, tokenizers=self.tokenizers, index_guard=self.index_guard,
                              pending=self.pending, routing=settings.routing, policy=lambda: self.policy)

@@ -26,7 +26,9 @@ import os
 import re
 import threading
 import time
+from bisect import bisect_right
 from collections.abc import Sequence
+from itertools import islice
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +66,11 @@ class Tokenized:
     # Set when ``tokens`` are only the prompt's start (its tail was deferred: no worker's prefix reaches
     # it): the prompt's length, estimated from the bytes per token of the part encoded.
     total_tokens: int | None = None
+    # A deferred prompt's whole text (UTF-8), kept while it is in flight (router/pending.py).
+    text: bytes | None = None
+    # Per holder of a deferred prompt in flight that shares this one's start (``sent`` in
+    # Tokenizers.tokenize): how many leading ids of this prompt (after ``pre``) the two share.
+    shared_ids: dict[str, int] | None = None
 
     def block_hashes(self, block_size: int, lora_name: str | None, cache_salt: str | None) -> list[int]:
         """kvgate's keys of the prompt's routable blocks (memoised on the prefix-cache record); of a
@@ -347,6 +354,31 @@ class LocalTokenizer:
         block_hashes(rec, pre, (), hashing[0], hashing[1], hashing[2], (len(pre) + len(rec.tokens)) // hashing[0])
         return rec
 
+    def shared_ids(self, res: Tokenized, nbytes: int, other: bytes) -> int:
+        """How many leading ids (after ``res.pre``) ``res``'s prompt has in common with the whole encoding
+        of ``other``, a text whose first ``nbytes`` bytes are the prompt's: the ids before the prompt's
+        last fine cut whose deciding bytes both share (a cut of both, so both encode the same ids before
+        it), then the two encodings compared past it until they differ."""
+        rec, cut = res.record, self.prefix.cut
+        encoded = res.reused_bytes + res.new_bytes  # a deferred prompt: its start only
+        i = bisect_right(rec.cut_pos, min(encoded, nbytes - cut.context - 1)) - 1
+        q, base = (rec.cut_pos[i], rec.cut_tok[i]) if i >= 0 else (0, 0)
+        off = len(res.pre) + base
+        mine = res.tokens[off:len(res.tokens) - len(res.post)]
+        # Past q, ``other`` piece by piece (its fine cuts) against the prompt's own ids: ids can agree past
+        # where the bytes differ (a tokenizer that maps both to the same id), so compare until they differ.
+        k, start, limit = 0, q, q + 4 * self.prefix.chunk
+        while k < len(mine) and start < len(other):
+            end = self.prefix.cut_after(other, max(start + 1, nbytes)) or len(other)
+            if end > limit:
+                break
+            for x, y in zip(islice(mine, k, None), self.encode(other[start:end].decode("utf-8"), False)):
+                if x != y:
+                    return base + k
+                k += 1
+            start = end
+        return base + k
+
     def finish(self, lk: Lookup, rec: Record, add_special_tokens: bool) -> Tokenized:
         """Keep the record and assemble the prompt's ids (on the loop)."""
         rec = self.prefix.commit(lk, rec)
@@ -430,6 +462,13 @@ class LocalTokenizer:
                 self.segments.clear()
 
 
+def _shared_ids(local: LocalTokenizer, res: Tokenized, shares: dict[str, tuple[int, bytes]]) -> dict[str, int]:
+    """:meth:`LocalTokenizer.shared_ids` of ``res`` for each holder's text."""
+    if res.record is None:
+        return {}
+    return {holder: local.shared_ids(res, nbytes, other) for holder, (nbytes, other) in shares.items()}
+
+
 def _lower_priority(nice: int) -> None:
     """Run this pool thread (and the threads it starts) at a lower CPU priority than the event loop, so
     that tokenizing a long prompt yields the CPU to request handling (Linux: nice is per thread)."""
@@ -470,12 +509,16 @@ class Tokenizers:
         return self.local.get(model) or (self.local.get(namespace) if namespace else None)
 
     async def tokenize(self, model: str, kind: str, body: dict, *, size: int, namespace: str | None = None,
-                       worker_url: str | None = None, hashing: tuple | None = None, reach=None) -> Tokenized:
+                       worker_url: str | None = None, hashing: tuple | None = None, reach=None,
+                       sent=None) -> Tokenized:
         """Token ids of a request's prompt. ``kind`` is "chat" or "completion"; ``size`` the body's bytes
         (large chats are rendered on the thread pool); ``hashing`` (block size, LoRA name, cache_salt) has
         the block hashes computed with the ids, on the pool when the new text is large. ``reach``
         (``async (block hashes) -> leading blocks the index shows on some worker or G4``) lets a long
-        new text be encoded only as far as a cached prefix can extend (:meth:`_encode_start`).
+        new text be encoded only as far as a cached prefix can extend (:meth:`_encode_start`). ``sent``
+        (``(UTF-8 text, ids put before it) -> {holder: (bytes shared, that prompt's text)}``): deferred
+        prompts still in flight that share the text's start; that much is encoded, and ``shared_ids`` says
+        how many ids each holder's prompt has in common with it.
         Returns ``tokens=None`` for a prompt it cannot
         tokenize (the request is routed on load alone); raises a 400 for a template that refuses the
         conversation or a prompt that is not valid UTF-8."""
@@ -505,7 +548,7 @@ class Tokenizers:
                 add_special = bool(body.get("add_special_tokens", False))
             else:
                 text, add_special = prompt, bool(body.get("add_special_tokens", True))
-            return await self._encode(local, text, add_special, hashing, reach)
+            return await self._encode(local, text, add_special, hashing, reach, sent)
         except _NotText:
             return Tokenized(None, "none", error="non-text content")
         except APIError:
@@ -517,7 +560,7 @@ class Tokenizers:
             return Tokenized(None, "none", error=f"local tokenizer: {type(e).__name__}: {e}")
 
     async def _encode(self, local: LocalTokenizer, text: str, add_special: bool, hashing: tuple | None,
-                      reach=None) -> Tokenized:
+                      reach=None, sent=None) -> Tokenized:
         limit = self.settings.tokenizer.offload_chars
         if local.small(text, add_special):
             res = local.encode_small(text, add_special)
@@ -528,17 +571,44 @@ class Tokenizers:
             ids = (await self._off_loop(local.encode_released, text, add_special) if len(text) > limit
                    else local.encode(text, add_special))
             return Tokenized(array.array("I", ids), "local", 0, len(text))
+        shares = sent(lk.data, local.wrap[0] if add_special else ()) if sent is not None and hashing else None
+        staged, whole = 0, False
+        if shares:
+            top = max(n for n, _ in shares.values())
+            lk, staged, whole = await self._encode_shared(local, lk, text, add_special, hashing, top)
+        res = None
         stage = self.settings.tokenizer.defer_tail_bytes
-        if reach is not None and stage and hashing and hashing[0] > 0 and lk.new_bytes > 2 * stage:
+        if reach is not None and not whole and stage and hashing and hashing[0] > 0 and lk.new_bytes > 2 * stage:
             res = await self._encode_start(local, lk, add_special, hashing, reach, stage)
-            if res is not None:
-                return res
-            lk = local.prepare(text, add_special)  # encoded in stages all the way: the cache knows them
-        rec = (await self._off_loop(local.build, lk, add_special, hashing, True) if lk.new_bytes > limit
-               else local.build(lk, add_special, hashing))
-        res = local.finish(lk, rec, add_special)
-        self._sample(local, res, text, add_special)
+            if res is None:
+                lk = local.prepare(text, add_special)  # encoded in stages all the way: the cache knows them
+        if res is None:
+            rec = (await self._off_loop(local.build, lk, add_special, hashing, True) if lk.new_bytes > limit
+                   else local.build(lk, add_special, hashing))
+            res = local.finish(lk, rec, add_special)
+            self._sample(local, res, text, add_special)
+        if shares:
+            res.shared_ids = _shared_ids(local, res, shares)
+            res.reused_bytes, res.new_bytes = res.reused_bytes - staged, res.new_bytes + staged
         return res
+
+    async def _encode_shared(self, local: LocalTokenizer, lk: Lookup, text: str, add_special: bool,
+                             hashing: tuple, nbytes: int) -> tuple[Lookup, int, bool]:
+        """Encode the prompt past ``nbytes`` (it shares that much with a deferred prompt in flight), to the
+        next fine cut, kept as a start: the worker sent that prompt will hold those blocks, whether or not
+        the index reaches them. The lookup of the whole text afterwards, the bytes encoded, and whether
+        to encode the whole text (no fine cut after ``nbytes``)."""
+        cut = local.prefix.cut_after(lk.data, nbytes)
+        if cut is None:
+            return lk, 0, True
+        if cut <= lk.known_bytes:
+            return lk, 0, False
+        sub = local.prepare(lk.data[:cut].decode("utf-8"), add_special)
+        rec = (await self._off_loop(local.build_start, sub, add_special, hashing, True)
+               if sub.new_bytes > self.settings.tokenizer.offload_chars
+               else local.build_start(sub, add_special, hashing))
+        local.prefix.commit(sub, rec)
+        return local.prepare(text, add_special), sub.new_bytes, False
 
     async def _encode_start(self, local: LocalTokenizer, lk: Lookup, add_special: bool, hashing: tuple,
                             reach, stage: int) -> Tokenized | None:
@@ -565,6 +635,7 @@ class Tokenizers:
             if hashes and await reach(hashes) >= len(hashes):
                 return None
             local.deferred_bytes += len(data) - nbytes
+            res.text = data
             return res
 
         known, known_tokens = lk.known_bytes, lk.known_tokens

@@ -105,3 +105,92 @@ async def test_without_pending_blocks_ties_rotate(fleet, start_gateway):
     gw = start_gateway(fleet, pending=False)
     w1, w2, cached = await _route_twice(gw)
     assert w2 != w1 and cached == 0
+
+
+def test_a_deferred_prompts_text_is_kept_while_in_flight_and_bounded():
+    """The text of a prompt recorded by its start only: :meth:`PendingBlocks.shares` answers, per worker,
+    the longest start it shares with a new prompt of the same key; it settles, expires, is bounded by bytes
+    and goes with its worker."""
+    p = PendingBlocks(ttl_s=10.0, settle_s=1.0, max_text_bytes=3000)
+    doc = b"d" * 900 + b"x" * 100
+    t1, t2 = doc + b" first question", doc[:500] + b" other"
+    key = (None, None, (1,))
+    p.record("m", [1, 2], "a", now=0.0, text=(key, t1))
+    p.record("m", [], "b", now=0.0, text=(key, t2))  # no new blocks: the text is still kept
+    q = doc + b" second question"
+    assert p.shares("m", key, q, now=1.0) == {"a": (1001, t1), "b": (500, t2)}
+    assert p.shares("m", (None, "salt", (1,)), q, now=1.0) == {}  # another salt: other blocks
+    assert p.shares("other-model", key, q, now=1.0) == {}
+    assert p.text_bytes == len(t1) + len(t2)
+    p.settle("m", [1, 2], "a", now=2.0, text=(key, t1))  # first token at 2 s: kept settle_s more
+    p.settle("m", [], "a", now=2.0, text=(key, t2))  # t2 was sent to b, not a: b's copy stays
+    assert set(p.shares("m", key, q, now=2.9)) == {"a", "b"}
+    assert set(p.shares("m", key, q, now=3.1)) == {"b"}
+    assert p.text_bytes == len(t2)
+    assert p.shares("m", key, q, now=10.1) == {} and p.text_bytes == 0  # the TTL
+    big = b"y" * 1600
+    p.record("m", [], "a", now=20.0, text=(key, big))
+    p.record("m", [], "b", now=20.0, text=(key, b"y" * 1599))  # 3199 > 3000: the oldest goes
+    assert p.text_bytes == 1599 and set(p.shares("m", key, big, now=20.0)) == {"b"}
+    p.record("m", [], "a", now=20.0, text=(key, b"z" * 3001))  # larger than the bound: not kept
+    assert p.text_bytes == 1599
+    p.forget_worker("b")
+    assert p.text_bytes == 0 and p.shares("m", key, big, now=20.0) == {}
+    off = PendingBlocks(ttl_s=0)
+    off.record("m", [], "a", text=(key, t1))
+    assert off.shares("m", key, q) == {}
+
+
+async def test_a_second_question_over_a_document_in_flight_is_predicted_as_delivered(fleet, start_gateway):
+    """Two questions over one long new document, the second sent while the first is still being prefilled
+    (the fake workers take 1.5 s to a first token and announce nothing). The first prompt's tail was
+    deferred (nobody held it), so its record covers only its start; the gateway keeps its text, and the
+    second goes to the same worker with the cached tokens it predicts equal to what the worker reports."""
+    import asyncio
+
+    from tests.gateway.test_tokenize import _document
+
+    for name in ("a", "b"):
+        fleet.add(name, first_token_delay_s=1.5)
+    gw = start_gateway(fleet, pending=True)
+    doc = _document(5, 8_000)
+    async with httpx.AsyncClient(timeout=30) as c:
+        first = asyncio.create_task(c.post(gw.url + "/v1/completions", headers={"x-request-id": "q1"}, json={
+            "model": "tiny", "prompt": doc + "\nQuestion: what is kept?", "max_tokens": 4}))
+        await asyncio.sleep(0.5)
+        r2 = await c.post(gw.url + "/v1/completions", json={
+            "model": "tiny", "prompt": doc + "\nQuestion: which tier?", "max_tokens": 4})
+        r1 = await first
+    assert r1.status_code == r2.status_code == 200
+    d1 = gw.state.decisions.get("q1")
+    assert d1.new_bytes < len(doc) / 2  # the first prompt was deferred: its start only was encoded
+    delivered = r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert r2.headers["x-kvgate-worker"] == r1.headers["x-kvgate-worker"]
+    assert delivered > len(doc) / 8 and int(r2.headers["x-kvgate-cached-tokens"]) == delivered
+
+
+async def test_a_worker_that_failed_the_prompt_is_not_credited_with_it(fleet, start_gateway):
+    """The gateway records a prompt as sent before the worker answers (a non-streaming answer comes only
+    when it is done). A worker that answered 500 computed nothing: the retry's worker holds the prompt and
+    the follow-up goes there, predicted as delivered; the failed one is not credited."""
+    bad = fleet.add("a", mode="error500")
+    fleet.add("b")
+    gw = start_gateway(fleet, pending=True)
+    async with httpx.AsyncClient(timeout=30) as c:
+        for i in range(4):  # ties rotate: one of these tries "a" first
+            body = chat_body(f"{i} " + LONG)
+            r1 = await c.post(gw.url + "/v1/chat/completions", json=body, headers={"x-request-id": f"r{i}"})
+            assert r1.status_code == 200 and r1.headers["x-kvgate-worker"] == "b"
+            if gw.state.decisions.get(f"r{i}").attempts == ["a", "b"]:
+                break
+        else:
+            raise AssertionError("no request tried the failing worker first")
+        bad.mode = "ok"
+        follow = dict(body, messages=body["messages"] + [
+            {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and one more question"}])
+        r2 = await c.post(gw.url + "/v1/chat/completions", json=follow, headers={"x-request-id": "f"})
+        seen = (await c.get(gw.url + "/admin/decisions/f")).json()
+    assert r2.status_code == 200 and r2.headers["x-kvgate-worker"] == "b"
+    cached = r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0 and int(r2.headers["x-kvgate-cached-tokens"]) == cached
+    assert {c["worker"]: c["cached_tokens"] for c in seen["candidates"]} == {"a": 0, "b": cached}

@@ -15,6 +15,7 @@ import random
 import subprocess
 import sys
 import zipfile
+import zlib
 from pathlib import Path
 
 import pytest
@@ -116,7 +117,7 @@ def test_cached_ids_equal_whole_encoding(tokenizers, name):
     lt = LocalTokenizer(tokenizers[name], SMALL)
     assert lt.prefix is not None, lt.cuts
     assert "words" in lt.cuts  # these families all get word cuts, not only special-token ones
-    reused, total = _check(lt, seed=hash(name) % 1000)
+    reused, total = _check(lt, seed=zlib.crc32(name.encode()) % 1000)
     assert reused > 0.3 * total  # and the cache was used, not bypassed
     assert lt.mismatches == 0
 
@@ -210,7 +211,7 @@ def test_short_texts_through_the_segment_memo_equal_whole_encoding(tokenizers, n
         text = "a short prompt with no special tokens"
         assert list(lt.tokenize_text(text, False).tokens) == lt.encode(text, False)
         return
-    rng = random.Random(hash(name) % 1000)
+    rng = random.Random(zlib.crc32(name.encode()) % 1000)
     systems = [_text(rng, rng.randint(5, 60), []) for _ in range(3)]
     reused = 0
     for i in range(120):
@@ -283,3 +284,38 @@ def test_the_anchor_walk_takes_a_known_prefix_without_changing_anything(tokenize
         r.anchor_pos = [p + 7 for p in r.anchor_pos]
     text = doc + " another ending"
     assert list(lt.tokenize_text(text, False).tokens) == lt.encode(text, False)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("name", ["tests-bpe", "tiny-llama", "sim", "llama-3.2"])
+def test_shared_ids_are_the_common_start_of_both_whole_encodings(tokenizers, name, seed):
+    """``LocalTokenizer.shared_ids``: for a prompt and another text that share their first n bytes (a
+    deferred prompt in flight, whose tail was never encoded), the count is exactly the common start of the
+    two whole encodings, wherever they diverge within the bound (four prefix chunks past the last cut both
+    share; further, it stops short): so the blocks router/pending.py counts as the other prompt's holder's
+    are the blocks vLLM will find there. The simulator's word-level vocabulary maps most
+    of these words to one unknown id, so its ids agree far past the bytes' divergence; there the count
+    may stop short (the comparison is bounded), never beyond."""
+    from router.prefix_cache import common_prefix
+
+    # chunks of 256 bytes: the comparison past the last shared cut is bounded by four of them
+    lt = LocalTokenizer(tokenizers[name], TokenizerConfig(prefix_chunk_bytes=256, prefix_cut_bytes=16,
+                                                          prefix_cache_bytes=4 * 1024 * 1024))
+    rng = random.Random(zlib.crc32(name.encode()) + seed)
+    texts = _workload(rng, [s for s in lt.hf.all_special_tokens if s][:4], 120)
+    checked = 0
+    for _ in range(600):
+        a, b = rng.sample(texts, 2)
+        da, db = a.encode(), b.encode()
+        n = common_prefix(da, db, 0, 16)
+        if n < 64:
+            continue
+        res = lt.tokenize_text(a, False)
+        if res.record is None:  # too short for the prefix cache: the gateway counts no shared ids
+            continue
+        ea, eb = lt.encode(a, False), lt.encode(b, False)
+        want = next((i for i, (x, y) in enumerate(zip(ea, eb)) if x != y), min(len(ea), len(eb)))
+        got = lt.shared_ids(res, n, db)
+        assert got == want if name != "sim" else got <= want, (a[:n], n, got, want)
+        checked += 1
+    assert checked > 30

@@ -2,6 +2,8 @@
 encoding the whole rendered text."""
 from __future__ import annotations
 
+import os
+
 import httpx
 import pytest
 
@@ -140,3 +142,58 @@ async def test_a_long_new_tail_no_cached_prefix_reaches_is_not_tokenized(tokeniz
     res = await t.tokenize(MODEL, "completion", {"prompt": text + " more"}, size=len(text), hashing=(BLOCK, None, None))
     assert res.total_tokens is None and list(res.tokens) == local.encode(text + " more", True)
     t.close()
+
+
+async def test_a_prompt_sharing_a_deferred_prompt_in_flight_is_encoded_as_far_as_they_share(tokenizer_dir):
+    """A deferred prompt (its tail never encoded) was sent to worker "w" and is still being prefilled: a
+    second question over the same document is encoded up to the last safe cut inside the bytes the two
+    share, and ``shared_ids`` says so; "w" will hold exactly the blocks the two whole encodings have in
+    common. ``sent`` stands for router/pending.py here (the gateway test in test_pending.py uses it)."""
+    t = Tokenizers(Settings(models={MODEL: ModelConfig(tokenizer=tokenizer_dir)}))
+    t.load()
+    local = t.for_model(MODEL)
+    doc = _document(2, 8_000)  # ~60 KB, never seen
+    first, second = doc + "\nQuestion: what is kept?", doc + "\nQuestion: Which tier?"
+
+    async def nobody(hashes):
+        return 0
+
+    hashing = (BLOCK, None, None)
+    r1 = await t.tokenize(MODEL, "completion", {"prompt": first}, size=1, hashing=hashing, reach=nobody)
+    assert r1.total_tokens is not None and r1.text == first.encode()  # deferred: its start only
+    pre = local.wrap[0]
+    seen: list[tuple] = []
+
+    other = first.encode()[:1000] + b" and then another text"  # sent to "v": shares a 1000-byte start
+
+    def sent(data, ids_before):
+        seen.append(ids_before)
+        return {"w": (len(os.path.commonprefix([data, r1.text])), r1.text),
+                "v": (len(os.path.commonprefix([data, other])), other)}
+
+    r2 = await t.tokenize(MODEL, "completion", {"prompt": second}, size=1, hashing=hashing, reach=nobody,
+                          sent=sent)
+    assert seen == [pre]
+    a, b = local.encode(first, True), local.encode(second, True)
+    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    # encoded as far as "w" holds, then the short rest: the whole prompt
+    assert r2.total_tokens is None and r2.new_bytes > len(doc) / 2 and list(r2.tokens) == b
+    assert len(pre) + r2.shared_ids["w"] == common  # "w" will hold exactly the blocks of these ids
+    c = local.encode(other.decode(), True)  # "v" was sent less: exactly the ids the two have in common
+    assert len(pre) + r2.shared_ids["v"] == next(i for i, (x, y) in enumerate(zip(b, c)) if x != y)
+    # A long new tail after the shared part: deferred just past it (nobody indexes more).
+    third = doc + "\nQuestion: Which tier?\n" + _document(3, 2_000)
+    r3 = await t.tokenize(MODEL, "completion", {"prompt": third}, size=1, hashing=hashing, reach=nobody,
+                          sent=sent)
+    assert r3.total_tokens is not None and r3.text == third.encode()
+    assert r3.new_bytes < 4096 and len(pre) + r3.shared_ids["w"] == common <= len(r3.tokens) < common + 200
+    assert list(r3.tokens) == local.encode(third, True)[:len(r3.tokens)]
+    # Once something indexes the document, the stages go on past the shared part as before.
+    r4 = await t.tokenize(MODEL, "completion", {"prompt": third}, size=1, hashing=hashing, reach=_all, sent=sent)
+    assert r4.total_tokens is None and list(r4.tokens) == local.encode(third, True)
+    assert len(pre) + r4.shared_ids["w"] == common
+    t.close()
+
+
+async def _all(hashes):
+    return len(hashes)
