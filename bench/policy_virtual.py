@@ -4,7 +4,8 @@ The simulated engines of ``bench.sim.virtual`` (no HTTP, no gateway, no wall tim
 the machine's load), each request placed by the kv policy's scorers (router/policies/kv.py) over candidates
 priced with the engines' true state: their real prefix hit, the timing model's prefill time of the queue
 ahead and of the request, their KV usage. So it compares policy settings alone, with a perfect cost model
-(the gateway's own predictions are measured by ``bench.side_by_side``)."""
+(the gateway's own predictions are measured by ``bench.side_by_side``). The last row emulates
+sglang-router's ``cache_aware`` placement on the same engines: the peer baseline, policy against policy."""
 from __future__ import annotations
 
 import argparse
@@ -52,6 +53,34 @@ def placer(cfg: RoutingConfig):
     return place
 
 
+def sglang_cache_aware(threshold: float = 0.3, balance_abs: int = 64, balance_rel: float = 1.5):
+    """A placement that follows sglang-router's ``cache_aware`` policy with its defaults, for a peer
+    baseline on the same clock: per worker, the blocks it was sent (its approximate tree; block keys are
+    chained, so a set holds the tree). Past a load imbalance of ``balance_abs`` requests and
+    ``balance_rel`` times, the least loaded; else the longest match when it covers more than ``threshold``
+    of the prompt; else the worker sent the least (the smallest tree). No tree eviction (sglang-router's
+    default bound is far above these slices)."""
+    sent: list[set] = []
+
+    def place(engines: Sequence[SimEngine], tokens: list[int]) -> int:
+        while len(sent) < len(engines):
+            sent.append(set())
+        c0 = engines[0].cache
+        hashes = [external(d) for d in c0.digests(tokens)[: len(tokens) // c0.block_size]]
+        loads = [len(e.waiting) + len(e._running) for e in engines]
+        if max(loads) - min(loads) > balance_abs and max(loads) > balance_rel * min(loads):
+            w = loads.index(min(loads))
+        else:
+            runs = [next((i for i, h in enumerate(hashes) if h not in s), len(hashes)) for s in sent]
+            best = max(range(len(engines)), key=lambda i: runs[i])
+            covered = runs[best] * c0.block_size / max(1, len(tokens))
+            w = best if covered > threshold else min(range(len(engines)), key=lambda i: len(sent[i]))
+        sent[w].update(hashes)
+        return w
+
+    return place
+
+
 VARIANTS = {
     "session 4 (recompute + affinity)": dict(future_turns=0.0, stay_margin=0.0),
     "future_turns=1, stay_margin=0.1": dict(future_turns=1.0, stay_margin=0.1),
@@ -80,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| kv policy | hit rate | mean TTFT s | p50 s | p90 s | mean queue s |\n|---|---|---|---|---|---|")
     runs = {name: placer(RoutingConfig(**routing)) for name, routing in VARIANTS.items()}
     runs["bench.sim.virtual's own (least prefill time ahead)"] = None
+    runs["sglang-router cache_aware (emulated, its defaults)"] = sglang_cache_aware()
     for name, place in runs.items():
         outs = vt.run(vt.replay_engines(items, place=place, workers=args.workers, num_blocks=args.num_blocks,
                                         block_size=args.block_size))

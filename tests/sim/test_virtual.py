@@ -99,3 +99,21 @@ def test_a_replay_places_with_the_placement_it_is_given():
     out = virtual.run(virtual.replay_engines(items, workers=3, num_blocks=2_000, place=last))
     assert [o.worker for o in out] == [2] * 6 and seen == [600] * 6
     assert {o.worker for o in _replay(items, 3)} != {2}  # the default spreads them
+
+
+def test_the_sglang_router_emulation_follows_its_prefix_and_its_smallest_tree():
+    """bench.policy_virtual's peer baseline: a prompt that mostly repeats one sent to a worker goes there;
+    one that matches nothing goes to the worker sent the least; a large load imbalance overrides both."""
+    from bench.policy_virtual import sglang_cache_aware
+
+    engines = [SimEngine(PrefixCache(2_000, 16), None, DEFAULT_TIMING) for _ in range(3)]
+    place = sglang_cache_aware()
+    rng = np.random.default_rng(3)
+    docs = [[int(x) for x in rng.integers(0, 32000, n)] for n in (800, 400, 200, 300)]
+    assert [place(engines, d) for d in docs[:3]] == [0, 1, 2]  # nothing matches: the smallest tree
+    assert place(engines, docs[3]) == 2  # 200 tokens sent to 2, the least
+    assert place(engines, docs[0][:700] + docs[1][:100]) == 0  # 87% of it was sent to 0
+    fresh = [int(x) for x in rng.integers(0, 32000, 800)]
+    assert place(engines, docs[2][:64] + fresh) == 1  # 7% matches 2: under the 30% threshold, so 1 (25 blocks)
+    engines[2].waiting.extend(SimRequest([1] * 16, 1) for _ in range(100))
+    assert place(engines, docs[2]) == 0  # all of it is on 2, but 100 wait there and none on 0
