@@ -354,12 +354,14 @@ class LocalTokenizer:
         block_hashes(rec, pre, (), hashing[0], hashing[1], hashing[2], (len(pre) + len(rec.tokens)) // hashing[0])
         return rec
 
-    def shared_ids(self, res: Tokenized, nbytes: int, other: bytes) -> int:
+    def shared_ids(self, res: Tokenized, nbytes: int, other: bytes, off_loop: bool = False) -> int:
         """How many leading ids (after ``res.pre``) ``res``'s prompt has in common with the whole encoding
         of ``other``, a text whose first ``nbytes`` bytes are the prompt's: the ids before the prompt's
         last fine cut whose deciding bytes both share (a cut of both, so both encode the same ids before
-        it), then the two encodings compared past it until they differ."""
+        it), then the two encodings compared past it until they differ. ``off_loop``: on a pool thread
+        (encode releasing the GIL)."""
         rec, cut = res.record, self.prefix.cut
+        encode = self.encode_released if off_loop else self.encode
         encoded = res.reused_bytes + res.new_bytes  # a deferred prompt: its start only
         i = bisect_right(rec.cut_pos, min(encoded, nbytes - cut.context - 1)) - 1
         q, base = (rec.cut_pos[i], rec.cut_tok[i]) if i >= 0 else (0, 0)
@@ -372,7 +374,7 @@ class LocalTokenizer:
             end = self.prefix.cut_after(other, max(start + 1, nbytes)) or len(other)
             if end > limit:
                 break
-            for x, y in zip(islice(mine, k, None), self.encode(other[start:end].decode("utf-8"), False)):
+            for x, y in zip(islice(mine, k, None), encode(other[start:end].decode("utf-8"), False)):
                 if x != y:
                     return base + k
                 k += 1
@@ -463,10 +465,9 @@ class LocalTokenizer:
 
 
 def _shared_ids(local: LocalTokenizer, res: Tokenized, shares: dict[str, tuple[int, bytes]]) -> dict[str, int]:
-    """:meth:`LocalTokenizer.shared_ids` of ``res`` for each holder's text."""
-    if res.record is None:
-        return {}
-    return {holder: local.shared_ids(res, nbytes, other) for holder, (nbytes, other) in shares.items()}
+    """:meth:`LocalTokenizer.shared_ids` of ``res`` for each holder's text (on a pool thread: each compares
+    up to four prefix chunks of text, encoded)."""
+    return {holder: local.shared_ids(res, nbytes, other, True) for holder, (nbytes, other) in shares.items()}
 
 
 def _lower_priority(nice: int) -> None:
@@ -588,7 +589,7 @@ class Tokenizers:
             res = local.finish(lk, rec, add_special)
             self._sample(local, res, text, add_special)
         if shares:
-            res.shared_ids = _shared_ids(local, res, shares)
+            res.shared_ids = {} if res.record is None else await self._off_loop(_shared_ids, local, res, shares)
             res.reused_bytes, res.new_bytes = res.reused_bytes - staged, res.new_bytes + staged
         return res
 
