@@ -217,11 +217,10 @@ class Router:
             probed[:] = [hashes, r]
             return max([r.g4, *(r.match(n).local for n in names)])
 
-        candidates = {w.name for w in workers}
-
         def sent(data: bytes, pre: tuple) -> dict[str, tuple[int, bytes]]:
             """The deferred prompt in flight on each candidate that shares the prompt's start."""
-            return {w: n for w, n in pending.shares(ns, (lora, salt, pre), data).items() if w in candidates}
+            shares = pending.shares(ns, (lora, salt, pre), data)
+            return {w.name: shares[w.name] for w in workers if w.name in shares} if shares else shares
 
         if kind != "other":
             # a worker's /tokenize only when no local tokenizer serves the model: the least busy one

@@ -604,12 +604,18 @@ class Tokenizers:
             return lk, 0, True
         if cut <= lk.known_bytes:
             return lk, 0, False
-        sub = local.prepare(lk.data[:cut].decode("utf-8"), add_special)
+        sub, _ = await self._keep_start(local, lk.data, cut, add_special, hashing)
+        return local.prepare(text, add_special), sub.new_bytes, False
+
+    async def _keep_start(self, local: LocalTokenizer, data: bytes, cut: int, add_special: bool,
+                          hashing: tuple) -> tuple[Lookup, Record]:
+        """Encode ``data[:cut]`` (on the pool when its new part is long) and keep it in the prefix cache
+        as a start: its lookup and the record kept."""
+        sub = local.prepare(data[:cut].decode("utf-8"), add_special)
         rec = (await self._off_loop(local.build_start, sub, add_special, hashing, True)
                if sub.new_bytes > self.settings.tokenizer.offload_chars
                else local.build_start(sub, add_special, hashing))
-        local.prefix.commit(sub, rec)
-        return local.prepare(text, add_special), sub.new_bytes, False
+        return sub, local.prefix.commit(sub, rec)
 
     async def _encode_start(self, local: LocalTokenizer, lk: Lookup, add_special: bool, hashing: tuple,
                             reach, stage: int) -> Tokenized | None:
@@ -623,7 +629,6 @@ class Tokenizers:
         data = lk.data
         pre = local.wrap[0] if add_special else ()
         post = local.wrap[1] if add_special else ()
-        limit = self.settings.tokenizer.offload_chars
 
         async def held(rec: Record, nbytes: int, ntokens: int, per_byte: float) -> Tokenized | None:
             """The start ``data[:nbytes]`` (``ntokens`` ids of ``rec``) as a deferred prompt when nobody
@@ -653,10 +658,7 @@ class Tokenizers:
             cut = local.prefix.cut_after(data, max(known + stage, floor))
             if cut is None or cut >= len(data):
                 return None
-            sub = local.prepare(data[:cut].decode("utf-8"), add_special)
-            rec = (await self._off_loop(local.build_start, sub, add_special, hashing, True)
-                   if sub.new_bytes > limit else local.build_start(sub, add_special, hashing))
-            rec = local.prefix.commit(sub, rec)
+            _, rec = await self._keep_start(local, data, cut, add_special, hashing)
             res = await held(rec, cut, len(rec.tokens), (len(rec.tokens) - known_tokens) / max(1, cut - known))
             if res is not None:
                 return res
