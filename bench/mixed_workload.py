@@ -86,8 +86,9 @@ def kinds(clients: list[Client]) -> dict[str, str]:
     return {s.sid: c.kind for c in clients for s in c.sessions}
 
 
-def working_set(tokenizer_path: str, clients: list[Client], block_size: int, answer_tokens: int) -> dict:
-    """Distinct full blocks over every request's prompt (placeholder answers), and the prompts' sizes."""
+def render_prompts(tokenizer_path: str, clients: list[Client], answer_tokens: int) -> list[list[list[list[int]]]]:
+    """Every request's prompt as token ids, as vLLM's chat endpoint renders it with the model's chat template:
+    per client, per session, per turn (the conversation so far, placeholder answers of ``answer_tokens``)."""
     import jinja2
     from tokenizers import Tokenizer
 
@@ -96,29 +97,45 @@ def working_set(tokenizer_path: str, clients: list[Client], block_size: int, ans
     template = jinja2.Environment().from_string(cfg["chat_template"])
     tok = Tokenizer.from_file(str(d / "tokenizer.json"))
     answer = TextMaker(tokenizer_path, 12345).text(answer_tokens)
-    seen: set[int] = set()
-    prompts: list[int] = []
+    out = []
     for c in clients:
+        sessions = []
         for s in c.sessions:
-            messages = [{"role": "system", "content": s.system}]
+            messages, prompts = [{"role": "system", "content": s.system}], []
             for user in s.users:
                 messages.append({"role": "user", "content": user})
                 text = template.render(messages=messages, bos_token=cfg.get("bos_token", ""),
                                        eos_token=cfg.get("eos_token", ""), add_generation_prompt=True)
-                ids = tok.encode(text, add_special_tokens=False).ids
-                prompts.append(len(ids))
-                parent = 0
-                for i in range(len(ids) // block_size):
-                    parent = hash((parent, tuple(ids[i * block_size:(i + 1) * block_size])))
-                    seen.add(parent)
+                prompts.append(tok.encode(text, add_special_tokens=False).ids)
                 messages.append({"role": "assistant", "content": answer})
+            sessions.append(prompts)
+        out.append(sessions)
+    return out
+
+
+def working_set(tokenizer_path: str, clients: list[Client], block_size: int, answer_tokens: int) -> dict:
+    """Distinct full blocks over every request's prompt (placeholder answers), and the prompts' sizes."""
+    prompts = [ids for sessions in render_prompts(tokenizer_path, clients, answer_tokens)
+               for turns in sessions for ids in turns]
+    n = distinct_blocks(prompts, block_size)
     return {
-        "distinct_blocks": len(seen),
-        "distinct_prefix_tokens": len(seen) * block_size,
+        "distinct_blocks": n,
+        "distinct_prefix_tokens": n * block_size,
         "requests": len(prompts),
-        "prompt_tokens": sum(prompts),
-        "max_prompt_tokens": max(prompts, default=0),
+        "prompt_tokens": sum(map(len, prompts)),
+        "max_prompt_tokens": max(map(len, prompts), default=0),
     }
+
+
+def distinct_blocks(prompts: list[list[int]], block_size: int) -> int:
+    """Distinct full blocks (chained, as vLLM's prefix cache keys them) over ``prompts``."""
+    seen: set[int] = set()
+    for ids in prompts:
+        parent = 0
+        for i in range(len(ids) // block_size):
+            parent = hash((parent, tuple(ids[i * block_size:(i + 1) * block_size])))
+            seen.add(parent)
+    return len(seen)
 
 
 def kv_blocks_for(distinct_blocks: int, ratio: float, block_size: int, max_model_len: int) -> int:

@@ -1,0 +1,221 @@
+"""The capacity-bound run on the virtual clock: ``python -m bench.capacity_virtual``.
+
+The mixed workload of the capacity-bound real-vLLM benchmark (``bench.capacity_bound``: the same
+``MixSpec`` and seeds, rendered with the tiny model's chat template into token ids, placeholder answers of
+``--max-tokens`` tokens), its clients run in a closed loop as there (each turn waits for the last answer;
+clients start ``--stagger`` s apart), against two simulated engines (``bench.sim.engine``) whose KV caches
+are ``1/--kv-ratio`` of the working set, on the virtual clock (``bench.sim.virtual``): no HTTP, no gateway,
+no wall time, so a run is deterministic and takes seconds.
+
+Why: on real vLLM one round of the capacity-bound run takes minutes and kv's hit rate spread 34-61% over
+seven rounds of one code (session 14), so a policy change cannot be told from chance there. Here every
+placement is compared on the same seeds, and the spread over seeds shows how much of a real run's spread the
+closed loop itself makes. Placements: the kv policy's scorers over candidates priced with the engines' true
+state (``bench.policy_virtual.candidate``: its real hit now, the queue's prefill time), with variants of its
+routing settings; the sglang-router ``cache_aware`` emulation (``bench.policy_virtual``); round_robin;
+least prefill time ahead (``bench.sim.virtual``'s own). The engines' timing is a CPU-vLLM-like model set by
+``--prefill-tps`` and ``--step-ms`` (not calibrated to one machine: policies are compared, not seconds).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass
+from itertools import count
+from pathlib import Path
+
+from bench import mixed_workload as mw
+from bench.policy_virtual import placer, sglang_cache_aware
+from bench.sim import virtual as vt
+from bench.sim.cache import PrefixCache
+from bench.sim.engine import SimEngine
+from bench.sim.timing import TimingModel
+from router.config import RoutingConfig
+
+
+@dataclass
+class Turn:
+    client: int
+    kind: str
+    session: str
+    turn: int
+    prompt: int
+    cached: int
+    ttft_s: float
+    worker: int
+
+
+def render_clients(tokenizer_dir: str, spec: mw.MixSpec, seed: int, answer_tokens: int) -> list[tuple[str, list]]:
+    """Per client: its kind and, per session, every turn's prompt as token ids."""
+    clients = mw.make_mixed(tokenizer_dir, spec, seed=seed)
+    return [(c.kind, sessions) for c, sessions in zip(clients, mw.render_prompts(tokenizer_dir, clients, answer_tokens))]
+
+
+def prompts_of(clients) -> list[list[int]]:
+    return [ids for _, sessions in clients for turns in sessions for ids in turns]
+
+
+def cpu_timing(prefill_tps: float = 1500.0, step_ms: float = 30.0, batched_tokens: int = 4096) -> TimingModel:
+    """A small model on one CPU core: prefill linear in the new tokens (no attention term at these
+    lengths), a fixed cost per request, a decode step of ``step_ms``."""
+    return TimingModel(overhead_s=0.02, a_s_per_token=1.0 / prefill_tps, decode_s=step_ms / 1000.0,
+                       decode_s_per_seq=0.001, max_num_seqs=256, max_num_batched_tokens=batched_tokens)
+
+
+def round_robin():
+    turn = count()
+    return lambda engines, tokens: next(turn) % len(engines)
+
+
+async def closed_loop(clients, place, *, workers: int, num_blocks: int, block_size: int, timing: TimingModel,
+                      max_tokens: int, stagger_s: float) -> list[Turn]:
+    """Every client's sessions in order, each turn sent when the last one's answer is complete; call on a
+    :class:`bench.sim.virtual.VirtualLoop`."""
+    engines = [SimEngine(PrefixCache(num_blocks, block_size), None, timing) for _ in range(workers)]
+    for e in engines:
+        e.start()
+    loop = asyncio.get_running_loop()
+    out: list[Turn] = []
+
+    async def client(i: int, kind: str, sessions) -> None:
+        await asyncio.sleep(i * stagger_s)
+        for s, prompts in enumerate(sessions):
+            for t, tokens in enumerate(prompts):
+                w = place(engines, tokens)
+                t0 = loop.time()
+                r = engines[w].submit(list(tokens), max_tokens)
+                first = None
+                while (chunk := await r.out.get()) is not None:
+                    if first is None and chunk:
+                        first = loop.time()
+                out.append(Turn(i, kind, f"{i}.{s}", t, len(tokens), r.cached_tokens, (first or loop.time()) - t0, w))
+
+    try:
+        await asyncio.gather(*(client(i, kind, sessions) for i, (kind, sessions) in enumerate(clients)))
+    finally:
+        for e in engines:
+            await e.stop()
+    return out
+
+
+def summary(turns: list[Turn]) -> dict:
+    prompt = sum(t.prompt for t in turns)
+    by_kind = {}
+    for k in sorted({t.kind for t in turns}):
+        ts = [t for t in turns if t.kind == k]
+        by_kind[k] = sum(t.cached for t in ts) / max(1, sum(t.prompt for t in ts))
+    return {"requests": len(turns), "hit_rate": sum(t.cached for t in turns) / max(1, prompt),
+            "ttft_mean_s": statistics.fmean(t.ttft_s for t in turns) if turns else 0.0, "by_kind": by_kind}
+
+
+PEER = "sglang-router cache_aware (emulated)"
+
+
+def table(results: dict[str, list[dict]], seeds: list[int]) -> str:
+    """Medians over the seeds, with ranges; against the peer, the median of the per-seed differences (the
+    seeds are paired: the same workload and timing), with the worst seed's."""
+    def rng(xs, fmt):
+        return f"{fmt(statistics.median(xs))} ({fmt(min(xs))}-{fmt(max(xs))})"
+
+    pct, sec = (lambda x: f"{x:.1%}"), (lambda x: f"{x:.2f}")
+    peer = results.get(PEER)
+    lines = [f"| placement | hit rate over seeds {','.join(map(str, seeds))}: median (range) | mean TTFT s | "
+             "hit vs sglang: median, worst seed | mean TTFT vs sglang: median, worst seed |",
+             "|---|---|---|---|---|"]
+    for name, ss in results.items():
+        h, t = [s["hit_rate"] for s in ss], [s["ttft_mean_s"] for s in ss]
+        vs = "- | -"
+        if peer and name != PEER:
+            d = [100 * (a["hit_rate"] - b["hit_rate"]) for a, b in zip(ss, peer)]
+            r = [a["ttft_mean_s"] / b["ttft_mean_s"] for a, b in zip(ss, peer)]
+            vs = f"{statistics.median(d):+.1f} pts, {min(d):+.1f} | {statistics.median(r):.2f}x, {max(r):.2f}x"
+        lines.append(f"| {name} | {rng(h, pct)} | {rng(t, sec)} | {vs} |")
+    return "\n".join(lines)
+
+
+VARIANTS = {
+    "kv defaults": {},
+    "kv future_turns=0, stay_margin=0": dict(future_turns=0.0, stay_margin=0.0),
+}
+
+
+def placements(variants: dict[str, dict]) -> dict:
+    """Fresh placement state per run: name -> factory."""
+    out = {f"{name}": (lambda r=routing: placer(RoutingConfig(**r))) for name, routing in variants.items()}
+    out[PEER] = sglang_cache_aware
+    out["round_robin"] = round_robin
+    out["least prefill ahead"] = lambda: None
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.tiny_model import build_tokenizer
+
+    p = argparse.ArgumentParser(prog="python -m bench.capacity_virtual", description=__doc__.split("\n")[0])
+    p.add_argument("--seeds", default="0,1,2,3,4", help="workload seeds (comma-separated)")
+    p.add_argument("--kv-ratio", type=float, default=3.0, help="working set / one engine's KV cache")
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--stagger", type=float, default=0.5)
+    p.add_argument("--prefill-tps", type=float, default=1500.0, help="prefill tokens per second per engine")
+    p.add_argument("--step-ms", type=float, default=30.0, help="a decode step's base time")
+    p.add_argument("--batched-tokens", type=int, default=4096, help="max_num_batched_tokens")
+    p.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE,...",
+                   help="also run kv with these routing settings (repeatable)")
+    p.add_argument("--only", default="", help="run only placements whose name contains this")
+    p.add_argument("--json", help="write every run's summary here")
+    # the capacity-bound run's workload flags (docs/BENCHMARKS.md)
+    p.add_argument("--sessions", type=int, default=4)
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--first-tokens", type=int, default=800)
+    p.add_argument("--turn-tokens", type=int, default=300)
+    p.add_argument("--agents", type=int, default=3)
+    p.add_argument("--agent-turns", type=int, default=6)
+    p.add_argument("--rag-docs", type=int, default=3)
+    p.add_argument("--rag-users", type=int, default=4)
+    p.add_argument("--rag-questions", type=int, default=5)
+    p.add_argument("--doc-tokens", type=int, default=1000)
+    args = p.parse_args(argv)
+    from bench.sim.harness import overrides
+
+    spec = mw.MixSpec(rag_docs=args.rag_docs, rag_users=args.rag_users, rag_questions=args.rag_questions,
+                      doc_tokens=args.doc_tokens, agents=args.agents, agent_turns=args.agent_turns,
+                      chats=args.sessions, chat_turns=args.turns, first_tokens=args.first_tokens,
+                      turn_tokens=args.turn_tokens)
+    timing = cpu_timing(args.prefill_tps, args.step_ms, args.batched_tokens)
+    variants = dict(VARIANTS)
+    for v in args.variant:
+        variants[f"kv {v}"] = overrides(v)
+    runs = {k: f for k, f in placements(variants).items() if args.only in k}
+    results: dict[str, list[dict]] = {k: [] for k in runs}
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    with tempfile.TemporaryDirectory(prefix="kvgate-capvirt-") as tokdir:
+        build_tokenizer(Path(tokdir))
+        workloads = [render_clients(tokdir, spec, seed, args.max_tokens) for seed in seeds]
+    for seed, clients in zip(seeds, workloads):
+        prompts = prompts_of(clients)
+        ws = mw.distinct_blocks(prompts, args.block_size)
+        longest = max(map(len, prompts)) + args.max_tokens
+        blocks = mw.kv_blocks_for(ws, args.kv_ratio, args.block_size, longest)
+        print(f"seed {seed}: {len(prompts)} requests, working set {ws} blocks, "
+              f"{blocks} per engine", flush=True)
+        for name, make in runs.items():
+            turns = vt.run(closed_loop(clients, make() or vt._place, workers=2, num_blocks=blocks,
+                                       block_size=args.block_size, timing=timing, max_tokens=args.max_tokens,
+                                       stagger_s=args.stagger))
+            s = summary(turns)
+            results[name].append(s)
+            print(f"  {name}: hit {s['hit_rate']:.1%}  mean TTFT {s['ttft_mean_s']:.2f} s  "
+                  + " ".join(f"{k} {v:.0%}" for k, v in s["by_kind"].items()), flush=True)
+    print("\n" + table(results, seeds))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
