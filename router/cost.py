@@ -172,7 +172,7 @@ class CostModel:
         indexed = m_local - max(0, min(pending_blocks, m_local))
         queue_tokens = v.queue_tokens
         usage = load.kv_usage
-        kv_free, kv_free_tokens = kv_room(load, block_size)
+        kv_free, kv_free_tokens = kv_room(load, block_size, worker.active.kv_since_scrape())
         p = eviction.pressure(queue_tokens, kv_free_tokens)
         ev_model, older = "", 0.0
         if p > 0 and indexed > 0:

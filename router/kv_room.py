@@ -15,15 +15,23 @@ import math
 MAX_WAIT_S = 3600.0
 
 
-def kv_room(load, block_size: int) -> tuple[float | None, float | None]:
+def kv_room(load, block_size: int, since_tokens: float = 0.0) -> tuple[float | None, float | None]:
     """The share of KV blocks no running request holds, and those blocks in tokens (with
     ``num_gpu_blocks``). None unless a scrape gave a usage in [0, 1] (a worker never scraped reads 0, which
-    is no evidence of free room); the tokens are None too when the capacity is unknown."""
+    is no evidence of free room); the tokens are None too when the capacity is unknown. ``since_tokens``:
+    KV the gateway's requests freed less what they took since that scrape (router/load.py
+    ``kv_since_scrape``), which moves the room (within the capacity) when the capacity is known."""
     u = load.kv_usage
     if not load.updated_at or not isinstance(u, (int, float)) or not 0.0 <= u <= 1.0:  # NaN included
         return None, None
     blocks = load.num_gpu_blocks
-    return 1.0 - u, ((1.0 - u) * blocks * block_size if blocks and block_size > 0 else None)
+    if not (blocks and block_size > 0):
+        return 1.0 - u, None
+    cap = blocks * block_size
+    free = (1.0 - u) * cap
+    if since_tokens == since_tokens:  # not NaN
+        free = min(cap, max(0.0, free + since_tokens))
+    return free / cap, free
 
 
 def demand_share(demand_tokens: float, free_tokens: float | None) -> float:

@@ -10,6 +10,13 @@ vLLM's gauges see what the gateway does not (another gateway, clients that bypas
 reports waiting beyond the gateway's prefilling ones are queued work of the worker's mean request size;
 running beyond the gateway's ones that must be prefilling are decodes.
 
+It also follows the KV its requests take and free between two scrapes of ``vllm:kv_cache_usage_perc``
+(:meth:`ActiveSequences.kv_since_scrape`): a request takes its prompt and generation at its first token and
+frees them when it ends, less the blocks another request in flight shares. The free room a placement reads
+(router/kv_room.py) is the last scrape's corrected by that, so it is current between scrapes (every
+``health_interval_s``, 5 s by default; on the capacity-bound virtual run, bench/capacity_virtual.py, room
+5 s old made the footprint term's placement no better than none).
+
 It also keeps the worker's recent releases as an LRU clock (router/eviction.py): vLLM puts a finished
 request's blocks at the recent end of its free queue and evicts from the other end, so a cached prefix is
 evicted once new allocations exceed the free blocks released *before* it. :meth:`prefix_age` says how many
@@ -22,7 +29,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from itertools import chain, islice
+from itertools import islice
 
 from indexer.hashing import chained_run
 
@@ -106,6 +113,11 @@ class ActiveSequences:
         self.mean_tokens = default_work
         self.released_tokens = 0.0  # KV tokens released by finished requests, cumulative: the LRU clock
         self._recent: deque = deque(maxlen=RECENT)  # (hashes, clock just after its release), oldest first
+        # KV tokens taken (at first token) and freed (at the end) by the gateway's requests, cumulative, and
+        # both at the last scrape of vLLM's usage
+        self.kv_taken = 0.0
+        self.kv_freed = 0.0
+        self._kv_mark = (0.0, 0.0)
 
     def add(self, uncached: int, work: float, predicted_s: float, streamed: bool = False, tokens: int = 0,
             max_tokens: int = 0, hashes: list | None = None, block_size: int = 0) -> Sequence:
@@ -125,23 +137,47 @@ class ActiveSequences:
     def first_token(self, seq: Sequence) -> None:
         if seq.first_at is None:
             seq.first_at = self._clock()
+            if id(seq) in self._live:
+                self.kv_taken += self._kv_tokens(seq, self._shared(seq, self._live_hashes(seq)))
 
     def finish(self, seq: Sequence) -> None:
         self.first_token(seq)
         if self._live.pop(id(seq), None) is None:
             return
-        released = seq.tokens + seq.max_tokens
-        h = seq.hashes
-        if h and seq.block_size:
-            # blocks another recent release freed too are not new to the free queue (they move to its
-            # recent end), and blocks a request in flight shares are not freed at all
-            others = chain((x for x, _ in islice(reversed(self._recent), DEDUP)),
-                           (s.hashes for s in islice(reversed(self._live.values()), LIVE_PROBES) if s.hashes))
-            shared = max((shared_blocks(h, x) for x in others), default=0)
-            released = max(0, released - shared * seq.block_size)
-        self.released_tokens += released
-        if h:
-            self._recent.append((h, self.released_tokens))
+        live = self._shared(seq, self._live_hashes(seq))  # blocks a request in flight holds are not freed
+        self.kv_freed += self._kv_tokens(seq, live)
+        # and blocks another recent release freed too are not new to the free queue (they move to its
+        # recent end): the LRU clock does not count them either
+        recent = self._shared(seq, (x for x, _ in islice(reversed(self._recent), DEDUP)))
+        self.released_tokens += self._kv_tokens(seq, max(live, recent))
+        if seq.hashes:
+            self._recent.append((seq.hashes, self.released_tokens))
+
+    def _live_hashes(self, seq: Sequence) -> list:
+        """The block hashes of the last ``LIVE_PROBES`` other requests in flight (references)."""
+        return [s.hashes for s in islice(reversed(self._live.values()), LIVE_PROBES) if s.hashes and s is not seq]
+
+    @staticmethod
+    def _shared(seq: Sequence, others) -> int:
+        """The most leading blocks ``seq``'s prompt shares with one of ``others`` (block-hash lists)."""
+        if not (seq.hashes and seq.block_size):
+            return 0
+        return max((shared_blocks(seq.hashes, x) for x in others), default=0)
+
+    @staticmethod
+    def _kv_tokens(seq: Sequence, shared: int) -> int:
+        """The KV tokens ``seq`` holds (prompt and generation) less ``shared`` leading blocks."""
+        return max(0, seq.tokens + seq.max_tokens - shared * seq.block_size)
+
+    def mark_scrape(self) -> None:
+        """vLLM's KV usage was just scraped: it includes what the gateway's requests took and freed so far."""
+        self._kv_mark = (self.kv_taken, self.kv_freed)
+
+    def kv_since_scrape(self) -> float:
+        """KV tokens the gateway's requests freed less those they took since the last scrape (negative: more
+        taken than freed)."""
+        taken, freed = self._kv_mark
+        return (self.kv_freed - freed) - (self.kv_taken - taken)
 
     def prefix_age(self, hashes, n: int) -> float | None:
         """KV tokens released on this worker since the last of the gateway's requests that held the first

@@ -308,6 +308,7 @@ def test_a_request_waits_for_running_ones_to_free_kv_it_needs():
             w.active.first_token(seq := w.active.add(0, 0.0, 1e6, streamed=True, tokens=1000, max_tokens=n))
             seq.first_at = first
         w.load.kv_usage, w.load.num_gpu_blocks, w.load.updated_at = usage, 200, 1.0  # 3,200 tokens
+        w.active.mark_scrape()  # the scrape saw them (as the registry marks it)
         return w
 
     cm = model(RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0), engine=(0.5, 0.0, 0.0))

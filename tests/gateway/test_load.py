@@ -52,6 +52,36 @@ def test_a_streamed_request_is_prefilling_until_its_first_token_however_late():
     assert a.view().prefill_requests == 0 and a.view().decodes == 1
 
 
+def test_the_free_kv_room_follows_the_gateways_requests_between_two_scrapes():
+    """vLLM's usage is a scrape (every health_interval_s); the room a placement reads moves by what the
+    gateway's requests took (at their first token) and freed (at their end) since, less the leading blocks
+    another request in flight shares (a document four questions read is held once), within the capacity."""
+    from router.kv_room import kv_room
+
+    a = ActiveSequences(clock=Clock())
+    doc = list(range(40))  # 40 blocks of 16 tokens
+    first = a.add(0, 0.0, 1.0, streamed=True, tokens=700, max_tokens=16, hashes=doc, block_size=16)
+    a.first_token(first)  # before the scrape: the usage has it
+    load = WorkerLoad(kv_usage=0.5, num_gpu_blocks=200, updated_at=1.0)  # 1,600 of 3,200 tokens free
+    a.mark_scrape()
+    assert a.kv_since_scrape() == 0 and kv_room(load, 16, a.kv_since_scrape()) == (0.5, 1600.0)
+    second = a.add(0, 0.0, 1.0, streamed=True, tokens=800, max_tokens=16, hashes=doc[:30] + [99, 98],
+                   block_size=16)
+    assert a.kv_since_scrape() == 0  # sent, not scheduled: the queue's demand, not the room
+    a.first_token(second)  # takes 816 tokens, 30 blocks of them held by the first already
+    assert a.kv_since_scrape() == -(816 - 30 * 16)
+    a.finish(first)  # frees its 716 less the 30 blocks the second still holds
+    assert a.kv_since_scrape() == (716 - 480) - 336
+    assert kv_room(load, 16, a.kv_since_scrape()) == pytest.approx(((1600 - 100) / 3200, 1500.0))
+    a.mark_scrape()  # the next scrape includes all that
+    assert a.kv_since_scrape() == 0
+    a.finish(second)
+    assert a.kv_since_scrape() == 816
+    assert kv_room(load, 16, 5000.0) == (1.0, 3200.0) and kv_room(load, 16, -5000.0) == (0.0, 0.0)  # clamped
+    assert kv_room(WorkerLoad(kv_usage=0.5, updated_at=1.0), 16, 300.0) == (0.5, None)  # capacity unknown
+    assert kv_room(load, 16, math.nan) == (0.5, 1600.0)
+
+
 def test_reconciled_with_what_vllm_reports():
     a = ActiveSequences(default_work=800.0)
     a.add(uncached=100, work=100.0, predicted_s=60)
