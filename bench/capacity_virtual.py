@@ -31,10 +31,13 @@ from pathlib import Path
 from bench import mixed_workload as mw
 from bench.policy_virtual import placer, sglang_cache_aware
 from bench.sim import virtual as vt
-from bench.sim.cache import PrefixCache
+from bench.sim.cache import PrefixCache, external
 from bench.sim.engine import SimEngine
 from bench.sim.timing import TimingModel
 from router.config import RoutingConfig
+from router.kv_room import kv_room
+from router.load import ActiveSequences, Sequence
+from router.registry import WorkerLoad
 
 
 @dataclass
@@ -80,6 +83,7 @@ async def closed_loop(clients, place, *, workers: int, num_blocks: int, block_si
         e.start()
     loop = asyncio.get_running_loop()
     out: list[Turn] = []
+    view: GatewayView | None = getattr(place, "view", None)  # the kv placer's load trackers, fed here
 
     async def client(i: int, kind: str, sessions) -> None:
         await asyncio.sleep(i * stagger_s)
@@ -88,10 +92,15 @@ async def closed_loop(clients, place, *, workers: int, num_blocks: int, block_si
                 w = place(engines, tokens)
                 t0 = loop.time()
                 r = engines[w].submit(list(tokens), max_tokens)
+                seq = view.sent(w, engines[w], tokens, max_tokens) if view else None
                 first = None
                 while (chunk := await r.out.get()) is not None:
                     if first is None and chunk:
                         first = loop.time()
+                        if view:
+                            view.first(w, seq)
+                if view:
+                    view.done(w, seq)
                 out.append(Turn(i, kind, f"{i}.{s}", t, len(tokens), r.cached_tokens, (first or loop.time()) - t0, w))
 
     try:
@@ -143,9 +152,57 @@ VARIANTS = {
 }
 
 
-def placements(variants: dict[str, dict]) -> dict:
+class GatewayView:
+    """Each engine's KV room as the gateway sees it: vLLM's usage as of its last scrape (kv_cache_usage_perc,
+    one every ``scrape_s``: the gateway's health_interval_s; the first look in a tick scrapes, so it is at
+    most that old), and with ``live`` corrected by what the gateway's own requests took and freed since
+    (its load tracker, router/load.py ``ActiveSequences``, fed by the closed loop: sent, first token, done).
+    ``scrape_s`` 0: the engines' own room, now."""
+
+    def __init__(self, scrape_s: float, live: bool) -> None:
+        self.scrape_s, self.live = scrape_s, live
+        self.active: dict[int, ActiveSequences] = {}
+        self.seen: dict[int, tuple[int, WorkerLoad]] = {}  # engine -> (scrape tick, what it read)
+
+    def tracker(self, i: int) -> ActiveSequences:
+        if i not in self.active:
+            self.active[i] = ActiveSequences(clock=asyncio.get_running_loop().time)
+        return self.active[i]
+
+    def free_of(self, i: int, e: SimEngine) -> float | None:
+        if self.scrape_s <= 0:
+            return None
+        tick = int(asyncio.get_running_loop().time() // self.scrape_s)
+        if self.seen.get(i, (None,))[0] != tick:
+            self.seen[i] = (tick, WorkerLoad(kv_usage=e.cache.usage(), num_gpu_blocks=e.cache.num_blocks,
+                                             updated_at=1.0))
+            self.tracker(i).mark_scrape()
+        since = self.tracker(i).kv_since_scrape() if self.live else 0.0
+        return kv_room(self.seen[i][1], e.block_size, since)[0]
+
+    def sent(self, i: int, e: SimEngine, tokens: list[int], max_tokens: int) -> Sequence:
+        hashes = [external(d) for d in e.cache.digests(tokens)[: len(tokens) // e.block_size]]
+        return self.tracker(i).add(0, 0.0, 1.0, streamed=True, tokens=len(tokens), max_tokens=max_tokens,
+                                   hashes=hashes, block_size=e.block_size)
+
+    def first(self, i: int, seq: Sequence) -> None:
+        self.tracker(i).first_token(seq)
+
+    def done(self, i: int, seq: Sequence) -> None:
+        self.tracker(i).finish(seq)
+
+
+def kv_placer(routing: dict, scrape_s: float = 0.0, live: bool = True):
+    """The kv policy's placement over the KV room a :class:`GatewayView` shows (``place.view``)."""
+    view = GatewayView(scrape_s, live)
+    place = placer(RoutingConfig(**routing), lambda i, e: view.free_of(i, e))
+    place.view = view
+    return place
+
+
+def placements(variants: dict[str, dict], scrape_s: float = 0.0, live: bool = True) -> dict:
     """Fresh placement state per run: name -> factory."""
-    out = {f"{name}": (lambda r=routing: placer(RoutingConfig(**r))) for name, routing in variants.items()}
+    out = {f"{name}": (lambda r=routing: kv_placer(r, scrape_s, live)) for name, routing in variants.items()}
     out[PEER] = sglang_cache_aware
     out["round_robin"] = round_robin
     out["least prefill ahead"] = lambda: None
@@ -166,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batched-tokens", type=int, default=4096, help="max_num_batched_tokens")
     p.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE,...",
                    help="also run kv with these routing settings (repeatable)")
+    p.add_argument("--scrape-s", type=float, default=1.0,
+                   help="kv candidates see each engine's KV usage as of a scrape this often (0: exact)")
+    p.add_argument("--stale", action="store_true",
+                   help="without the gateway's correction of the scraped usage by its own requests")
     p.add_argument("--only", default="", help="run only placements whose name contains this")
     p.add_argument("--json", help="write every run's summary here")
     # the capacity-bound run's workload flags (docs/BENCHMARKS.md)
@@ -190,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = dict(VARIANTS)
     for v in args.variant:
         variants[f"kv {v}"] = overrides(v)
-    runs = {k: f for k, f in placements(variants).items() if args.only in k}
+    runs = {k: f for k, f in placements(variants, args.scrape_s, not args.stale).items() if args.only in k}
     results: dict[str, list[dict]] = {k: [] for k in runs}
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     with tempfile.TemporaryDirectory(prefix="kvgate-capvirt-") as tokdir:

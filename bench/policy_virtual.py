@@ -23,7 +23,8 @@ from router.policies.kv import kv_order, scorers_of
 MS = 1000.0  # prefill work is counted in model ms: a candidate's speed is 1,000 "tokens" a second
 
 
-def candidate(i: int, e: SimEngine, digests, hashes, tokens: list[int]) -> Candidate:
+def candidate(i: int, e: SimEngine, digests, hashes, tokens: list[int], free: float | None = None) -> Candidate:
+    """``free``: the share of KV no running request holds, as the gateway last saw it (default: now)."""
     c, t = e.cache, e.timing
     hit = c.longest_hit(digests, len(tokens), hashes)
     cached = hit * c.block_size
@@ -31,7 +32,7 @@ def candidate(i: int, e: SimEngine, digests, hashes, tokens: list[int]) -> Candi
     queue_s += sum(t.chunk_s(len(r.tokens) - r.computed, r.computed) for r in e._running if not r.n_out)
     own_s = t.prefill_s(len(tokens) - cached, cached)
     queued = sum(len(r.tokens) - r.computed for r in e.waiting)
-    free = 1.0 - c.usage()
+    free = 1.0 - c.usage() if free is None else free
     return Candidate(worker=str(i), local_blocks=hit, gpu_blocks=hit, cached_tokens=cached,
                      uncached_tokens=len(tokens) - cached, prefill_work=own_s * MS, prefill_tokens_per_s=MS,
                      queue_ms=queue_s * MS, prefill_ms=own_s * MS, predicted_ttft_ms=(queue_s + own_s) * MS,
@@ -39,7 +40,9 @@ def candidate(i: int, e: SimEngine, digests, hashes, tokens: list[int]) -> Candi
                      kv_free_tokens=free * c.num_blocks * c.block_size)
 
 
-def placer(cfg: RoutingConfig):
+def placer(cfg: RoutingConfig, free_of=None):
+    """The kv policy's placement; ``free_of(i, engine)``: the KV room a candidate is priced with (default:
+    the engine's own, now)."""
     scorers, turn = scorers_of(cfg), count(1)
 
     def place(engines: Sequence[SimEngine], tokens: list[int]) -> int:
@@ -47,7 +50,8 @@ def placer(cfg: RoutingConfig):
         digests = c0.digests(tokens)
         limit = min(len(digests), (len(tokens) - 1) // c0.block_size)
         hashes = [external(d) for d in digests[:limit]]
-        cands = [candidate(i, e, digests, hashes, tokens) for i, e in enumerate(engines)]
+        cands = [candidate(i, e, digests, hashes, tokens, free_of(i, e) if free_of else None)
+                 for i, e in enumerate(engines)]
         return int(kv_order(cands, next(turn) % len(engines), scorers, cfg.overlap_share)[0].worker)
 
     return place

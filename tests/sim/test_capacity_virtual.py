@@ -51,3 +51,25 @@ def test_capacity_bound_placements_are_deterministic_and_cache_aware_ones_beat_r
     assert kv["hit_rate"] > rr["hit_rate"] + 0.1 and sg["hit_rate"] > rr["hit_rate"] + 0.1
     assert kv == cv.summary(run(clients, cv.placements({"kv": {}})["kv"](), blocks))
     assert set(kv["by_kind"]) == {"rag", "agent", "chat"}
+
+
+def test_the_gateways_own_requests_keep_a_scraped_kv_room_current(clients):
+    """The kv placer sees vLLM's KV usage as of a scrape (every 5 s here, the gateway's default); its load
+    tracker's correction by what its requests took and freed since (router/load.py) keeps the room it
+    prices much closer to the engines' own than the scrape alone."""
+    prompts = cv.prompts_of(clients)
+    blocks = mw.kv_blocks_for(mw.distinct_blocks(prompts, BS), 3.0, BS, max(map(len, prompts)) + 8)
+    errors = {}
+    for live in (False, True):
+        place = cv.kv_placer({"footprint_weight": 1.0}, scrape_s=5.0, live=live)
+        seen, look = [], place.view.free_of
+
+        def free_of(i, e, look=look, seen=seen):
+            v = look(i, e)
+            seen.append(abs(v - (1.0 - e.cache.usage())))
+            return v
+
+        place.view.free_of = free_of
+        run(clients, place, blocks)
+        errors[live] = sum(seen) / len(seen)
+    assert errors[True] < 0.5 * errors[False]
