@@ -132,8 +132,8 @@ def table(results: dict[str, list[dict]], seeds: list[int]) -> str:
 
     pct, sec = (lambda x: f"{x:.1%}"), (lambda x: f"{x:.2f}")
     peer = results.get(PEER)
-    lines = [f"| placement | hit rate over seeds {','.join(map(str, seeds))}: median (range) | mean TTFT s | "
-             "hit vs sglang: median, worst seed | mean TTFT vs sglang: median, worst seed |",
+    lines = [(f"| placement | hit rate over seeds {','.join(map(str, seeds))}: median (range) | mean TTFT s | "
+              "hit vs sglang: median, worst seed | mean TTFT vs sglang: median, worst seed |"),
              "|---|---|---|---|---|"]
     for name, ss in results.items():
         h, t = [s["hit_rate"] for s in ss], [s["ttft_mean_s"] for s in ss]
@@ -148,7 +148,7 @@ def table(results: dict[str, list[dict]], seeds: list[int]) -> str:
 
 VARIANTS = {
     "kv defaults": {},
-    "kv future_turns=0, stay_margin=0": dict(future_turns=0.0, stay_margin=0.0),
+    "kv future_turns=0, stay_margin=0": {"future_turns": 0.0, "stay_margin": 0.0},
 }
 
 

@@ -29,7 +29,7 @@ def kv_room(load, block_size: int, since_tokens: float = 0.0) -> tuple[float | N
         return 1.0 - u, None
     cap = blocks * block_size
     free = (1.0 - u) * cap
-    if since_tokens == since_tokens:  # not NaN
+    if not math.isnan(since_tokens):
         free = min(cap, max(0.0, free + since_tokens))
     return free / cap, free
 

@@ -311,7 +311,9 @@ class CandidateOut(_Open):
                                      "blocks, before the worker's learnt pressure scale (0: no queue or "
                                      "capacity unknown; -1: no free block)")
     kv_free: float | None = Field(None, description="the share of KV blocks no running request holds (1 - "
-                                  "vllm:kv_cache_usage_perc); null when the metrics are missing or malformed")
+                                  "vllm:kv_cache_usage_perc at the last scrape, moved by what the gateway's "
+                                  "own requests took and freed since when num_gpu_blocks is known); null when "
+                                  "the metrics are missing or malformed")
     kv_free_tokens: float | None = Field(None, description="those blocks in tokens (with num_gpu_blocks from "
                                          "vllm:cache_config_info); null when unknown")
     kv_wait_ms: float = Field(0.0, description="of queue_ms: the wait until the gateway's decoding requests "

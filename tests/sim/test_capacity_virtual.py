@@ -2,6 +2,8 @@
 HTTP: simulated engines, deterministic)."""
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 
 from bench import capacity_virtual as cv
@@ -37,7 +39,7 @@ def test_every_turn_runs_once_in_order_and_waits_for_the_last_answer(clients):
         by_session.setdefault(t.session, []).append(t)
     # a conversation's later turns find its earlier prompt on the worker that served it (room to spare)
     multi = [ts for ts in by_session.values() if len(ts) > 1]
-    assert multi and all(b.cached > 0 for ts in multi for a, b in zip(ts, ts[1:]) if a.worker == b.worker)
+    assert multi and all(b.cached > 0 for ts in multi for a, b in pairwise(ts) if a.worker == b.worker)
 
 
 def test_capacity_bound_placements_are_deterministic_and_cache_aware_ones_beat_rotation(clients):
