@@ -153,9 +153,10 @@ class ActiveSequences:
         if seq.hashes:
             self._recent.append((seq.hashes, self.released_tokens))
 
-    def _live_hashes(self, seq: Sequence) -> list:
-        """The block hashes of the last ``LIVE_PROBES`` other requests in flight (references)."""
-        return [s.hashes for s in islice(reversed(self._live.values()), LIVE_PROBES) if s.hashes and s is not seq]
+    def _live_hashes(self, seq: Sequence):
+        """The block hashes of the last ``LIVE_PROBES`` other requests in flight (references; lazily, so a
+        sequence without hashes probes nothing)."""
+        return (s.hashes for s in islice(reversed(self._live.values()), LIVE_PROBES) if s.hashes and s is not seq)
 
     @staticmethod
     def _shared(seq: Sequence, others) -> int:
