@@ -16,14 +16,16 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+
+from bench.ports import free_port
 
 LAUNCHER = Path(__file__).with_name("vllm_launch.py")
 # Where ``cache_tier`` lives: put on vLLM's PYTHONPATH so its processes can import kvgate's connector.
@@ -41,12 +43,6 @@ def vllm_python() -> Path:
         cache = os.environ.get("KVGATE_CACHE") or str(Path.home() / ".cache" / "kvgate")
         venv = str(Path(cache) / "vllm-venv")
     return Path(venv) / "bin" / "python"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def one_core_each(n: int) -> list[str]:
@@ -109,6 +105,7 @@ class VllmServer:
         self.events_port = free_port()
         self.replay_port = free_port()
         self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"kvgate-{name}-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.workdir / "vllm.log"
         self.g4_path = None if g4_path is None else str(g4_path)
         self.g4_config = dict(g4_config or {})
@@ -117,6 +114,8 @@ class VllmServer:
         self.obeys_file_permissions = obey_file_permissions and (os.geteuid() != 0 or self._drop_dac)
         self.proc: subprocess.Popen | None = None
         self.starts = 0
+        self.port_moves = 0
+        self.startup_s: float | None = None  # seconds its last start took to answer /health
 
     # -- addresses -------------------------------------------------------------------------------
     @property
@@ -271,6 +270,8 @@ class VllmServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if self._port_taken():
+                    continue
                 raise VllmStartError(
                     f"{self.name} exited with status {self.proc.returncode} while starting; "
                     f"log {self.log_path}:\n{self.log_tail()}"
@@ -313,12 +314,39 @@ class VllmServer:
         self.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def log_tail(self, lines: int = 60) -> str:
+    def _last_start_log(self) -> list[str]:
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError:
+            return []
+        return text.rpartition("\n==== start ")[2].splitlines()
+
+    def _port_taken(self) -> bool:
+        """After a first start died because one of its ports was taken meanwhile: move to fresh ports and
+        start again (at most twice; never once the server was up, whose clients know its ports)."""
+        if self.startup_s is not None or self.port_moves >= 2:
+            return False
+        if not any("Address already in use" in line for line in self._last_start_log()):
+            return False
+        self.port_moves += 1
+        self.stop()
+        self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
+        if self.prefetch_port is not None:
+            self.prefetch_port = free_port()
+        print(f"{self.name}: a port was taken while it started; starting again on {self.port}", file=sys.stderr)
+        self.start()
+        return True
+
+    def log_tail(self, lines: int = 60) -> str:
+        """The last ``lines`` of the log, after the ERROR lines of the last start (vLLM's API server ends
+        with "Engine core initialization failed. See root cause above": that cause is in the ERROR lines
+        of the engine core's process, further up)."""
+        log = self._last_start_log()
+        if not log:
             return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
+        errors = [line for line in log[:-lines] if " ERROR " in line][-40:]
+        head = ["(ERROR lines above the tail:)", *errors, "(tail:)"] if errors else []
+        return "\n".join(head + log[-lines:])
 
     def __enter__(self) -> "VllmServer":
         return self.start().wait_ready()

@@ -15,13 +15,9 @@ from pathlib import Path
 
 import httpx
 
+from bench.ports import free_port
+
 REPO = Path(__file__).resolve().parent.parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:

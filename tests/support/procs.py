@@ -7,28 +7,9 @@ import socket
 import subprocess
 import time
 
+from bench.ports import free_port, free_port_pair
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_port_pair(offset: int) -> int:
-    """A free port p with p + offset free too (and below 65536): the simulator's PUB and replay ports,
-    a cluster node's client and bus ports."""
-    for _ in range(200):
-        p = free_port()
-        if p + offset > 65535:
-            p -= 2 * offset if offset > 1000 else offset
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", p))
-                b.bind(("127.0.0.1", p + offset))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError(f"no free pair of ports {offset} apart")
+__all__ = ["free_port", "free_port_pair", "stop", "wait_port"]
 
 
 def wait_port(port: int, timeout: float = 30.0, proc: subprocess.Popen | None = None) -> None:
