@@ -87,7 +87,7 @@ class Decision:
             "tokenizer": self.tokenizer, "tokenize_error": self.tokenize_error,
             "reused_bytes": self.reused_bytes, "new_bytes": self.new_bytes,
             "tokens_estimated": self.tokens_estimated,
-            "index_error": self.index_error, "g4_blocks": self.g4_blocks,
+            "index_error": self.index_error, "g4_blocks": self.g4_blocks, "max_tokens": self.max_tokens,
             "candidates": [c.to_dict() for c in self.candidates], "chosen": self.chosen,
             "attempts": list(self.attempts), "timings_ms": dict(self.timings_ms),
             "predicted_cached_tokens": self.predicted_cached_tokens,

@@ -173,6 +173,7 @@ def test_decisions_carry_prediction_and_delivery(admin_env):
     assert d2["predicted_cached_tokens"] == 4 * BLOCK
     assert d2["delivered_cached_tokens"] == 4 * BLOCK  # what the worker's usage reported
     assert d2["prompt_tokens"] == len(toks)
+    assert d2["max_tokens"] == 4  # the generation limit, which prices how long the request holds its KV
     d1 = env.http.get(f"/admin/decisions/{r1.headers['x-request-id']}").json()
     assert d1["predicted_cached_tokens"] == 0 and d1["delivered_cached_tokens"] == 0
     assert {c["worker"] for c in d1["candidates"]} == {"w1", "w2"}
