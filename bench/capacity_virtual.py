@@ -34,10 +34,13 @@ from bench.sim import virtual as vt
 from bench.sim.cache import PrefixCache, external
 from bench.sim.engine import SimEngine
 from bench.sim.timing import TimingModel
-from router.config import RoutingConfig
+from indexer.index.base import WorkerMatch
+from router.config import RoutingConfig, WorkerConfig
+from router.cost import Candidate, CostModel
+from router.eviction import observe_delivery
 from router.kv_room import kv_room
-from router.load import ActiveSequences, Sequence
-from router.registry import WorkerLoad
+from router.load import ActiveSequences, Sequence, shared_blocks
+from router.registry import Worker, WorkerLoad
 
 
 @dataclass
@@ -91,8 +94,8 @@ async def closed_loop(clients, place, *, workers: int, num_blocks: int, block_si
             for t, tokens in enumerate(prompts):
                 w = place(engines, tokens)
                 t0 = loop.time()
-                r = engines[w].submit(list(tokens), max_tokens)
                 seq = view.sent(w, engines[w], tokens, max_tokens) if view else None
+                r = engines[w].submit(list(tokens), max_tokens)
                 first = None
                 while (chunk := await r.out.get()) is not None:
                     if first is None and chunk:
@@ -100,7 +103,7 @@ async def closed_loop(clients, place, *, workers: int, num_blocks: int, block_si
                         if view:
                             view.first(w, seq)
                 if view:
-                    view.done(w, seq)
+                    view.done(w, seq, r.cached_tokens)
                 out.append(Turn(i, kind, f"{i}.{s}", t, len(tokens), r.cached_tokens, (first or loop.time()) - t0, w))
 
     try:
@@ -146,6 +149,21 @@ def table(results: dict[str, list[dict]], seeds: list[int]) -> str:
     return "\n".join(lines)
 
 
+def prediction_table(results: dict[str, list[dict]], seeds: list[int]) -> str:
+    """Per predictor, medians (ranges) over the seeds of the shares of requests whose predicted cached
+    tokens were equal to, above and below what the engine delivered."""
+    lines = [f"| eviction model | cached == delivered, seeds {','.join(map(str, seeds))} | over | under | "
+             "mean abs error, tokens |", "|---|---|---|---|---|"]
+    for name, ss in results.items():
+        cols = []
+        for k in ("exact", "over", "under", "mean_abs_error_tokens"):
+            xs = [x["prediction"][k] for x in ss]
+            f = (lambda v: f"{v:.0f}") if k.startswith("mean") else (lambda v: f"{v:.1%}")
+            cols.append(f"{f(statistics.median(xs))} ({f(min(xs))}-{f(max(xs))})")
+        lines.append(f"| {name} | " + " | ".join(cols) + " |")
+    return "\n".join(lines)
+
+
 VARIANTS = {
     "kv defaults": {},
     "kv future_turns=0, stay_margin=0": {"future_turns": 0.0, "stay_margin": 0.0},
@@ -175,8 +193,9 @@ class GatewayView:
         tick = int(asyncio.get_running_loop().time() // self.scrape_s)
         if self.seen.get(i, (None,))[0] != tick:
             self.seen[i] = (tick, WorkerLoad(kv_usage=e.cache.usage(), num_gpu_blocks=e.cache.num_blocks,
-                                             updated_at=1.0))
-            self.tracker(i).mark_scrape()
+                                             updated_at=1.0, running=float(e.running),
+                                             waiting=float(e.num_waiting)))
+            self.tracker(i).mark_scrape(float(e.num_waiting))
         since = self.tracker(i).kv_since_scrape() if self.live else 0.0
         return kv_room(self.seen[i][1], e.block_size, since)[0]
 
@@ -188,8 +207,78 @@ class GatewayView:
     def first(self, i: int, seq: Sequence) -> None:
         self.tracker(i).first_token(seq)
 
-    def done(self, i: int, seq: Sequence) -> None:
+    def done(self, i: int, seq: Sequence, delivered: int = 0) -> None:
         self.tracker(i).finish(seq)
+
+
+class _Session15Tracker(ActiveSequences):
+    """The load tracker as the eviction model read it before session 16, for the comparison: every
+    prefilling request's uncached prompt is demand (none admitted), the queue's own prefixes are not lost
+    ahead of it (no cascade), and no request in flight holds part of a prefix."""
+
+    def mark_scrape(self, waiting: float | None = None) -> None:
+        super().mark_scrape(None)
+
+    def queue_losses(self, free_tokens: float, now: float | None = None) -> float:
+        return 0.0
+
+    def held_blocks(self, hashes, n: int) -> int:
+        return 0
+
+
+class PredictingView(GatewayView):
+    """A :class:`GatewayView` that also predicts, as the gateway does (router/cost.py ``CostModel.score``
+    on its load tracker, the scraped gauges and an index that is current), the cached tokens of each request
+    on the worker it was placed on, and learns the eviction scale from what the engine delivered
+    (router/eviction.py ``observe_delivery``). The placement is not changed: the predictions are scored
+    against the same turns. ``current`` False: the tracker as it was before session 16
+    (:class:`_Session15Tracker`)."""
+
+    def __init__(self, scrape_s: float, routing: dict, current: bool = True) -> None:
+        super().__init__(scrape_s or 1.0, live=True)
+        self.cost = CostModel(RoutingConfig(**routing))
+        self.current = current
+        self.workers: dict[int, Worker] = {}
+        self.priced: dict[int, Candidate] = {}  # id(seq) -> its prediction
+        self.outcomes: list[tuple[int, int, int]] = []  # (indexed prefix tokens, predicted, delivered)
+
+    def tracker(self, i: int) -> ActiveSequences:
+        if i not in self.active:
+            kind = ActiveSequences if self.current else _Session15Tracker
+            self.active[i] = kind(clock=asyncio.get_running_loop().time)
+        return self.active[i]
+
+    def sent(self, i: int, e: SimEngine, tokens: list[int], max_tokens: int) -> Sequence:
+        bs = e.block_size
+        digests = e.cache.digests(tokens)
+        hashes = [external(d) for d in digests[: (len(tokens) - 1) // bs]]
+        w = self.workers.setdefault(i, Worker(name=str(i), url="sim", config=WorkerConfig(url="sim")))
+        self.free_of(i, e)  # scrapes when due
+        w.active, w.load = self.tracker(i), self.seen[i][1]
+        stored = e.cache.longest_hit(digests, len(tokens), hashes)
+        # blocks requests in flight here are computing (the gateway's pending blocks, router/pending.py)
+        inflight = max((shared_blocks(hashes, s.hashes) for s in w.active._live.values() if s.hashes), default=0)
+        local = max(stored, inflight)
+        c = self.cost.score(w, WorkerMatch(gpu=local, local=local), 0, len(tokens), bs, local - stored, hashes)
+        seq = w.active.add(c.uncached_tokens, c.prefill_work, c.predicted_ttft_ms / 1000.0, streamed=True,
+                           tokens=len(tokens), max_tokens=max_tokens, hashes=hashes, block_size=bs,
+                           prefix_blocks=c.local_blocks)
+        self.priced[id(seq)] = c
+        return seq
+
+    def done(self, i: int, seq: Sequence, delivered: int = 0) -> None:
+        super().done(i, seq)
+        c = self.priced.pop(id(seq))
+        observe_delivery(self.workers[i].eviction, c, delivered, seq.block_size)
+        self.outcomes.append(((c.local_blocks + c.evicted_blocks) * seq.block_size, c.cached_tokens, delivered))
+
+
+def prediction_summary(outcomes: list[tuple[int, int, int]]) -> dict:
+    """How the predicted cached tokens compare with the delivered: the share equal, over and under."""
+    n = max(1, len(outcomes))
+    return {"requests": len(outcomes), "exact": sum(p == d for _, p, d in outcomes) / n,
+            "over": sum(p > d for _, p, d in outcomes) / n, "under": sum(p < d for _, p, d in outcomes) / n,
+            "mean_abs_error_tokens": sum(abs(p - d) for _, p, d in outcomes) / n}
 
 
 def kv_placer(routing: dict, scrape_s: float = 0.0, live: bool = True):
@@ -198,6 +287,18 @@ def kv_placer(routing: dict, scrape_s: float = 0.0, live: bool = True):
     place = placer(RoutingConfig(**routing), lambda i, e: view.free_of(i, e))
     place.view = view
     return place
+
+
+def predicting_placer(routing: dict, scrape_s: float = 1.0, current: bool = True):
+    """The kv placement, with the gateway's predictions of each request's cached tokens (``place.view``,
+    a :class:`PredictingView`)."""
+    view = PredictingView(scrape_s, routing, current)
+    place = placer(RoutingConfig(**routing), lambda i, e: view.free_of(i, e))
+    place.view = view
+    return place
+
+
+PREDICTORS = {"session 16: admitted, held, cascade": True, "before: every prefilling prompt is demand": False}
 
 
 def placements(variants: dict[str, dict], scrape_s: float = 0.0, live: bool = True) -> dict:
@@ -213,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.tiny_model import build_tokenizer
 
     p = argparse.ArgumentParser(prog="python -m bench.capacity_virtual", description=__doc__.split("\n")[0])
-    p.add_argument("--seeds", default="0,1,2,3,4", help="workload seeds (comma-separated)")
+    p.add_argument("--seeds", default="0,1,2,3,4,5,6,7,8,9", help="workload seeds (comma-separated)")
     p.add_argument("--kv-ratio", type=float, default=3.0, help="working set / one engine's KV cache")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=16)
@@ -229,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="without the gateway's correction of the scraped usage by its own requests")
     p.add_argument("--only", default="", help="run only placements whose name contains this")
     p.add_argument("--json", help="write every run's summary here")
+    p.add_argument("--predict", action="store_true",
+                   help="instead: how well the gateway's cost model predicts each request's cached tokens under "
+                        "the kv placement (the eviction model now and before session 16)")
     # the capacity-bound run's workload flags (docs/BENCHMARKS.md)
     p.add_argument("--sessions", type=int, default=4)
     p.add_argument("--turns", type=int, default=5)
@@ -251,7 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     variants = dict(VARIANTS)
     for v in args.variant:
         variants[f"kv {v}"] = overrides(v)
-    runs = {k: f for k, f in placements(variants, args.scrape_s, not args.stale).items() if args.only in k}
+    if args.predict:
+        runs = {k: (lambda c=c: predicting_placer({}, args.scrape_s, c)) for k, c in PREDICTORS.items()}
+    else:
+        runs = {k: f for k, f in placements(variants, args.scrape_s, not args.stale).items() if args.only in k}
     results: dict[str, list[dict]] = {k: [] for k in runs}
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     with tempfile.TemporaryDirectory(prefix="kvgate-capvirt-") as tokdir:
@@ -265,14 +372,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"seed {seed}: {len(prompts)} requests, working set {ws} blocks, "
               f"{blocks} per engine", flush=True)
         for name, make in runs.items():
-            turns = vt.run(closed_loop(clients, make() or vt._place, workers=2, num_blocks=blocks,
+            place = make()
+            turns = vt.run(closed_loop(clients, place or vt._place, workers=2, num_blocks=blocks,
                                        block_size=args.block_size, timing=timing, max_tokens=args.max_tokens,
                                        stagger_s=args.stagger))
             s = summary(turns)
+            if args.predict:
+                s["prediction"] = prediction_summary(place.view.outcomes)
+                print(f"  {name}: " + "  ".join(f"{k} {v:.1%}" for k, v in s["prediction"].items()
+                                                 if k in ("exact", "over", "under")), flush=True)
             results[name].append(s)
             print(f"  {name}: hit {s['hit_rate']:.1%}  mean TTFT {s['ttft_mean_s']:.2f} s  "
                   + " ".join(f"{k} {v:.0%}" for k, v in s["by_kind"].items()), flush=True)
-    print("\n" + table(results, seeds))
+    print("\n" + (prediction_table(results, seeds) if args.predict else table(results, seeds)))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2) + "\n")
     return 0

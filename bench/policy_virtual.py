@@ -36,7 +36,8 @@ def candidate(i: int, e: SimEngine, digests, hashes, tokens: list[int], free: fl
     return Candidate(worker=str(i), local_blocks=hit, gpu_blocks=hit, cached_tokens=cached,
                      uncached_tokens=len(tokens) - cached, prefill_work=own_s * MS, prefill_tokens_per_s=MS,
                      queue_ms=queue_s * MS, prefill_ms=own_s * MS, predicted_ttft_ms=(queue_s + own_s) * MS,
-                     load=len(e.waiting) + len(e._running), queue_tokens=queued, kv_free=free,
+                     load=len(e.waiting) + len(e._running), queue_tokens=queued, kv_demand_tokens=queued,
+                     kv_free=free,
                      kv_free_tokens=free * c.num_blocks * c.block_size)
 
 

@@ -93,7 +93,11 @@ class Candidate:
     load: float = 0.0
     # The queue the scheduler model stepped through (explain shows it)
     queue_requests: float = 0.0  # ahead of this request: the gateway's own and vLLM's unknown waiting
-    queue_tokens: float = 0.0
+    queue_tokens: float = 0.0  # their uncached prompts, and queue_lost_tokens
+    queue_lost_tokens: float = 0.0  # cached prefixes of theirs their own demand evicts before they run
+    # of queue_tokens, the KV the queue allocates beyond the scraped usage (router/load.py kv_demand_tokens,
+    # and queue_lost_tokens): what the eviction model, the KV wait and the footprint scorer compare with the room
+    kv_demand_tokens: float = 0.0
     decodes: int = 0
     steps: int = 0  # engine steps until this request's first token
     step_ms: float = 0.0  # one step's fixed and decode cost at this worker's decode count
@@ -170,22 +174,33 @@ class CostModel:
         cal = self.engine_of(worker)
         m_local = match.local
         indexed = m_local - max(0, min(pending_blocks, m_local))
-        queue_tokens = v.queue_tokens
         usage = load.kv_usage
         kv_free, kv_free_tokens = kv_room(load, block_size, worker.active.kv_since_scrape())
-        p = eviction.pressure(queue_tokens, kv_free_tokens)
+        lost = 0.0  # the queue's own cached prefixes its demand evicts first (router/load.py queue_losses)
+        if v.unadmitted_tokens and kv_free_tokens is not None:
+            lost = worker.active.queue_losses(kv_free_tokens, v.now)
+        queue_tokens = v.queue_tokens + lost
+        demand = v.kv_demand_tokens + lost  # what the queue allocates beyond the room
+        p = eviction.pressure(demand, kv_free_tokens)
         ev_model, older = "", 0.0
         if p > 0 and indexed > 0:
-            age = worker.active.prefix_age(hashes, indexed) if hashes else None
-            if age is None:
-                ev_model = "pressure"
-                local = eviction.surviving(indexed, p, worker.eviction.scale)
-            elif age == HELD:
+            # the leading blocks a request in flight has in its prompt are not in the free queue: only the
+            # tail past them can be evicted (a shared document is held while its first reader runs)
+            held = worker.active.held_blocks(hashes, indexed) if hashes else 0
+            if held >= indexed:
+                age = HELD
+            else:
+                age = worker.active.prefix_age(hashes, indexed) if hashes else None
+            if age == HELD:
                 ev_model, local = "held", indexed
+            elif age is None:
+                ev_model = "pressure"
+                local = held + eviction.surviving(indexed - held, p, worker.eviction.scale)
             else:
                 ev_model = "lru"
-                local, older = eviction.lru_surviving(indexed, block_size, queue_tokens, kv_free_tokens, age,
-                                                      worker.eviction.scale)
+                tail, older = eviction.lru_surviving(indexed - held, block_size, demand, kv_free_tokens, age,
+                                                     worker.eviction.scale)
+                local = held + tail
         else:
             local = indexed
         if local == indexed:  # nothing evicted ahead of them: the pending blocks extend the prefix
@@ -199,10 +214,10 @@ class CostModel:
         queue_steps = math.ceil(queue_tokens / per_step)
         steps = max(queue_steps + 1, math.ceil((queue_tokens + uncached) / per_step))
         step_ms = cal.step_time_s(decodes) * 1000.0
-        queue_ms = v.queue_work / tps * 1000.0 + queue_steps * step_ms
+        queue_ms = (v.queue_work + self.work(lost, 0.0)) / tps * 1000.0 + queue_steps * step_ms
         wait_ms = 0.0
         if v.decoding and kv_free_tokens is not None:
-            wait_ms = kv_wait_s(v.decoding, kv_free_tokens, queue_tokens + uncached, step_ms / 1000.0,
+            wait_ms = kv_wait_s(v.decoding, kv_free_tokens, demand + uncached, step_ms / 1000.0,
                                 v.now) * 1000.0
             queue_ms += wait_ms
         work = self.work(uncached, cached)
@@ -236,7 +251,9 @@ class CostModel:
             queue_ms=queue_ms, prefill_ms=prefill_ms, g4_load_ms=g4_ms, predicted_ttft_ms=total,
             model_ttft_ms=raw, fit_ms=total - raw,
             load=(inflight if inflight > running_waiting else running_waiting) + usage,
-            queue_requests=v.queue_requests, queue_tokens=queue_tokens, decodes=decodes, steps=steps,
+            queue_requests=v.queue_requests, queue_tokens=queue_tokens, queue_lost_tokens=lost,
+            kv_demand_tokens=demand,
+            decodes=decodes, steps=steps,
             step_ms=step_ms, overhead_ms=overhead_ms, calibration=cal.source, clamped=clamped,
             evicted_blocks=m_local - local, eviction_pressure=p if math.isfinite(p) else -1.0,
             eviction_model=ev_model, lru_older_tokens=older,

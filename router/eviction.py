@@ -2,8 +2,11 @@
 
 vLLM keeps cached blocks no request holds in its free queue and reuses the least recently used first (a
 request's blocks are freed tail first, so a prefix is cut from its end). The requests queued ahead
-allocate about their uncached prompt's blocks; the *pressure* is that demand over the worker's free blocks
-(``(1 - kv_usage) * num_gpu_blocks``). At pressure ``p`` (scaled, below) the model keeps the whole prefix up
+allocate about their uncached prompt's blocks (only those vLLM was not yet running at the last scrape: the
+others' KV is in the usage already; and the cached prefixes of theirs that this demand evicts first, which
+they recompute: router/load.py ``queue_losses``); the *pressure* is that demand over the worker's free
+blocks (``(1 - kv_usage) * num_gpu_blocks``). The leading blocks a request in flight has in its prompt are
+held, not free: only the tail past them is priced. At pressure ``p`` (scaled, below) the model keeps the whole prefix up
 to 0.5 (a prefix the index shows was used recently, so it sits near the recent end of the free queue),
 none from 1.0, and a linearly shrinking share in between. Unknown capacity or no queue: nothing is
 discounted.
@@ -122,3 +125,17 @@ class EvictionCalibration:
 
     def to_dict(self) -> dict:
         return {"pressure_scale": round(self.scale, 3), "samples": self.samples, "shortfalls": self.shortfalls}
+
+
+def observe_delivery(cal: EvictionCalibration, cand, delivered_tokens: int, block_size: int) -> None:
+    """What vLLM delivered (``usage.prompt_tokens_details.cached_tokens``) of the local prefix the index
+    showed for the chosen candidate (router/cost.py ``Candidate``) calibrates the worker's eviction model,
+    whichever model priced it."""
+    if block_size <= 0:
+        return
+    indexed = cand.local_blocks + cand.evicted_blocks
+    delivered_local = min(indexed, max(0, delivered_tokens // block_size - cand.g4_blocks))
+    if cand.eviction_model == "lru":
+        cal.observe_lru(cand.kv_demand_tokens, cand.lru_older_tokens, indexed, delivered_local, block_size)
+    elif cand.eviction_model == "pressure":
+        cal.observe(cand.eviction_pressure, indexed, delivered_local)

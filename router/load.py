@@ -46,6 +46,9 @@ class Sequence:
     max_tokens: int = 0  # the tokens it may generate (0: unknown)
     hashes: list | None = None  # its routable block hashes (a reference), for the LRU clock
     block_size: int = 0
+    prefix_blocks: int = 0  # the cached prefix it was predicted to find (its local blocks)
+    prefix_at: float | None = None  # where that prefix sat on the LRU clock when sent (None: held or unknown)
+    admitted: bool = False  # vLLM was running it (its KV allocated) at a scrape while it was prefilling
 
     def kv_release(self, step_s: float) -> tuple[float, int]:
         """When a decoding sequence is expected to end (``max_tokens`` steps after its first token, or its
@@ -61,6 +64,7 @@ class LoadView:
     inflight: int = 0
     prefill_requests: int = 0  # the gateway's own, sent and not yet prefilled
     prefill_tokens: int = 0  # their uncached prompt tokens
+    unadmitted_tokens: int = 0  # of those, the ones not yet allocated as of the last scrape (KV demand)
     prefill_work: float = 0.0  # their prefill work
     decodes: int = 0  # gateway's own decoding, or vLLM's running beyond the prefilling ones, the larger
     unknown_waiting: float = 0.0  # waiting at vLLM beyond the gateway's prefilling requests
@@ -82,6 +86,12 @@ class LoadView:
     @property
     def queue_tokens(self) -> float:
         return self.prefill_tokens + self.unknown_waiting * self.mean_tokens
+
+    @property
+    def kv_demand_tokens(self) -> float:
+        """The KV the queue will still allocate beyond the last scrape's usage: the gateway's requests vLLM
+        was not running then, and the unknown waiting ones."""
+        return self.unadmitted_tokens + self.unknown_waiting * self.mean_tokens
 
 
 HELD = -1.0  # prefix_age: a request in flight holds the prefix (or touches it before a later one runs)
@@ -120,15 +130,23 @@ class ActiveSequences:
         self._kv_mark = (0.0, 0.0)
 
     def add(self, uncached: int, work: float, predicted_s: float, streamed: bool = False, tokens: int = 0,
-            max_tokens: int = 0, hashes: list | None = None, block_size: int = 0) -> Sequence:
+            max_tokens: int = 0, hashes: list | None = None, block_size: int = 0,
+            prefix_blocks: int = 0) -> Sequence:
         """``streamed``: its first token will be seen, so it is prefilling until then however long that
         takes (early predictions, on default figures, can be far too short). ``tokens``, ``max_tokens``:
-        the prompt's and the generation's length (0: unknown), the KV it will hold and for how long."""
+        the prompt's and the generation's length (0: unknown), the KV it will hold and for how long.
+        ``prefix_blocks``: the cached prefix it was predicted to find, placed on the LRU clock so that the
+        requests behind it see it evicted too when the queue ahead of it outgrows the room
+        (:meth:`queue_losses`)."""
         now = self._clock()
         deadline = float("inf") if streamed else now + max(0.01, 2.0 * predicted_s)
         seq = Sequence(uncached=max(0, int(uncached)), work=max(0.0, float(work)), deadline=deadline,
                        tokens=max(0, int(tokens)), max_tokens=max(0, int(max_tokens)), hashes=hashes or None,
                        block_size=block_size)
+        if prefix_blocks > 0 and block_size > 0 and hashes:
+            age = self.prefix_age(hashes, prefix_blocks)
+            if age is not None and age != HELD:
+                seq.prefix_blocks, seq.prefix_at = prefix_blocks, self.released_tokens - age
         self._live[id(seq)] = seq
         self.mean_work = 0.9 * self.mean_work + 0.1 * seq.work
         self.mean_tokens = 0.9 * self.mean_tokens + 0.1 * seq.uncached
@@ -170,9 +188,17 @@ class ActiveSequences:
         """The KV tokens ``seq`` holds (prompt and generation) less ``shared`` leading blocks."""
         return max(0, seq.tokens + seq.max_tokens - shared * seq.block_size)
 
-    def mark_scrape(self) -> None:
-        """vLLM's KV usage was just scraped: it includes what the gateway's requests took and freed so far."""
+    def mark_scrape(self, waiting: float | None = None) -> None:
+        """vLLM's KV usage was just scraped: it includes what the gateway's requests took and freed so far,
+        and the prompts of the prefilling ones vLLM runs: with its ``waiting`` gauge, all but the last
+        ``waiting`` of them (vLLM admits in arrival order), which are *admitted*: their KV is in the usage, so
+        they are no demand on the room a placement reads (their prefill time still queues)."""
         self._kv_mark = (self.kv_taken, self.kv_freed)
+        if waiting is None or not waiting == waiting:  # NaN: unknown
+            return
+        prefilling = [s for s in self._live.values() if s.first_at is None]
+        for s in prefilling[: max(0, len(prefilling) - int(max(0.0, waiting)))]:
+            s.admitted = True
 
     def kv_since_scrape(self) -> float:
         """KV tokens the gateway's requests freed less those they took since the last scrape (negative: more
@@ -196,6 +222,41 @@ class ActiveSequences:
                 return self.released_tokens - at
         return None
 
+    def queue_losses(self, free_tokens: float, now: float | None = None) -> float:
+        """Prompt tokens the queue ahead will recompute beyond what it was predicted to: the gateway's
+        requests not admitted as of the last scrape (:meth:`mark_scrape`), in arrival order, each allocating
+        its uncached prompt, which evicts the oldest of the ``free_tokens`` first (the LRU model,
+        router/eviction.py). A queued request whose own cached prefix that demand reaches loses it from its
+        tail and allocates it too: the demand a later request sees cascades. Seen on capacity-bound real
+        vLLM (session 15's decision records): behind a queue of 2-4, the prompts ahead delivered 2-5x fewer
+        cached tokens than predicted, and the request behind them lost a prefix the uncached demand alone
+        left whole."""
+        now = self._clock() if now is None else now
+        demand = lost = 0.0
+        for s in self._live.values():
+            if s.first_at is not None or s.admitted or now >= s.deadline:
+                continue
+            if s.prefix_at is not None:
+                bs = s.block_size
+                prefix = s.prefix_blocks * bs
+                older = free_tokens - prefix - (self.released_tokens - s.prefix_at)
+                excess = demand - max(0.0, older)
+                if excess > 0:
+                    gone = min(prefix, -(-excess // bs) * bs)
+                    demand += gone
+                    lost += gone
+            demand += s.uncached
+        return lost
+
+    def held_blocks(self, hashes, n: int) -> int:
+        """Leading blocks, of the first ``n`` of ``hashes``, that one of the last ``LIVE_PROBES`` requests in
+        flight has in its prompt: held by it (or touched before a later request runs), not evictable."""
+        best = 0
+        for s in islice(reversed(self._live.values()), LIVE_PROBES):
+            if s.hashes is not None and best < n:
+                best = max(best, shared_blocks(s.hashes, hashes))
+        return min(best, n)
+
     def __len__(self) -> int:
         return len(self._live)
 
@@ -207,6 +268,8 @@ class ActiveSequences:
             if s.first_at is None and now < s.deadline:
                 v.prefill_requests += 1
                 v.prefill_tokens += s.uncached
+                if not s.admitted:
+                    v.unadmitted_tokens += s.uncached
                 v.prefill_work += s.work
             elif s.max_tokens:
                 if v.decoding is None:

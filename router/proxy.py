@@ -28,6 +28,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from router import eviction
 from router.apis.routes import add_routes as add_api_routes
 from router.errors import APIError, error_body, error_response, sse_error_event
 from router.metrics import CONTENT_TYPE
@@ -225,7 +226,8 @@ class _Lease:
         self.metrics, self.worker = metrics, worker
         self.seq = worker.active.add(cand.uncached_tokens, cand.prefill_work, cand.predicted_ttft_ms / 1000.0,
                                      streamed, tokens=cand.cached_tokens + cand.uncached_tokens,
-                                     max_tokens=max_tokens, hashes=hashes, block_size=block_size)
+                                     max_tokens=max_tokens, hashes=hashes, block_size=block_size,
+                                     prefix_blocks=cand.local_blocks)
         self.active = True
         metrics.child(metrics.inflight, worker.name).set(worker.inflight)
 
@@ -280,15 +282,8 @@ class Forwarder:
         """What vLLM delivered of the local prefix the index showed calibrates the worker's eviction model."""
         d = self.d
         cand, w = d.candidate(d.chosen), self.st.registry.target(d.chosen)
-        if cand is None or w is None or not d.block_size:
-            return
-        indexed = cand.local_blocks + cand.evicted_blocks
-        delivered_local = min(indexed, max(0, d.delivered_cached_tokens // d.block_size - cand.g4_blocks))
-        if cand.eviction_model == "lru":
-            w.eviction.observe_lru(cand.queue_tokens, cand.lru_older_tokens, indexed, delivered_local,
-                                   d.block_size)
-        elif cand.eviction_model == "pressure":
-            w.eviction.observe(cand.eviction_pressure, indexed, delivered_local)
+        if cand is not None and w is not None:
+            eviction.observe_delivery(w.eviction, cand, d.delivered_cached_tokens, d.block_size)
 
     def _prefetch(self, worker, cand) -> None:
         if cand.g4_blocks <= 0 or not self.hashes:

@@ -789,7 +789,7 @@ class WorkerRegistry:
                 None if tload.computed_tokens is None else 0.0))
             done.append((t, tload.prefill_since(then), tload.engine_since(then)))
             t.load = tload
-            t.active.mark_scrape()  # the usage now includes what the gateway's requests took and freed
+            t.active.mark_scrape(tload.waiting)  # the usage now includes what the gateway's requests took
         w.load = load
         if before is not None and load.process_start is not None and load.process_start != before:
             await self._restarted(w, "process_start_time_seconds changed")

@@ -286,7 +286,14 @@ class CandidateOut(_Open):
     queue_requests: float = Field(0, description="the queue the scheduler model stepped through: requests "
                                                  "ahead (the gateway's own prefilling ones and vLLM's waiting "
                                                  "beyond them)")
-    queue_tokens: float = Field(0, description="their uncached prompt tokens")
+    queue_tokens: float = Field(0, description="their uncached prompt tokens, queue_lost_tokens included")
+    queue_lost_tokens: float = Field(0, description="of queue_tokens: the cached prefixes the queued requests "
+                                     "were sent for that the queue's own demand evicts before they run (the "
+                                     "LRU model stepped through the queue), which they recompute")
+    kv_demand_tokens: float = Field(0, description="the KV the queue still allocates beyond the scraped usage "
+                                    "(the requests vLLM was not running at the last scrape, and "
+                                    "queue_lost_tokens): what the eviction model, the KV wait and the footprint "
+                                    "scorer compare with kv_free_tokens")
     decodes: int = Field(0, description="requests decoding in every step (each adds per_decode_ms)")
     steps: int = Field(0, description="engine steps until this request's first token "
                                       "(max_num_batched_tokens less the decodes per step)")

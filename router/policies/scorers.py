@@ -46,7 +46,7 @@ def kv_pressure(c: Candidate) -> float | None:
         return 1.0 - c.kv_free
     if c.kv_free_tokens <= 0:
         return 1.0
-    return min(1.0, demand_share(c.queue_tokens + c.uncached_tokens, c.kv_free_tokens))
+    return min(1.0, demand_share(c.kv_demand_tokens + c.uncached_tokens, c.kv_free_tokens))
 
 
 @dataclass(frozen=True)

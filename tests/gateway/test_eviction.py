@@ -216,3 +216,62 @@ def test_a_document_released_by_several_requests_is_counted_once():
     a.finish(a.add(0, 0.0, 1.0, tokens=64 * 16, max_tokens=16, hashes=doc + [4000, 4001], block_size=16))
     assert a.released_tokens - before == 2 * 16 + 16  # the document stays held
     a.finish(holding)
+
+
+def test_requests_vllm_runs_at_a_scrape_are_in_its_usage_not_demand_on_the_room():
+    """Three requests sent and prefilling; at the scrape vLLM waits with one of them: the first two are
+    running, their KV is in the usage the room comes from, so only the last one's prompt is demand."""
+    cm = model(RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0))
+    w = worker("a")
+    w.load.kv_usage, w.load.num_gpu_blocks, w.load.updated_at, w.load.waiting = 0.5, 250, 1.0, 1.0
+    for uncached in (400, 300, 200):
+        w.active.add(uncached, float(uncached), 1e6, streamed=True)
+    assert w.view().kv_demand_tokens == 900  # no scrape since they were sent: all of it
+    w.active.mark_scrape(w.load.waiting)
+    v = w.view()
+    assert v.kv_demand_tokens == 200 and v.queue_tokens == 900  # their prefill time still queues
+    c = cm.score(w, WorkerMatch(), 0, 100, 16)
+    assert c.kv_demand_tokens == 200 and c.queue_tokens == 900
+    later = w.active.add(150, 150.0, 1e6, streamed=True)  # sent after the scrape: demand until the next
+    assert w.view().kv_demand_tokens == 350
+    w.active.mark_scrape(float("nan"))  # a malformed gauge marks nothing
+    assert w.view().kv_demand_tokens == 350 and not later.admitted
+
+
+def test_only_the_tail_past_what_a_request_in_flight_holds_can_be_evicted():
+    """A 40-block document prefix; a request in flight reads its first 30 blocks (and its own question), so
+    those are held; the demand ahead can only cut the 10 blocks past them."""
+    cm = model(RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0))
+    w = worker("a")
+    w.load.kv_usage, w.load.num_gpu_blocks, w.load.updated_at = 0.75, 125, 1.0  # 500 free tokens
+    doc = list(range(100, 140))
+    w.active.finish(w.active.add(0, 0.0, 1.0, tokens=640, hashes=doc, block_size=16))
+    w.active.add(2000, 2000.0, 1e6, streamed=True)  # far more demand than the free room
+    cut = cm.score(w, WorkerMatch(gpu=40, local=40), 0, 700, 16, hashes=doc)
+    assert cut.eviction_model == "lru" and cut.local_blocks == 0
+    w.active.add(0, 0.0, 1e6, streamed=True, tokens=500, hashes=doc[:30] + [7, 8], block_size=16)
+    assert w.active.held_blocks(doc, 40) == 30 and w.active.held_blocks(doc, 20) == 20
+    kept = cm.score(w, WorkerMatch(gpu=40, local=40), 0, 700, 16, hashes=doc)
+    assert kept.eviction_model == "lru" and kept.local_blocks == 30
+
+
+def test_the_queues_own_prefixes_cascade_into_the_demand_behind_them():
+    """Two sessions' prefixes sit in the free queue, A's released before B's. The queue ahead: a request
+    that allocates 300 new tokens, then A's next turn (its 320-token prefix predicted cached, 100 new
+    tokens). Past the free tokens older than A's prefix, the 300 cut A's prefix from its tail, so A's turn
+    recomputes that part too: the request behind them sees that much more demand."""
+    from router.load import ActiveSequences
+
+    a = ActiveSequences()
+    old, recent = list(range(100, 120)), list(range(200, 240))  # 20 and 40 blocks of 16
+    a.finish(a.add(0, 0.0, 1.0, tokens=320, hashes=old, block_size=16))
+    a.finish(a.add(0, 0.0, 1.0, tokens=640, hashes=recent, block_size=16))
+    a.add(300, 300.0, 1e6, streamed=True)
+    a_turn = a.add(100, 100.0, 1e6, streamed=True, tokens=420, hashes=old + [1, 2, 3, 4, 5, 6], block_size=16,
+                   prefix_blocks=20)
+    assert (a_turn.prefix_at, a.released_tokens) == (320, 960)  # on the LRU clock: B's 640 released after it
+    assert a.queue_losses(1200.0) == 64  # A's 320 + B's 640 + 240 older: 60 past them cut 4 blocks
+    assert a.queue_losses(1000.0) == 272  # 40 older: 260 past them cut 17 of A's 20 blocks
+    assert a.queue_losses(5000.0) == 0  # room to spare: nothing lost
+    a.mark_scrape(waiting=1)  # vLLM runs the first one: its 300 are in the usage, A's turn still waits
+    assert a.queue_losses(1000.0) == 0

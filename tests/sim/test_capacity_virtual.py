@@ -75,3 +75,27 @@ def test_the_gateways_own_requests_keep_a_scraped_kv_room_current(clients):
         run(clients, place, blocks)
         errors[live] = sum(seen) / len(seen)
     assert errors[True] < 0.5 * errors[False]
+
+
+def test_the_gateways_cached_token_predictions_against_what_the_engines_delivered(tmp_path):
+    """The gateway's cost model, on its load tracker and scraped gauges, predicts each request's cached tokens
+    on the worker the kv placement chose; the simulated engines (vLLM's block pool: LRU free queue, a
+    prefix cut from its tail) say what was delivered. Requests vLLM was running at the last scrape have
+    their KV in its usage already: counting their prompts as demand again (as before session 16) predicted
+    evictions that did not happen. The benchmark's own workload (``python -m bench.capacity_virtual
+    --predict``), one seed."""
+    tiny_model.build_tokenizer(tmp_path)
+    clients = cv.render_clients(str(tmp_path), mw.MixSpec(rag_questions=5, agent_turns=6, chat_turns=5), 3, 16)
+    prompts = cv.prompts_of(clients)
+    blocks = mw.kv_blocks_for(mw.distinct_blocks(prompts, 32), 3.0, 32, max(map(len, prompts)) + 16)
+    out = {}
+    for current in (True, False):
+        place = cv.predicting_placer({}, 1.0, current)
+        turns = vt.run(cv.closed_loop(clients, place, workers=2, num_blocks=blocks, block_size=32,
+                                      timing=cv.cpu_timing(), max_tokens=16, stagger_s=0.5))
+        out[current] = cv.prediction_summary(place.view.outcomes)
+        assert out[current]["requests"] == len(turns) == len(prompts)
+        assert out[current]["exact"] + out[current]["over"] + out[current]["under"] == pytest.approx(1.0)
+    assert out[True]["exact"] >= 0.8 and out[True]["exact"] > out[False]["exact"]
+    assert out[True]["under"] < out[False]["under"]
+    assert out[True]["mean_abs_error_tokens"] < out[False]["mean_abs_error_tokens"]
