@@ -156,7 +156,9 @@ class ActiveSequences:
         if seq.first_at is None:
             seq.first_at = self._clock()
             if id(seq) in self._live:
-                self.kv_taken += self._kv_tokens(seq, self._shared(seq, self._live_hashes(seq)))
+                # admitted at a scrape: its prompt is in that usage already, only its generation is new
+                self.kv_taken += seq.max_tokens if seq.admitted else self._kv_tokens(
+                    seq, self._shared(seq, self._live_hashes(seq)))
 
     def finish(self, seq: Sequence) -> None:
         self.first_token(seq)

@@ -193,3 +193,18 @@ async def test_streamed_responses_report_prediction_accuracy(fleet, start_gatewa
     assert d["observed_ttft_ms"] >= 200 and d["predicted_ttft_ms"] > 0
     chosen = d["candidates"][0]
     assert chosen["steps"] >= 1 and chosen["step_ms"] > 0 and "calibration" in chosen
+
+
+def test_a_request_running_at_a_scrape_takes_only_its_generation_at_its_first_token():
+    """A slow prefill spans scrapes: the usage of the scrape that saw vLLM running it holds its prompt, so
+    its first token moves the room by its generation alone (counting the prompt again understated the room
+    until the next scrape)."""
+    a = ActiveSequences(clock=Clock())
+    slow = a.add(700, 700.0, 1.0, streamed=True, tokens=800, max_tokens=16, hashes=list(range(50)), block_size=16)
+    queued = a.add(300, 300.0, 1.0, streamed=True, tokens=300, max_tokens=16, hashes=[7] * 18, block_size=16)
+    a.mark_scrape(waiting=1)  # vLLM runs the first, the second waits
+    assert slow.admitted and not queued.admitted
+    a.first_token(slow)
+    assert a.kv_since_scrape() == -16
+    a.first_token(queued)  # not seen running at a scrape: its prompt and generation are new
+    assert a.kv_since_scrape() == -16 - 316
