@@ -30,6 +30,7 @@ from pathlib import Path
 
 from bench import mixed_workload as mw
 from bench.policy_virtual import placer, sglang_cache_aware
+from router.policies.kv import kv_order, scorers_of
 from bench.sim import virtual as vt
 from bench.sim.cache import PrefixCache, external
 from bench.sim.engine import SimEngine
@@ -103,7 +104,7 @@ async def closed_loop(clients, place, *, workers: int, num_blocks: int, block_si
                         if view:
                             view.first(w, seq)
                 if view:
-                    view.done(w, seq, r.cached_tokens)
+                    view.done(w, seq, r.cached_tokens, None if first is None else first - t0)
                 out.append(Turn(i, kind, f"{i}.{s}", t, len(tokens), r.cached_tokens, (first or loop.time()) - t0, w))
 
     try:
@@ -153,12 +154,13 @@ def prediction_table(results: dict[str, list[dict]], seeds: list[int]) -> str:
     """Per predictor, medians (ranges) over the seeds of the shares of requests whose predicted cached
     tokens were equal to, above and below what the engine delivered."""
     lines = [f"| eviction model | cached == delivered, seeds {','.join(map(str, seeds))} | over | under | "
-             "mean abs error, tokens |", "|---|---|---|---|---|"]
+             "mean abs error, tokens | obs/pred TTFT median | p90 |", "|---|---|---|---|---|---|---|"]
     for name, ss in results.items():
         cols = []
-        for k in ("exact", "over", "under", "mean_abs_error_tokens"):
+        for k in ("exact", "over", "under", "mean_abs_error_tokens", "ttft_ratio_median", "ttft_ratio_p90"):
             xs = [x["prediction"][k] for x in ss]
-            f = (lambda v: f"{v:.0f}") if k.startswith("mean") else (lambda v: f"{v:.1%}")
+            f = (lambda v: f"{v:.0f}") if k.startswith("mean") else (
+                (lambda v: f"{v:.2f}") if k.startswith("ttft") else (lambda v: f"{v:.1%}"))
             cols.append(f"{f(statistics.median(xs))} ({f(min(xs))}-{f(max(xs))})")
         lines.append(f"| {name} | " + " | ".join(cols) + " |")
     return "\n".join(lines)
@@ -207,7 +209,7 @@ class GatewayView:
     def first(self, i: int, seq: Sequence) -> None:
         self.tracker(i).first_token(seq)
 
-    def done(self, i: int, seq: Sequence, delivered: int = 0) -> None:
+    def done(self, i: int, seq: Sequence, delivered: int = 0, ttft_s: float | None = None) -> None:
         self.tracker(i).finish(seq)
 
 
@@ -241,6 +243,7 @@ class PredictingView(GatewayView):
         self.workers: dict[int, Worker] = {}
         self.priced: dict[int, Candidate] = {}  # id(seq) -> its prediction
         self.outcomes: list[tuple[int, int, int]] = []  # (indexed prefix tokens, predicted, delivered)
+        self.ttft_ratios: list[float] = []  # observed / predicted TTFT
 
     def tracker(self, i: int) -> ActiveSequences:
         if i not in self.active:
@@ -248,7 +251,8 @@ class PredictingView(GatewayView):
             self.active[i] = kind(clock=asyncio.get_running_loop().time)
         return self.active[i]
 
-    def sent(self, i: int, e: SimEngine, tokens: list[int], max_tokens: int) -> Sequence:
+    def price(self, i: int, e: SimEngine, tokens: list[int]) -> tuple[Candidate, list[int]]:
+        """The gateway's candidate for ``tokens`` on engine ``i`` now, and the prompt's block hashes."""
         bs = e.block_size
         digests = e.cache.digests(tokens)
         hashes = [external(d) for d in digests[: (len(tokens) - 1) // bs]]
@@ -259,26 +263,37 @@ class PredictingView(GatewayView):
         # blocks requests in flight here are computing (the gateway's pending blocks, router/pending.py)
         inflight = max((shared_blocks(hashes, s.hashes) for s in w.active._live.values() if s.hashes), default=0)
         local = max(stored, inflight)
-        c = self.cost.score(w, WorkerMatch(gpu=local, local=local), 0, len(tokens), bs, local - stored, hashes)
-        seq = w.active.add(c.uncached_tokens, c.prefill_work, c.predicted_ttft_ms / 1000.0, streamed=True,
-                           tokens=len(tokens), max_tokens=max_tokens, hashes=hashes, block_size=bs,
-                           prefix_blocks=c.local_blocks)
+        return self.cost.score(w, WorkerMatch(gpu=local, local=local), 0, len(tokens), bs, local - stored,
+                               hashes), hashes
+
+    def sent(self, i: int, e: SimEngine, tokens: list[int], max_tokens: int) -> Sequence:
+        c, hashes = self.price(i, e, tokens)
+        seq = self.workers[i].active.add(c.uncached_tokens, c.prefill_work, c.predicted_ttft_ms / 1000.0,
+                                         streamed=True, tokens=len(tokens), max_tokens=max_tokens,
+                                         hashes=hashes, block_size=e.block_size, prefix_blocks=c.local_blocks)
         self.priced[id(seq)] = c
         return seq
 
-    def done(self, i: int, seq: Sequence, delivered: int = 0) -> None:
+    def done(self, i: int, seq: Sequence, delivered: int = 0, ttft_s: float | None = None) -> None:
         super().done(i, seq)
         c = self.priced.pop(id(seq))
         observe_delivery(self.workers[i].eviction, c, delivered, seq.block_size)
+        if ttft_s is not None:
+            self.cost.observe_ttft(self.workers[i], ttft_s, c)
+            self.ttft_ratios.append(ttft_s * 1000.0 / max(1e-6, c.predicted_ttft_ms))
         self.outcomes.append(((c.local_blocks + c.evicted_blocks) * seq.block_size, c.cached_tokens, delivered))
 
 
-def prediction_summary(outcomes: list[tuple[int, int, int]]) -> dict:
-    """How the predicted cached tokens compare with the delivered: the share equal, over and under."""
+def prediction_summary(outcomes: list[tuple[int, int, int]], ttft_ratios: list[float] = ()) -> dict:
+    """How the predicted cached tokens compare with the delivered (the share equal, over and under), and
+    the median and p90 of observed / predicted TTFT."""
     n = max(1, len(outcomes))
+    r = sorted(ttft_ratios)
     return {"requests": len(outcomes), "exact": sum(p == d for _, p, d in outcomes) / n,
             "over": sum(p > d for _, p, d in outcomes) / n, "under": sum(p < d for _, p, d in outcomes) / n,
-            "mean_abs_error_tokens": sum(abs(p - d) for _, p, d in outcomes) / n}
+            "mean_abs_error_tokens": sum(abs(p - d) for _, p, d in outcomes) / n,
+            "ttft_ratio_median": statistics.median(r) if r else None,
+            "ttft_ratio_p90": r[min(len(r) - 1, int(0.9 * len(r)))] if r else None}
 
 
 def kv_placer(routing: dict, scrape_s: float = 0.0, live: bool = True):
@@ -298,12 +313,44 @@ def predicting_placer(routing: dict, scrape_s: float = 1.0, current: bool = True
     return place
 
 
+def calibrated(timing: TimingModel) -> dict:
+    """The cost model's figures for engines of ``timing`` (``cpu_timing``), as if calibrated: the gateway
+    learns them from vLLM's histograms, which the engines here do not export."""
+    return {"prefill_tokens_per_s": 1.0 / timing.a_s_per_token, "attention_knee_tokens": 0,
+            "step_ms": timing.decode_s * 1000.0, "per_decode_ms": timing.decode_s_per_seq * 1000.0,
+            "request_overhead_ms": timing.overhead_s * 1000.0,
+            "max_num_batched_tokens": timing.max_num_batched_tokens}
+
+
+def gateway_placer(routing: dict, timing: TimingModel, scrape_s: float = 1.0):
+    """The kv policy as the gateway runs it: its scorers over the gateway's own predicted candidates (a
+    :class:`PredictingView` per engine, the cost model at the engines' figures, ``calibrated``), not the
+    engines' true state."""
+    cfg = {**calibrated(timing), **routing}
+    view = PredictingView(scrape_s, cfg)
+    rc = RoutingConfig(**cfg)
+    scorers, turn = scorers_of(rc), count(1)
+
+    def place(engines: list[SimEngine], tokens: list[int]) -> int:
+        priced = [view.price(i, e, tokens) for i, e in enumerate(engines)]
+        best = kv_order([c for c, _ in priced], next(turn) % len(engines), scorers, rc.overlap_share)[0]
+        return int(best.worker)
+
+    place.view = view
+    return place
+
+
 PREDICTORS = {"session 16: admitted, held, cascade": True, "before: every prefilling prompt is demand": False}
 
 
-def placements(variants: dict[str, dict], scrape_s: float = 0.0, live: bool = True) -> dict:
-    """Fresh placement state per run: name -> factory."""
+def placements(variants: dict[str, dict], scrape_s: float = 0.0, live: bool = True,
+               gateway: TimingModel | None = None) -> dict:
+    """Fresh placement state per run: name -> factory. ``gateway``: the engines' timing, to add each
+    variant as the gateway runs it (``gateway_placer``)."""
     out = {f"{name}": (lambda r=routing: kv_placer(r, scrape_s, live)) for name, routing in variants.items()}
+    if gateway is not None:
+        out.update({f"{name}, gateway's predictions": (lambda r=routing: gateway_placer(r, gateway, scrape_s or 1.0))
+                    for name, routing in variants.items()})
     out[PEER] = sglang_cache_aware
     out["round_robin"] = round_robin
     out["least prefill ahead"] = lambda: None
@@ -330,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="without the gateway's correction of the scraped usage by its own requests")
     p.add_argument("--only", default="", help="run only placements whose name contains this")
     p.add_argument("--json", help="write every run's summary here")
+    p.add_argument("--gateway", action="store_true",
+                   help="also run each kv variant on the gateway's own predicted candidates (its cost model at "
+                        "the engines' figures) instead of the engines' true state")
     p.add_argument("--predict", action="store_true",
                    help="instead: how well the gateway's cost model predicts each request's cached tokens under "
                         "the kv placement (the eviction model now and before session 16)")
@@ -356,9 +406,11 @@ def main(argv: list[str] | None = None) -> int:
     for v in args.variant:
         variants[f"kv {v}"] = overrides(v)
     if args.predict:
-        runs = {k: (lambda c=c: predicting_placer({}, args.scrape_s, c)) for k, c in PREDICTORS.items()}
+        runs = {k: (lambda c=c: predicting_placer(calibrated(timing), args.scrape_s or 1.0, c))
+                for k, c in PREDICTORS.items()}
     else:
-        runs = {k: f for k, f in placements(variants, args.scrape_s, not args.stale).items() if args.only in k}
+        runs = {k: f for k, f in placements(variants, args.scrape_s, not args.stale,
+                                            timing if args.gateway else None).items() if args.only in k}
     results: dict[str, list[dict]] = {k: [] for k in runs}
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     with tempfile.TemporaryDirectory(prefix="kvgate-capvirt-") as tokdir:
@@ -377,10 +429,12 @@ def main(argv: list[str] | None = None) -> int:
                                        block_size=args.block_size, timing=timing, max_tokens=args.max_tokens,
                                        stagger_s=args.stagger))
             s = summary(turns)
-            if args.predict:
-                s["prediction"] = prediction_summary(place.view.outcomes)
-                print(f"  {name}: " + "  ".join(f"{k} {v:.1%}" for k, v in s["prediction"].items()
-                                                 if k in ("exact", "over", "under")), flush=True)
+            if args.predict or hasattr(place, "view") and hasattr(place.view, "outcomes"):
+                s["prediction"] = prediction_summary(place.view.outcomes, place.view.ttft_ratios)
+                pr = s["prediction"]
+                print(f"  {name}: " + "  ".join(f"{k} {pr[k]:.1%}" for k in ("exact", "over", "under"))
+                      + (f"  obs/pred TTFT median {pr['ttft_ratio_median']:.2f} p90 {pr['ttft_ratio_p90']:.2f}"
+                         if pr["ttft_ratio_median"] is not None else ""), flush=True)
             results[name].append(s)
             print(f"  {name}: hit {s['hit_rate']:.1%}  mean TTFT {s['ttft_mean_s']:.2f} s  "
                   + " ".join(f"{k} {v:.0%}" for k, v in s["by_kind"].items()), flush=True)

@@ -99,3 +99,20 @@ def test_the_gateways_cached_token_predictions_against_what_the_engines_delivere
     assert out[True]["exact"] >= 0.8 and out[True]["exact"] > out[False]["exact"]
     assert out[True]["under"] < out[False]["under"]
     assert out[True]["mean_abs_error_tokens"] < out[False]["mean_abs_error_tokens"]
+
+
+def test_the_kv_policy_on_the_gateways_own_predictions(clients):
+    """The kv policy as the gateway runs it (its scorers over the gateway's predicted candidates, not the
+    engines' true state): cache-aware against rotation, a prediction per request with a finite observed /
+    predicted TTFT, and deterministic."""
+    prompts = cv.prompts_of(clients)
+    blocks = mw.kv_blocks_for(mw.distinct_blocks(prompts, BS), 3.0, BS, max(map(len, prompts)) + 8)
+    timing = cv.cpu_timing()
+    rr = cv.summary(run(clients, cv.round_robin(), blocks))
+    place = cv.placements({"kv": {}}, gateway=timing)["kv, gateway's predictions"]()
+    turns = run(clients, place, blocks)
+    kv = cv.summary(turns)
+    assert kv["hit_rate"] > rr["hit_rate"] + 0.1
+    assert len(place.view.outcomes) == len(place.view.ttft_ratios) == len(turns)
+    assert all(0 < r < 100 for r in place.view.ttft_ratios)
+    assert kv == cv.summary(run(clients, cv.gateway_placer({}, timing), blocks))
