@@ -12,7 +12,10 @@ running beyond the gateway's ones that must be prefilling are decodes.
 
 It also follows the KV its requests take and free between two scrapes of ``vllm:kv_cache_usage_perc``
 (:meth:`ActiveSequences.kv_since_scrape`): a request takes its prompt and generation at its first token and
-frees them when it ends, less the blocks another request in flight shares. The free room a placement reads
+frees them when it ends, less the blocks another request in flight shares. A prefilling request vLLM was
+running at a scrape (by its waiting gauge: it admits in arrival order) is *admitted*: its prompt is in that
+usage, so it is no demand on the room (``LoadView.kv_demand_tokens``) and takes only its generation at its
+first token. The free room a placement reads
 (router/kv_room.py) is the last scrape's corrected by that, so it is current between scrapes (every
 ``health_interval_s``, 5 s by default; on the capacity-bound virtual run, bench/capacity_virtual.py, room
 5 s old made the footprint term's placement no better than none).
