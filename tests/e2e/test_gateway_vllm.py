@@ -175,12 +175,16 @@ def test_multi_turn_sessions(kvgate, tiny_model_dir):
 
 
 def _turns_table(results, gw) -> str:
-    """Per turn: where it went, what vLLM served from cache, and what the gateway predicted per worker."""
+    """Per turn: where it went, what vLLM served from cache, and what the gateway predicted per worker (cached
+    tokens / TTFT, and the prefix the index showed [gpu blocks, eviction model, blocks it expected evicted,
+    the free KV tokens]: enough to tell a lost index from a pessimistic eviction model when it fails)."""
     lines = []
     for r in sorted(results, key=lambda r: (r.session, r.turn)):
         d = gw.state.decisions.get(r.request_id) if r.request_id else None
         pred = (
-            " ".join(f"{c.worker}:{c.cached_tokens}/{c.predicted_ttft_ms:.0f}ms" for c in d.candidates)
+            " ".join(f"{c.worker}:{c.cached_tokens}/{c.predicted_ttft_ms:.0f}ms"
+                     f"[{c.gpu_blocks} {c.eviction_model or '-'} -{c.evicted_blocks} free {c.kv_free_tokens}]"
+                     for c in d.candidates)
             if d
             else "?"
         )
