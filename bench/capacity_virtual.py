@@ -244,6 +244,7 @@ class PredictingView(GatewayView):
         self.priced: dict[int, Candidate] = {}  # id(seq) -> its prediction
         self.outcomes: list[tuple[int, int, int]] = []  # (indexed prefix tokens, predicted, delivered)
         self.ttft_ratios: list[float] = []  # observed / predicted TTFT
+        self.placed: dict[int, tuple[Candidate, list[int]]] = {}  # the last placement's prices, per engine
 
     def tracker(self, i: int) -> ActiveSequences:
         if i not in self.active:
@@ -267,7 +268,9 @@ class PredictingView(GatewayView):
                                hashes), hashes
 
     def sent(self, i: int, e: SimEngine, tokens: list[int], max_tokens: int) -> Sequence:
-        c, hashes = self.price(i, e, tokens)
+        # the placement's own pricing of this request on engine i, when it priced it (nothing ran since)
+        c, hashes = self.placed.pop(i, None) or self.price(i, e, tokens)
+        self.placed.clear()
         seq = self.workers[i].active.add(c.uncached_tokens, c.prefill_work, c.predicted_ttft_ms / 1000.0,
                                          streamed=True, tokens=len(tokens), max_tokens=max_tokens,
                                          hashes=hashes, block_size=e.block_size, prefix_blocks=c.local_blocks)
@@ -332,9 +335,9 @@ def gateway_placer(routing: dict, timing: TimingModel, scrape_s: float = 1.0):
     scorers, turn = scorers_of(rc), count(1)
 
     def place(engines: list[SimEngine], tokens: list[int]) -> int:
-        priced = [view.price(i, e, tokens) for i, e in enumerate(engines)]
-        best = kv_order([c for c, _ in priced], next(turn) % len(engines), scorers, rc.overlap_share)[0]
-        return int(best.worker)
+        view.placed = {i: view.price(i, e, tokens) for i, e in enumerate(engines)}
+        cands = [c for c, _ in view.placed.values()]
+        return int(kv_order(cands, next(turn) % len(engines), scorers, rc.overlap_share)[0].worker)
 
     place.view = view
     return place

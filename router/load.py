@@ -108,6 +108,13 @@ def shared_blocks(a, b) -> int:
     return chained_run(0, min(len(a), len(b)), lambda i: a[i] == b[i])
 
 
+def _most_shared(hashes, others) -> int:
+    """The most leading blocks ``hashes`` shares with one of ``others`` (block-hash lists)."""
+    if not hashes:
+        return 0
+    return max((shared_blocks(hashes, x) for x in others), default=0)
+
+
 def _holds(sh, hashes, n: int) -> bool:
     """Whether a request whose prompt blocks are ``sh`` held the first ``n`` of ``hashes``: it had them in
     its prompt, or its whole prompt is their start (the rest is its own output, which the index shows)."""
@@ -176,17 +183,15 @@ class ActiveSequences:
         if seq.hashes:
             self._recent.append((seq.hashes, self.released_tokens))
 
-    def _live_hashes(self, seq: Sequence):
-        """The block hashes of the last ``LIVE_PROBES`` other requests in flight (references; lazily, so a
-        sequence without hashes probes nothing)."""
+    def _live_hashes(self, seq: Sequence | None):
+        """The block hashes of the last ``LIVE_PROBES`` requests in flight other than ``seq`` (references;
+        lazily, so a sequence without hashes probes nothing)."""
         return (s.hashes for s in islice(reversed(self._live.values()), LIVE_PROBES) if s.hashes and s is not seq)
 
     @staticmethod
     def _shared(seq: Sequence, others) -> int:
         """The most leading blocks ``seq``'s prompt shares with one of ``others`` (block-hash lists)."""
-        if not (seq.hashes and seq.block_size):
-            return 0
-        return max((shared_blocks(seq.hashes, x) for x in others), default=0)
+        return _most_shared(seq.hashes, others) if seq.block_size else 0
 
     @staticmethod
     def _kv_tokens(seq: Sequence, shared: int) -> int:
@@ -256,11 +261,7 @@ class ActiveSequences:
     def held_blocks(self, hashes, n: int) -> int:
         """Leading blocks, of the first ``n`` of ``hashes``, that one of the last ``LIVE_PROBES`` requests in
         flight has in its prompt: held by it (or touched before a later request runs), not evictable."""
-        best = 0
-        for s in islice(reversed(self._live.values()), LIVE_PROBES):
-            if s.hashes is not None and best < n:
-                best = max(best, shared_blocks(s.hashes, hashes))
-        return min(best, n)
+        return min(n, _most_shared(hashes, self._live_hashes(None)))
 
     def __len__(self) -> int:
         return len(self._live)
