@@ -66,7 +66,8 @@ def run(sizes: list[int], reps: int) -> list[dict]:
         omp_threads_bind="auto",
         max_model_len=8192,
         kv_cache_gib=4,
-        extra_args=["--dtype", "bfloat16", "--max-num-batched-tokens", "8192"],
+        max_num_batched_tokens=8192,
+        extra_args=["--dtype", "bfloat16"],
         g4_path=g4,
     )
     rng = random.Random(0)

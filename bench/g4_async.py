@@ -45,7 +45,8 @@ def _server(model, g4: str, mode: str, read_bytes_per_s: float | None, omp: str)
         omp_threads_bind=omp,
         max_model_len=8192,
         kv_cache_gib=2,
-        extra_args=["--dtype", "bfloat16", "--max-num-batched-tokens", "8192"],
+        max_num_batched_tokens=8192,
+        extra_args=["--dtype", "bfloat16"],
         g4_path=g4,
         g4_config=cfg,
     )

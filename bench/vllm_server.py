@@ -32,6 +32,12 @@ LAUNCHER = Path(__file__).with_name("vllm_launch.py")
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
+# vLLM's own per-step token budget for an OpenAI API server on the CPU (``EngineArgs.get_batch_defaults``:
+# 2048 per rank; 8192 on most GPUs). Passed explicitly, and the same figure goes into the server's kvgate
+# worker entry: the gateway's scheduler model steps its queue by this budget, and vLLM does not export it.
+CPU_MAX_NUM_BATCHED_TOKENS = 2048
+
+
 class VllmStartError(RuntimeError):
     """The server exited or did not answer /health in time; the message ends with its log's tail."""
 
@@ -76,6 +82,7 @@ class VllmServer:
         omp_threads_bind: str = "auto",
         block_size: int = 32,
         max_model_len: int = 4096,
+        max_num_batched_tokens: int = CPU_MAX_NUM_BATCHED_TOKENS,
         num_gpu_blocks: int | None = None,
         kv_cache_gib: int = 1,
         topic: str = "kv-events",
@@ -94,6 +101,7 @@ class VllmServer:
         self.omp_threads_bind = omp_threads_bind
         self.block_size = block_size
         self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.num_gpu_blocks = num_gpu_blocks
         self.kv_cache_gib = kv_cache_gib
         self.topic = topic
@@ -137,6 +145,7 @@ class VllmServer:
             "url": self.url,
             "events_endpoint": self.events_endpoint,
             "replay_endpoint": self.replay_endpoint,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
         }
 
     # -- command line ----------------------------------------------------------------------------
@@ -165,6 +174,8 @@ class VllmServer:
             "--enable-prompt-tokens-details",
             "--max-model-len",
             str(self.max_model_len),
+            "--max-num-batched-tokens",
+            str(self.max_num_batched_tokens),
             "--enforce-eager",
             "--enable-server-load-tracking",
             "--kv-events-config",
