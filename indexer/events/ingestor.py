@@ -499,12 +499,14 @@ class EventIngestor:
         s.retry_at = now + self.retry_s
         model, worker = s.src.model, s.src.worker
         try:
-            await self.index.clear_worker(model, worker)
+            # The entries are rebuilt tier by tier; the handle map is replaced in one write, never dropped
+            # first: a gateway subscribing meanwhile adopts either the old map or this one, not a torn one.
             for tier in (Tier.GPU, Tier.CPU):
+                await self.index.clear_worker(model, worker, tier)
                 held = s.state.held(tier)
                 for i in range(0, len(held), _PUSH_CHUNK):
                     await self.index.store(model, worker, tier, held[i:i + _PUSH_CHUNK])
-            await self.index.save_handles(model, worker, s.state.export(), [], s.last_seq)
+            await self.index.save_handles(model, worker, s.state.export(), [], s.last_seq, replace=True)
             while s.g4_backlog:
                 await self._g4_call(model, *s.g4_backlog[0])
                 s.g4_backlog.popleft()

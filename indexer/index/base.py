@@ -113,15 +113,20 @@ class BlockIndex(abc.ABC):
 
     # -- handle maps, leases, sweep (single-process defaults; RedisIndex shares them between gateways) -----
     async def save_handles(self, model: str, worker: str, upserts: dict[HandleKey, Handle],
-                           deletes: Collection[HandleKey], seq: int | None) -> None:
-        """Update a worker's handle map (upserts win over deletes of the same key) and its last sequence."""
+                           deletes: Collection[HandleKey], seq: int | None, *, replace: bool = False) -> None:
+        """Update a worker's handle map (upserts win over deletes of the same key) and its last sequence;
+        ``replace``: the map becomes exactly ``upserts``, in one step (a new writer pushing its state: a
+        gateway adopting the map meanwhile never sees it half written)."""
         hm, _ = self._handles.setdefault((model, worker), ({}, None))
+        if replace:
+            hm = {}
         for k in deletes:
             hm.pop(k, None)
         hm.update(upserts)
         self._handles[(model, worker)] = (hm, seq)
 
     async def load_handles(self, model: str, worker: str) -> tuple[dict[HandleKey, Handle], int | None]:
+        """The map and its sequence as one snapshot (what a gateway subscribing to the worker starts from)."""
         hm, seq = self._handles.get((model, worker), ({}, None))
         return dict(hm), seq
 

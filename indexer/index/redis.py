@@ -17,6 +17,10 @@ key                             type   content
 ``P:{M}:seq``                   str    the next worker id.
 ``P:{M}:n``                     hash   entry count per member ``m``.
 ``P:models``                    set    model names that have entries (outside the hash tag).
+``P:{M}:h:<worker>``            hash   the worker's handle map ((group, engine hash) -> kvgate hash and
+                                       its GPU / CPU counts).
+``P:{M}:hseq`` / ``P:{M}:hver`` hash   worker -> last applied event sequence / handle-map version
+                                       (bumped by every map write: a chunked reader detects a change).
 ==============================  =====  ===========================================================
 
 Why this shape: a block costs one hash field (no per-key overhead), each holder a few bytes in that
@@ -106,6 +110,7 @@ class RedisIndex(BlockIndex):
         self._store, self._remove, self._clear = reg(source("store")), reg(source("remove")), reg(source("clear"))
         self._lookup, self._wid = reg(source("lookup")), reg(source("worker_id"))
         self._save_h, self._lease = reg(source("save_handles")), reg(source("lease"))
+        self._load_h = reg(source("load_handles"))
 
     # -- keys -------------------------------------------------------------------------------------------
     def base(self, model: str) -> str:
@@ -232,12 +237,13 @@ class RedisIndex(BlockIndex):
         return removed
 
     # -- handle maps, leases, sweep ---------------------------------------------------------------------
-    def _hkeys(self, model: str, worker: str) -> tuple[str, str]:
+    def _hkeys(self, model: str, worker: str) -> tuple[str, str, str]:
+        """The worker's handle map, the per-worker last sequence, and the per-worker map version."""
         b = self.base(model)
-        return b + "h:" + worker, b + "hseq"
+        return b + "h:" + worker, b + "hseq", b + "hver"
 
     async def save_handles(self, model: str, worker: str, upserts: dict[HandleKey, Handle],
-                           deletes, seq: int | None) -> None:
+                           deletes, seq: int | None, *, replace: bool = False) -> None:
         dels = np.array([k for k in deletes if k not in upserts], dtype=_HKEY).tobytes() if deletes else b""
         ups = b""
         if upserts:
@@ -247,28 +253,43 @@ class RedisIndex(BlockIndex):
             ups = rec.tobytes()
         token = self._fences.get((model, worker), "")
         n = await self._save_h(list(self._hkeys(model, worker)),
-                               [self.base(model), worker, token, "" if seq is None else seq, dels, ups])
+                               [self.base(model), worker, token, "" if seq is None else seq, dels, ups,
+                                "replace" if replace else ""])
         self._checked(int(n), model, worker)
 
-    async def load_handles(self, model: str, worker: str) -> tuple[dict[HandleKey, Handle], int | None]:
-        hkey, seqkey = self._hkeys(model, worker)
-        out: dict[HandleKey, Handle] = {}
-        cursor = 0
-        while True:
-            cursor, chunk = await self._r.hscan(hkey, cursor, count=10_000)
-            if chunk:
-                ks = np.frombuffer(b"".join(chunk.keys()), dtype=_HKEY)
-                vs = np.frombuffer(b"".join(chunk.values()), dtype=_HVAL)
-                out.update(zip(map(tuple, ks.tolist()), map(tuple, vs.tolist())))
-            if cursor == 0:
-                break
-        raw = await self._r.hget(seqkey, worker)
-        return out, (int(raw) if raw is not None else None)
+    async def load_handles(self, model: str, worker: str,
+                           tries: int = 3) -> tuple[dict[HandleKey, Handle], int | None]:
+        """One consistent snapshot of the map and its sequence. The map is scanned in chunks (HSCAN: no long
+        block of Redis) between two reads of its version; when a writer changed it meanwhile (``tries``
+        times), one script reads it whole instead. A torn read would start a gateway's state from a map
+        that matches no sequence: later events then miss their parents and the state stays empty."""
+        hkey, seqkey, verkey = self._hkeys(model, worker)
+        for _ in range(tries):
+            v0 = await self._r.hget(verkey, worker)
+            out: dict[HandleKey, Handle] = {}
+            cursor = 0
+            while True:
+                cursor, chunk = await self._r.hscan(hkey, cursor, count=10_000)
+                out.update(self._decode_handles(chunk))
+                if cursor == 0:
+                    break
+            raw = await self._r.hget(seqkey, worker)
+            if await self._r.hget(verkey, worker) == v0:
+                return out, (int(raw) if raw is not None else None)
+        flat, raw = await self._load_h([hkey, seqkey], [worker])
+        return self._decode_handles(dict(zip(flat[::2], flat[1::2]))), (int(raw) if raw is not None else None)
+
+    @staticmethod
+    def _decode_handles(chunk: dict[bytes, bytes]) -> dict[HandleKey, Handle]:
+        if not chunk:
+            return {}
+        ks = np.frombuffer(b"".join(chunk.keys()), dtype=_HKEY)
+        vs = np.frombuffer(b"".join(chunk.values()), dtype=_HVAL)
+        return dict(zip(map(tuple, ks.tolist()), map(tuple, vs.tolist())))
 
     async def _drop_handles(self, model: str, worker: str) -> None:
-        hkey, seqkey = self._hkeys(model, worker)
-        await self._r.unlink(hkey)
-        await self._r.hdel(seqkey, worker)
+        self._checked(int(await self._save_h(list(self._hkeys(model, worker)),
+                                             [self.base(model), worker, "", "", b"", b"", "drop"])), model, worker)
 
     async def acquire_lease(self, model: str, worker: str, owner: str, ttl_s: float) -> bool:
         b = self.base(model)
@@ -318,6 +339,8 @@ class RedisIndex(BlockIndex):
         names = [n.decode() for n in await self._r.hkeys(b + "w")]
         if names:
             await self._r.unlink(*(b + "h:" + n for n in names))
+            for n in names:  # a reader scanning a map now sees it changed
+                await self._r.hincrby(b + "hver", n, 1)
         await self._r.unlink(b + "hseq")
         # Worker ids stay (other gateways may hold them in their caches); the registry entry goes.
         await self._r.srem(self.models_key, model)

@@ -274,6 +274,12 @@ async def test_handle_map_round_trip_and_clear(index):
     assert await index.load_handles(M, "w1") == ({}, None)
 
 
+async def test_a_replaced_handle_map_holds_only_the_new_entries(index):
+    await index.save_handles(M, "w1", {(0, 1): (H[0], 1, 0), (0, 2): (H[1], 1, 0)}, [], seq=5)
+    await index.save_handles(M, "w1", {(0, 3): (H[2], 0, 1)}, [], seq=9, replace=True)
+    assert await index.load_handles(M, "w1") == ({(0, 3): (H[2], 0, 1)}, 9)
+
+
 async def test_lease_is_exclusive_renewable_and_released(index):
     assert await index.acquire_lease(M, "w1", "gw-a", ttl_s=30)
     assert await index.acquire_lease(M, "w1", "gw-a", ttl_s=30)  # renewal

@@ -32,3 +32,44 @@ async def test_a_stale_writer_is_fenced_off(redis_url):
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_map_adopted_while_a_writer_replaces_it_is_never_torn(redis_url):
+    """A gateway subscribing to a worker reads the handle map in HSCAN chunks while the worker's writer keeps
+    replacing it (a new writer pushing its state) and updating it (event batches). Every snapshot read must
+    be one the writer wrote, with its own sequence: a torn one started a gateway's state empty for good
+    (tests/faults: two gateways, one restarted mid-run)."""
+    w, r = RedisIndex(redis_url, key_prefix="t"), RedisIndex(redis_url, key_prefix="t")
+    try:
+        assert await w.acquire_lease(M, "w1", "gw-w", ttl_s=30)
+
+        def version(seq: int) -> dict:  # a map whose every entry names the sequence it was written at
+            return {(0, k): (seq, 1, 0) for k in range(25_000)}
+
+        await w.save_handles(M, "w1", version(1), [], seq=1, replace=True)
+        stop = asyncio.Event()
+
+        async def write() -> None:
+            seq = 1
+            while not stop.is_set():
+                seq += 1
+                if seq % 2:
+                    await w.save_handles(M, "w1", version(seq), [], seq=seq, replace=True)
+                else:  # a batch: one entry moves on, the rest stay at the previous sequence
+                    await w.save_handles(M, "w1", {(0, 0): (seq, 1, 0)}, [], seq=seq)
+                await asyncio.sleep(0)
+
+        writer = asyncio.create_task(write())
+        try:
+            for _ in range(5):
+                hm, seq = await r.load_handles(M, "w1", tries=2)
+                rest = {v[0] for k, v in hm.items() if k != (0, 0)}
+                assert len(hm) == 25_000 and len(rest) == 1, "a torn map"
+                base = rest.pop()
+                assert hm[(0, 0)][0] in (base, seq) and seq in (base, base + 1), (base, hm[(0, 0)], seq)
+        finally:
+            stop.set()
+            await writer
+    finally:
+        await w.close()
+        await r.close()

@@ -1,8 +1,18 @@
 -- include: locals owner
--- KEYS[1] = the worker's handle map, KEYS[2] = last sequence per worker; ARGV = key base, name, token,
--- seq ("" = none), deletes (12-byte keys), upserts (12-byte key + 16-byte value each). -2 when fenced.
-local base, name, token, seq, dels, ups = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
-if not fence_ok(base, name, token) then return -2 end
+-- KEYS[1] = the worker's handle map, KEYS[2] = last sequence per worker, KEYS[3] = map version per worker;
+-- ARGV = key base, name, token, seq ("" = none), deletes (12-byte keys), upserts (12-byte key + 16-byte value
+-- each), mode: "" update, "replace" (the map becomes exactly the upserts), "drop" (map and sequence gone,
+-- unfenced: a clear). -2 when fenced. Every call bumps the version, so a reader that scans the map in chunks
+-- (load_handles) can tell that it changed under it.
+local base, name, token, seq, dels, ups, mode = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
+if mode ~= 'drop' and not fence_ok(base, name, token) then return -2 end
+call('HINCRBY', KEYS[3], name, 1)
+if mode == 'drop' then
+  call('DEL', KEYS[1])
+  call('HDEL', KEYS[2], name)
+  return 0
+end
+if mode == 'replace' then call('DEL', KEYS[1]) end
 for start = 1, #dels, 12000 do
   local f = {}
   for off = start, min(#dels, start + 11999), 12 do f[#f + 1] = sub(dels, off, off + 11) end
