@@ -176,9 +176,12 @@ class PrefixCache:
 
     # -- allocation ----------------------------------------------------------------------------------------
     def allocate(self, tokens, reserve_tokens: int, cache_salt: str | None = None,
-                 digests: list[bytes] | None = None) -> Allocation | None:
-        """Admit a prompt, holding blocks for ``reserve_tokens`` (prompt + decode). None when the pool
-        cannot hold it right now (the request waits). Queues BlockRemoved/BlockStored events."""
+                 digests: list[bytes] | None = None, hold_tokens: int | None = None) -> Allocation | None:
+        """Admit a prompt if the pool has room for ``reserve_tokens`` (vLLM 0.32's admission gate: the whole
+        prompt must fit, its free prefix hit counted as taken). It holds blocks for all of them, or, with
+        ``hold_tokens``, only for the prefix hit and that many tokens past it (the first chunk: vLLM
+        allocates chunk by chunk; ``grow`` takes the rest). None when the gate fails (the request waits).
+        Queues BlockRemoved/BlockStored events."""
         n_tok = len(tokens)
         digests = self.digests(tokens, cache_salt) if digests is None else digests
         hashes = [external(d) for d in digests]
@@ -208,11 +211,27 @@ class PrefixCache:
                 g4_hit += 1
             self.external_hits += g4_hit * self.block_size
             self.g4.reads += g4_hit
+        if hold_tokens is not None:
+            held = min(reserve_tokens, (hit + g4_hit) * self.block_size + hold_tokens)
+            need_total = self.blocks_needed(held)
         new_ids = self._get_new_blocks(need_total - hit)
         alloc = Allocation(blocks=hit_ids + new_ids, digests=digests, hashes=hashes, hit_blocks=hit, prompt_len=n_tok,
                            g4_blocks=g4_hit, cached_upto=hit, extra={"salt": cache_salt} if cache_salt else {})
-        self.cache_full_blocks(alloc, tokens, len(digests))
+        self.cache_full_blocks(alloc, tokens, min(len(digests), len(alloc.blocks)))
         return alloc
+
+    def grow(self, alloc: Allocation, tokens, num_tokens: int) -> bool:
+        """Hold blocks for the first ``num_tokens`` of a running request (its next chunk, or a decode step
+        crossing into a new block); the prompt's full blocks among them are cached at once, as vLLM caches
+        a chunk's blocks when it schedules them. False, holding nothing more, when the pool is short."""
+        need = self.blocks_needed(num_tokens) - len(alloc.blocks)
+        if need <= 0:
+            return True
+        if need > len(self._free):
+            return False
+        alloc.blocks.extend(self._get_new_blocks(need))
+        self.cache_full_blocks(alloc, tokens, min(len(alloc.digests), len(alloc.blocks)))
+        return True
 
     def _get_new_blocks(self, n: int) -> list[int]:
         out = []

@@ -1,12 +1,17 @@
-"""One simulated vLLM engine, scheduled like vLLM v1: one step loop, a FIFO waiting queue, at most
-``max_num_seqs`` running, and a per-step token budget (``max_num_batched_tokens``, chunked prefill).
+"""One simulated vLLM engine, scheduled like vLLM 0.32's v1 scheduler: one step loop, a FIFO waiting queue,
+at most ``max_num_seqs`` running, and a per-step token budget (``max_num_batched_tokens``, chunked prefill).
 
 Each step goes through the running requests first come first served: a request in decode takes one token of
 the budget, a request still in prefill takes the next chunk of its prompt (as much as the budget left
-allows); then waiting requests are admitted (blocks for prompt + ``max_tokens`` reserved, the head waits for
-room) while budget and seats remain. The step lasts ``TimingModel.step_s`` for what it batched; at its end
-each decode has one more token and a request whose prefill the step finished has its first token. The prefix
-cache's events go out on the engine's publisher once per step."""
+allows). Blocks are held as vLLM holds them: a chunk's blocks when it is scheduled, a decode's next block when
+its tokens reach it. A running request the pool cannot grow preempts the last admitted one (its blocks freed,
+cached ones staying hittable; it goes back to the head of the queue and later recomputes its prompt and what
+it generated). Then, if nothing was preempted, waiting requests are admitted while budget and seats remain:
+the head is admitted only if its whole prompt fits in the free blocks (vLLM's ``scheduler_reserve_full_isl``
+gate, its free prefix hit counted as taken), else it and everything behind it wait. The step lasts
+``TimingModel.step_s`` for what it batched; at its end each decode has one more token and a request whose
+prefill the step finished has its first token. The prefix cache's events go out on the engine's publisher
+once per step."""
 from __future__ import annotations
 
 import asyncio
@@ -89,6 +94,9 @@ class SimRequest:
     arrival: float = 0.0                # loop time of submit
     scheduled_at: float | None = None   # start of the step that first scheduled it
     computed: int = 0                   # prompt tokens with KV (cached, then computed chunk by chunk)
+    prefill_len: int = 0                # tokens to compute before its next token: the prompt, and after a
+                                        # preemption the prompt and the tokens generated so far
+    preemptions: int = 0
     n_out: int = 0                      # tokens sampled so far
     output: np.ndarray | None = None    # its whole deterministic output, drawn at the first token
     # The engine's clock (model seconds of steps run) when it was scheduled and at its first token.
@@ -104,6 +112,7 @@ class EngineStats:
     cached_tokens: int = 0  # prompt tokens from the prefix cache, counted when scheduled
     external_tokens: int = 0  # prompt tokens loaded from G4, counted when scheduled
     generation_tokens: int = 0
+    preemptions: int = 0
     requests_ok: int = 0
     requests_aborted: int = 0
 
@@ -188,7 +197,7 @@ class SimEngine:
         if lo < 0 or hi >= self.vocab_size + 5:  # words + the tokenizer's special tokens
             raise RequestError(f"Token id {hi if hi >= 0 else lo} is out of vocabulary")
         req = SimRequest(tokens=tokens, max_tokens=max(1, max_tokens), cache_salt=cache_salt,
-                         arrival=asyncio.get_running_loop().time())
+                         arrival=asyncio.get_running_loop().time(), prefill_len=len(tokens))
         self.waiting.append(req)
         self._interrupt()
         return req
@@ -242,6 +251,8 @@ class SimEngine:
             if not step.prefills and len(step.decodes) == len(self._running):
                 k = self.stream_interval
                 n = min(min(r.max_tokens, len(r.generated) + k) - r.n_out for r in step.decodes)
+                # ... and until a decode needs a block it does not hold yet
+                n = min(n, min(len(r.alloc.blocks) * self.block_size - self._seq_len(r) for r in step.decodes) + 1)
                 if self._loading and dt > 0:  # a finished load joins the next step
                     n = max(1, min(n, math.ceil((self._loading[0].load_done - start) / dt)))
             done = await self._sleep_steps(loop, start, dt, n)
@@ -272,49 +283,91 @@ class SimEngine:
         t = self.timing
         budget = t.max_num_batched_tokens
         prefills, decodes, compute = [], [], 0.0
-        for r in self._running:
-            if budget <= 0:
+        preempted = False
+        i = 0
+        while i < len(self._running) and budget > 0:
+            r = self._running[i]
+            decoding = r.computed >= r.prefill_len
+            u = 1 if decoding else min(r.prefill_len - r.computed, budget)
+            need = self._seq_len(r) if decoding else r.computed + u
+            while not self.cache.grow(r.alloc, self._seq_tokens(r), need):
+                preempted = True
+                if self._preempt(self._running[-1]) is r:
+                    break
+            if r.alloc is None:  # it was the last one: nothing behind it to take blocks from
                 break
-            if r.n_out:
+            i += 1
+            if decoding:
                 decodes.append(r)
                 budget -= 1
                 continue
-            u = min(len(r.tokens) - r.computed, budget)
             compute += t.chunk_s(u, r.computed)
             prefills.append((r, u))
             budget -= u
+        if preempted:  # vLLM admits nothing in a step that preempted
+            return _Step(start, prefills, decodes, compute)
         # requests whose G4 load has completed join first, as they were admitted earlier
         while budget > 0 and self._loading and self._loading[0].load_done <= start + 1e-9 \
                 and len(self._running) < t.max_num_seqs:
-            r = self._loading.popleft()
+            r = self._loading[0]
+            u = min(r.prefill_len - r.computed, budget)
+            if not self.cache.grow(r.alloc, self._seq_tokens(r), r.computed + u):
+                break
+            self._loading.popleft()
             self._running.append(r)
-            u = min(len(r.tokens) - r.computed, budget)
             compute += t.start_s(r.computed) + t.chunk_s(u, r.computed)
             prefills.append((r, u))
             budget -= u
         while budget > 0 and self.waiting and len(self._running) < t.max_num_seqs:
             r = self.waiting[0]
-            a = self.cache.allocate(r.tokens, len(r.tokens) + r.max_tokens, r.cache_salt)
+            a = self.cache.allocate(self._seq_tokens(r), r.prefill_len, r.cache_salt, hold_tokens=budget)
             if a is None:
                 break  # FIFO, like vLLM's waiting queue: the head waits for room
             self.waiting.popleft()
-            r.alloc, r.scheduled_at, r.scheduled_clock = a, start, self.clock
+            r.alloc = a
             g4 = a.g4_blocks * self.block_size
-            r.cached_tokens = r.computed = a.hit_blocks * self.block_size + g4
-            self.stats.prompt_tokens += len(r.tokens)
-            self.stats.cached_tokens += a.hit_blocks * self.block_size
-            self.stats.external_tokens += g4
+            r.computed = a.hit_blocks * self.block_size + g4
+            if not r.preemptions:
+                r.scheduled_at, r.scheduled_clock = start, self.clock
+                r.cached_tokens = r.computed
+                self.stats.prompt_tokens += len(r.tokens)
+                self.stats.cached_tokens += a.hit_blocks * self.block_size
+                self.stats.external_tokens += g4
             if g4 and t.g4_async_load:  # loads outside the step; joins once its blocks are in
                 begin = max(start, self._g4_free_at)
                 r.load_done = self._g4_free_at = begin + t.wall(t.g4_load_s(g4))
                 self._loading.append(r)
                 continue
             self._running.append(r)
-            u = min(len(r.tokens) - r.computed, budget)
+            u = min(r.prefill_len - r.computed, budget)
             compute += t.start_s(r.computed, g4) + t.chunk_s(u, r.computed)
             prefills.append((r, u))
             budget -= u
         return _Step(start, prefills, decodes, compute)
+
+    def _seq_len(self, r: SimRequest) -> int:
+        """Tokens that need KV slots in r's next decode step: the prompt and every token sampled so far."""
+        return len(r.tokens) + r.n_out
+
+    def _seq_tokens(self, r: SimRequest) -> list[int]:
+        """The sequence r prefills: its prompt, and after a preemption what it had generated."""
+        if r.prefill_len <= len(r.tokens):
+            return r.tokens
+        return r.tokens + [int(x) for x in r.output[:r.prefill_len - len(r.tokens)]]
+
+    def _preempt(self, r: SimRequest) -> SimRequest:
+        """vLLM's recompute preemption: free r's blocks (its full blocks stay cached and hittable) and put it
+        back at the head of the queue, to prefill its prompt and its output so far when readmitted."""
+        self._running.remove(r)
+        self._cache_generated(r)
+        self.cache.free(r.alloc)
+        r.alloc = None
+        r.computed = 0
+        r.prefill_len = self._seq_len(r)
+        r.preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(r)
+        return r
 
     def _apply(self, step: _Step, n: int, dt: float) -> None:
         """The results of ``n`` steps of ``dt`` (n > 1 only for decode-only steps)."""
@@ -324,7 +377,13 @@ class SimEngine:
         for r, u in step.prefills:
             r.computed += u
             self.stats.computed_tokens += u
-            if r.computed < len(r.tokens):
+            if r.computed < r.prefill_len:
+                continue
+            if r.n_out:  # a preempted request recomputed: its next token
+                r.n_out += 1
+                if r.n_out >= r.max_tokens or r.n_out - len(r.generated) >= self.stream_interval:
+                    self._push(r)
+                generated += 1
                 continue
             self.cache.write_g4(r.alloc, r.tokens)
             r.prefill_s = end - r.scheduled_at
@@ -381,16 +440,11 @@ class SimEngine:
         if req.done:
             return
         req.done = True
-        a = req.alloc
         if req.output is not None and req.n_out > len(req.generated):  # sampled, not streamed yet (aborted)
             req.generated.extend(int(x) for x in req.output[len(req.generated):req.n_out])
-        # Blocks filled by generated tokens are cached too (all but the last sampled token has KV).
-        all_tokens = req.tokens + req.generated
-        n_full = (len(all_tokens) - 1) // self.block_size
-        if n_full > len(a.digests):
-            digests = a.digests + self._more_digests(a, all_tokens, n_full)
-            self.cache.cache_full_blocks(a, all_tokens, n_full, digests)
-        self.cache.free(a)
+        if req.alloc is not None:  # None: preempted and aborted before it was readmitted
+            self._cache_generated(req)
+            self.cache.free(req.alloc)
         self.stats.generation_tokens += len(req.generated)
         if req.prefill_s is not None:
             self.h_prefill_time.observe(req.prefill_s)
@@ -405,6 +459,16 @@ class SimEngine:
         else:
             self.stats.requests_ok += 1
         req.out.put_nowait(None)
+
+    def _cache_generated(self, req: SimRequest) -> None:
+        """Cache the full blocks its generated tokens filled (all but the last sampled token have KV)."""
+        a = req.alloc
+        all_tokens = req.tokens + [int(x) for x in req.output[:req.n_out]] if req.output is not None \
+            else req.tokens
+        n_full = min((len(all_tokens) - 1) // self.block_size, len(a.blocks))
+        if n_full > len(a.digests):
+            digests = a.digests + self._more_digests(a, all_tokens, n_full)
+            self.cache.cache_full_blocks(a, all_tokens, n_full, digests)
 
     def _more_digests(self, a: Allocation, all_tokens: list[int], n_full: int) -> list[bytes]:
         from bench.sim.cache import block_digests

@@ -70,7 +70,7 @@ def render_metrics(w: WorkerInfo) -> str:
             "cached tokens.")
     counter("vllm:prompt_tokens", e.stats.prompt_tokens, "Number of prefill tokens processed.")
     counter("vllm:generation_tokens", e.stats.generation_tokens, "Number of generation tokens processed.")
-    counter("vllm:num_preemptions", 0, "Cumulative number of preemption from the engine.")
+    counter("vllm:num_preemptions", e.stats.preemptions, "Cumulative number of preemption from the engine.")
     name = "vllm:prompt_tokens_by_source"
     out.extend([f"# HELP {name}_total Number of prompt tokens by source.", f"# TYPE {name}_total counter"])
     for source, value in (("local_compute", e.stats.computed_tokens), ("local_cache_hit", e.stats.cached_tokens),

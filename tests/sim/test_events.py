@@ -63,7 +63,9 @@ async def test_eviction_batch_has_one_removal_per_block_before_the_store():
         try:
             async with httpx.AsyncClient(timeout=30) as c:
                 await c.post(w.url + "/v1/completions", json={"prompt": list(range(48)), "max_tokens": 1})
-                await c.post(w.url + "/v1/completions", json={"prompt": list(range(1000, 1048)), "max_tokens": 1})
+                # 4 blocks: the never-used one and the 3 cached ones (vLLM holds a prompt's blocks, not its
+                # output's, until decoding reaches them; this one ends at its first token)
+                await c.post(w.url + "/v1/completions", json={"prompt": list(range(1000, 1063)), "max_tokens": 1})
             batches = [msgspec.msgpack.decode((await asyncio.wait_for(sub.recv_multipart(), 10))[2])
                        for _ in range(2)]
         finally:

@@ -163,3 +163,45 @@ async def test_metrics_export_vllms_scheduler_histograms():
     assert f"vllm:time_to_first_token_seconds_count{lab} 1.0" in text
     assert f'vllm:iteration_tokens_total_bucket{{engine="0",model_name="sim-model",le="8192.0"}}' in text
     assert math.isfinite(float(text.split(f"vllm:request_queue_time_seconds_sum{lab} ")[1].split()[0]))
+
+
+# -- KV blocks: held as vLLM 0.32 holds them -----------------------------------------------------------------
+async def test_a_chunked_prompt_holds_blocks_chunk_by_chunk_and_is_admitted_if_its_prompt_fits():
+    # 20 blocks x 16 tokens: a 300-token prompt (19 blocks) with 100 tokens to generate is admitted (vLLM's
+    # gate counts the prompt, not the output), and it holds blocks for the chunks scheduled so far
+    async with engine(budget=100, num_blocks=20, scale=1) as e:
+        r = e.submit(prompt(300, 50), 12)
+        while e.steps < 1:
+            await asyncio.sleep(0.001)
+        # the step loop plans the next step as soon as one ends: steps done + 1 chunks are held
+        held = min(300, 100 * (e.steps + 1))
+        assert e.steps < 2 and len(r.alloc.blocks) == math.ceil(held / 16) == 13 and e.cache.num_free == 7
+        await drain(r)
+        assert len(r.generated) == 12 and e.stats.preemptions == 0
+
+
+async def test_a_pool_that_runs_out_while_decoding_preempts_the_last_admitted_and_both_complete():
+    # 10 blocks x 16 tokens; two 48-token prompts (3 blocks each) are admitted together, and each needs 7
+    # blocks by its 60th token: the pool runs out, the second is preempted (its blocks freed, its full
+    # blocks still cached) and readmitted when the first ends, recomputing its prompt and its output so far
+    async with engine(num_blocks=10) as e:
+        a, b = e.submit(prompt(48, 60), 60), e.submit(prompt(48, 61), 60)
+        await drain(a, b)
+        assert a.preemptions == 0 and b.preemptions >= 1 and e.stats.preemptions == b.preemptions
+        for r in (a, b):  # every token delivered once, in order: the same output as an unpreempted run
+            assert len(r.generated) == 60 and r.generated == [int(x) for x in r.output]
+        assert b.cached_tokens == 0 and e.stats.prompt_tokens == 96  # counted at the first admission
+        assert e.cache.num_free == 10
+
+
+async def test_preemptions_are_exported_as_vllm_num_preemptions():
+    async with SimFleet(FleetConfig(workers=1, num_blocks=10, block_size=16,
+                                    timing=DEFAULT_TIMING.with_(time_scale=1000), stream_interval=4)) as f:
+        url = f.workers[0].url
+        async with httpx.AsyncClient(timeout=30) as c:
+            await asyncio.gather(*(c.post(url + "/v1/completions",
+                                          json={"prompt": list(range(i, i + 48)), "max_tokens": 60})
+                                   for i in (0, 1000)))
+            text = (await c.get(url + "/metrics")).text
+    line = next(x for x in text.splitlines() if x.startswith("vllm:num_preemptions_total{"))
+    assert float(line.rsplit(" ", 1)[1]) >= 1
