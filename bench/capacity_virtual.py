@@ -15,6 +15,9 @@ state (``bench.policy_virtual.candidate``: its real hit now, the queue's prefill
 routing settings; the sglang-router ``cache_aware`` emulation (``bench.policy_virtual``); round_robin;
 least prefill time ahead (``bench.sim.virtual``'s own). The engines' timing is a CPU-vLLM-like model set by
 ``--prefill-tps`` and ``--step-ms`` (not calibrated to one machine: policies are compared, not seconds).
+``--g4``: the engines share one G4 store, as the real run's ``--g4`` (kvgate's connector on both servers):
+every prompt's full blocks are written after its prefill, a local miss loads them (asynchronously, one load
+at a time per engine at ``--g4-gbps``), and the gateway's candidates price that load.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from bench import mixed_workload as mw
 from bench.policy_virtual import placer, sglang_cache_aware
 from router.policies.kv import kv_order, scorers_of
 from bench.sim import virtual as vt
-from bench.sim.cache import PrefixCache, external
+from bench.sim.cache import PrefixCache, SharedG4Store, external
 from bench.sim.engine import SimEngine
 from bench.sim.timing import TimingModel
 from indexer.index.base import WorkerMatch
@@ -66,11 +69,14 @@ def prompts_of(clients) -> list[list[int]]:
     return [ids for _, sessions in clients for turns in sessions for ids in turns]
 
 
-def cpu_timing(prefill_tps: float = 1500.0, step_ms: float = 30.0, batched_tokens: int = 4096) -> TimingModel:
+def cpu_timing(prefill_tps: float = 1500.0, step_ms: float = 30.0, batched_tokens: int = 4096,
+               g4_read_gbps: float = 1.0) -> TimingModel:
     """A small model on one CPU core: prefill linear in the new tokens (no attention term at these
-    lengths), a fixed cost per request, a decode step of ``step_ms``."""
+    lengths), a fixed cost per request, a decode step of ``step_ms``; G4 blocks of a 12-layer, 768-wide
+    bf16 model (36 KiB of KV per token) read at ``g4_read_gbps`` GB/s (a file read and a copy on a CPU)."""
     return TimingModel(overhead_s=0.02, a_s_per_token=1.0 / prefill_tps, decode_s=step_ms / 1000.0,
-                       decode_s_per_seq=0.001, max_num_seqs=256, max_num_batched_tokens=batched_tokens)
+                       decode_s_per_seq=0.001, max_num_seqs=256, max_num_batched_tokens=batched_tokens,
+                       kv_bytes_per_token=36_864, g4_read_bytes_per_s=g4_read_gbps * 1e9)
 
 
 def round_robin():
@@ -79,10 +85,12 @@ def round_robin():
 
 
 async def closed_loop(clients, place, *, workers: int, num_blocks: int, block_size: int, timing: TimingModel,
-                      max_tokens: int, stagger_s: float) -> list[Turn]:
+                      max_tokens: int, stagger_s: float, g4: bool = False) -> list[Turn]:
     """Every client's sessions in order, each turn sent when the last one's answer is complete; call on a
-    :class:`bench.sim.virtual.VirtualLoop`."""
-    engines = [SimEngine(PrefixCache(num_blocks, block_size), None, timing) for _ in range(workers)]
+    :class:`bench.sim.virtual.VirtualLoop`. ``g4``: the engines share one G4 store (kvgate's connector on
+    both servers: every prompt's full blocks are written after its prefill, and a local miss loads them)."""
+    store = SharedG4Store() if g4 else None
+    engines = [SimEngine(PrefixCache(num_blocks, block_size, g4=store), None, timing) for _ in range(workers)]
     for e in engines:
         e.start()
     loop = asyncio.get_running_loop()
@@ -261,10 +269,11 @@ class PredictingView(GatewayView):
         self.free_of(i, e)  # scrapes when due
         w.active, w.load = self.tracker(i), self.seen[i][1]
         stored = e.cache.longest_hit(digests, len(tokens), hashes)
+        g4 = e.cache.g4_run(hashes)  # the index's G4 run, from the first block
         # blocks requests in flight here are computing (the gateway's pending blocks, router/pending.py)
         inflight = max((shared_blocks(hashes, s.hashes) for s in w.active._live.values() if s.hashes), default=0)
         local = max(stored, inflight)
-        return self.cost.score(w, WorkerMatch(gpu=local, local=local), 0, len(tokens), bs, local - stored,
+        return self.cost.score(w, WorkerMatch(gpu=local, local=local), g4, len(tokens), bs, local - stored,
                                hashes), hashes
 
     def sent(self, i: int, e: SimEngine, tokens: list[int], max_tokens: int) -> Sequence:
@@ -316,20 +325,21 @@ def predicting_placer(routing: dict, scrape_s: float = 1.0, current: bool = True
     return place
 
 
-def calibrated(timing: TimingModel) -> dict:
+def calibrated(timing: TimingModel, block_size: int = 32) -> dict:
     """The cost model's figures for engines of ``timing`` (``cpu_timing``), as if calibrated: the gateway
     learns them from vLLM's histograms, which the engines here do not export."""
     return {"prefill_tokens_per_s": 1.0 / timing.a_s_per_token, "attention_knee_tokens": 0,
             "step_ms": timing.decode_s * 1000.0, "per_decode_ms": timing.decode_s_per_seq * 1000.0,
             "request_overhead_ms": timing.overhead_s * 1000.0,
-            "max_num_batched_tokens": timing.max_num_batched_tokens}
+            "max_num_batched_tokens": timing.max_num_batched_tokens,
+            "g4_bytes_per_block": timing.kv_bytes_per_token * block_size, "g4_bytes_per_s": timing.g4_read_bytes_per_s}
 
 
-def gateway_placer(routing: dict, timing: TimingModel, scrape_s: float = 1.0):
+def gateway_placer(routing: dict, timing: TimingModel, scrape_s: float = 1.0, block_size: int = 32):
     """The kv policy as the gateway runs it: its scorers over the gateway's own predicted candidates (a
     :class:`PredictingView` per engine, the cost model at the engines' figures, ``calibrated``), not the
     engines' true state."""
-    cfg = {**calibrated(timing), **routing}
+    cfg = {**calibrated(timing, block_size), **routing}
     view = PredictingView(scrape_s, cfg)
     rc = RoutingConfig(**cfg)
     scorers, turn = scorers_of(rc), count(1)
@@ -347,12 +357,12 @@ PREDICTORS = {"session 16: admitted, held, cascade": True, "before: every prefil
 
 
 def placements(variants: dict[str, dict], scrape_s: float = 0.0, live: bool = True,
-               gateway: TimingModel | None = None) -> dict:
+               gateway: TimingModel | None = None, block_size: int = 32) -> dict:
     """Fresh placement state per run: name -> factory. ``gateway``: the engines' timing, to add each
     variant as the gateway runs it (``gateway_placer``)."""
     out = {f"{name}": (lambda r=routing: kv_placer(r, scrape_s, live)) for name, routing in variants.items()}
     if gateway is not None:
-        out.update({f"{name}, gateway's predictions": (lambda r=routing: gateway_placer(r, gateway, scrape_s or 1.0))
+        out.update({f"{name}, gateway's predictions": (lambda r=routing: gateway_placer(r, gateway, scrape_s or 1.0, block_size))
                     for name, routing in variants.items()})
     out[PEER] = sglang_cache_aware
     out["round_robin"] = round_robin
@@ -372,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-tps", type=float, default=1500.0, help="prefill tokens per second per engine")
     p.add_argument("--step-ms", type=float, default=30.0, help="a decode step's base time")
     p.add_argument("--batched-tokens", type=int, default=4096, help="max_num_batched_tokens")
+    p.add_argument("--g4", action="store_true", help="both engines share a G4 store (the --g4 real run)")
+    p.add_argument("--g4-gbps", type=float, default=1.0, help="G4 read bandwidth per engine, GB/s")
     p.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE,...",
                    help="also run kv with these routing settings (repeatable)")
     p.add_argument("--scrape-s", type=float, default=1.0,
@@ -404,16 +416,17 @@ def main(argv: list[str] | None = None) -> int:
                       doc_tokens=args.doc_tokens, agents=args.agents, agent_turns=args.agent_turns,
                       chats=args.sessions, chat_turns=args.turns, first_tokens=args.first_tokens,
                       turn_tokens=args.turn_tokens)
-    timing = cpu_timing(args.prefill_tps, args.step_ms, args.batched_tokens)
+    timing = cpu_timing(args.prefill_tps, args.step_ms, args.batched_tokens, args.g4_gbps)
     variants = dict(VARIANTS)
     for v in args.variant:
         variants[f"kv {v}"] = overrides(v)
     if args.predict:
-        runs = {k: (lambda c=c: predicting_placer(calibrated(timing), args.scrape_s or 1.0, c))
+        runs = {k: (lambda c=c: predicting_placer(calibrated(timing, args.block_size), args.scrape_s or 1.0, c))
                 for k, c in PREDICTORS.items()}
     else:
         runs = {k: f for k, f in placements(variants, args.scrape_s, not args.stale,
-                                            timing if args.gateway else None).items() if args.only in k}
+                                            timing if args.gateway else None, args.block_size).items()
+                if args.only in k}
     results: dict[str, list[dict]] = {k: [] for k in runs}
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     with tempfile.TemporaryDirectory(prefix="kvgate-capvirt-") as tokdir:
@@ -430,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             place = make()
             turns = vt.run(closed_loop(clients, place or vt._place, workers=2, num_blocks=blocks,
                                        block_size=args.block_size, timing=timing, max_tokens=args.max_tokens,
-                                       stagger_s=args.stagger))
+                                       stagger_s=args.stagger, g4=args.g4))
             s = summary(turns)
             if args.predict or hasattr(place, "view") and hasattr(place.view, "outcomes"):
                 s["prediction"] = prediction_summary(place.view.outcomes, place.view.ttft_ratios)

@@ -27,13 +27,14 @@ def candidate(i: int, e: SimEngine, digests, hashes, tokens: list[int], free: fl
     """``free``: the share of KV no running request holds, as the gateway last saw it (default: now)."""
     c, t = e.cache, e.timing
     hit = c.longest_hit(digests, len(tokens), hashes)
-    cached = hit * c.block_size
+    g4 = c.g4_run(hashes, hit)
+    cached = (hit + g4) * c.block_size
     queue_s = sum(t.chunk_s(len(r.tokens) - r.computed, r.computed) + t.start_s(r.computed) for r in e.waiting)
     queue_s += sum(t.chunk_s(len(r.tokens) - r.computed, r.computed) for r in e._running if not r.n_out)
-    own_s = t.prefill_s(len(tokens) - cached, cached)
+    own_s = t.prefill_s(len(tokens) - cached, cached, g4 * c.block_size)
     queued = sum(len(r.tokens) - r.computed for r in e.waiting)
     free = 1.0 - c.usage() if free is None else free
-    return Candidate(worker=str(i), local_blocks=hit, gpu_blocks=hit, cached_tokens=cached,
+    return Candidate(worker=str(i), local_blocks=hit, gpu_blocks=hit, g4_blocks=g4, cached_tokens=cached,
                      uncached_tokens=len(tokens) - cached, prefill_work=own_s * MS, prefill_tokens_per_s=MS,
                      queue_ms=queue_s * MS, prefill_ms=own_s * MS, predicted_ttft_ms=(queue_s + own_s) * MS,
                      load=len(e.waiting) + len(e._running), queue_tokens=queued, kv_demand_tokens=queued,

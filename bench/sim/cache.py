@@ -171,6 +171,16 @@ class PrefixCache:
             n += 1
         return n
 
+    def g4_run(self, hashes: list[int], start: int = 0) -> int:
+        """Blocks of ``hashes`` past ``start`` that the shared G4 store holds, consecutively (0 without G4):
+        what an admission at ``start`` local blocks would load. Touches nothing."""
+        if self.g4 is None:
+            return 0
+        n = start
+        while n < len(hashes) and hashes[n] in self.g4:
+            n += 1
+        return n - start
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -206,9 +216,9 @@ class PrefixCache:
         if self.g4 is not None:
             limit = min(len(digests), (n_tok - 1) // self.block_size)
             self.external_queries += n_tok - hit * self.block_size
-            while hit + g4_hit < limit and hashes[hit + g4_hit] in self.g4:
-                self.g4.touch(hashes[hit + g4_hit])
-                g4_hit += 1
+            g4_hit = self.g4_run(hashes[:limit], hit)
+            for h in hashes[hit:hit + g4_hit]:
+                self.g4.touch(h)
             self.external_hits += g4_hit * self.block_size
             self.g4.reads += g4_hit
         if hold_tokens is not None:

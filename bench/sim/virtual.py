@@ -89,10 +89,7 @@ def _place(engines: Sequence[SimEngine], tokens: list[int]) -> int:
     for i, e in enumerate(engines):
         c, t = e.cache, e.timing
         hit = c.longest_hit(digests, len(tokens), hashes)
-        g4 = 0
-        if c.g4 is not None:
-            while hit + g4 < limit and hashes[hit + g4] in c.g4:
-                g4 += 1
+        g4 = c.g4_run(hashes, hit)
         cached = (hit + g4) * c.block_size
         # model seconds of prefill ahead of it (queued, loading from G4 and unfinished prompts), then its own
         cost = sum(t.chunk_s(len(r.tokens) - r.computed, r.computed) + t.start_s(r.computed)

@@ -24,9 +24,9 @@ def clients(tmp_path_factory):
     return cv.render_clients(str(out), SPEC, 0, 8)
 
 
-def run(clients, place, blocks: int) -> list[cv.Turn]:
+def run(clients, place, blocks: int, g4: bool = False) -> list[cv.Turn]:
     return vt.run(cv.closed_loop(clients, place, workers=2, num_blocks=blocks, block_size=BS,
-                                 timing=cv.cpu_timing(), max_tokens=8, stagger_s=0.2))
+                                 timing=cv.cpu_timing(), max_tokens=8, stagger_s=0.2, g4=g4))
 
 
 def test_every_turn_runs_once_in_order_and_waits_for_the_last_answer(clients):
@@ -116,3 +116,22 @@ def test_the_kv_policy_on_the_gateways_own_predictions(clients):
     assert len(place.view.outcomes) == len(place.view.ttft_ratios) == len(turns)
     assert all(0 < r < 100 for r in place.view.ttft_ratios)
     assert kv == cv.summary(run(clients, cv.gateway_placer({}, timing), blocks))
+
+
+def test_with_g4_every_placement_finds_what_any_engine_computed(clients):
+    """``--g4``: the engines share a G4 store, so a prompt computed once is cached for every placement
+    (round_robin included: its hit rate reaches the cache-aware ones'), and the gateway's predicted cached
+    tokens count the G4 blocks it would load: the kv policy on its own predictions prices every request's
+    G4 run and predicts the delivered cached tokens of most requests exactly."""
+    prompts = cv.prompts_of(clients)
+    blocks = mw.kv_blocks_for(mw.distinct_blocks(prompts, BS), 3.0, BS, max(map(len, prompts)) + 8)
+    rr_local = cv.summary(run(clients, cv.round_robin(), blocks))
+    rr = cv.summary(run(clients, cv.round_robin(), blocks, g4=True))
+    sg = cv.summary(run(clients, cv.placements({})[cv.PEER](), blocks, g4=True))
+    place = cv.gateway_placer({}, cv.cpu_timing(), block_size=BS)
+    kv = cv.summary(run(clients, place, blocks, g4=True))
+    assert rr["hit_rate"] > rr_local["hit_rate"] + 0.1
+    assert abs(rr["hit_rate"] - sg["hit_rate"]) < 0.05 and abs(kv["hit_rate"] - sg["hit_rate"]) < 0.05
+    outcomes = place.view.outcomes
+    assert sum(p == d for _, p, d in outcomes) >= 0.8 * len(outcomes)
+    assert sum(p for _, p, _ in outcomes) > sum(i for i, _, _ in outcomes)  # G4 blocks past the local prefix
