@@ -332,7 +332,8 @@ def calibrated(timing: TimingModel, block_size: int = 32) -> dict:
             "step_ms": timing.decode_s * 1000.0, "per_decode_ms": timing.decode_s_per_seq * 1000.0,
             "request_overhead_ms": timing.overhead_s * 1000.0,
             "max_num_batched_tokens": timing.max_num_batched_tokens,
-            "g4_bytes_per_block": timing.kv_bytes_per_token * block_size, "g4_bytes_per_s": timing.g4_read_bytes_per_s}
+            "g4_bytes_per_block": timing.kv_bytes_per_token * block_size,
+            "g4_bytes_per_s": timing.g4_read_bytes_per_s}
 
 
 def gateway_placer(routing: dict, timing: TimingModel, scrape_s: float = 1.0, block_size: int = 32):
@@ -362,7 +363,8 @@ def placements(variants: dict[str, dict], scrape_s: float = 0.0, live: bool = Tr
     variant as the gateway runs it (``gateway_placer``)."""
     out = {f"{name}": (lambda r=routing: kv_placer(r, scrape_s, live)) for name, routing in variants.items()}
     if gateway is not None:
-        out.update({f"{name}, gateway's predictions": (lambda r=routing: gateway_placer(r, gateway, scrape_s or 1.0, block_size))
+        out.update({f"{name}, gateway's predictions":
+                    (lambda r=routing: gateway_placer(r, gateway, scrape_s or 1.0, block_size))
                     for name, routing in variants.items()})
     out[PEER] = sglang_cache_aware
     out["round_robin"] = round_robin

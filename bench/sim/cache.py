@@ -171,13 +171,14 @@ class PrefixCache:
             n += 1
         return n
 
-    def g4_run(self, hashes: list[int], start: int = 0) -> int:
-        """Blocks of ``hashes`` past ``start`` that the shared G4 store holds, consecutively (0 without G4):
-        what an admission at ``start`` local blocks would load. Touches nothing."""
+    def g4_run(self, hashes: list[int], start: int = 0, end: int | None = None) -> int:
+        """Blocks of ``hashes[start:end]`` that the shared G4 store holds, consecutively from ``start`` (0
+        without G4): what an admission at ``start`` local blocks would load. Touches nothing."""
         if self.g4 is None:
             return 0
+        end = len(hashes) if end is None else min(end, len(hashes))
         n = start
-        while n < len(hashes) and hashes[n] in self.g4:
+        while n < end and hashes[n] in self.g4:
             n += 1
         return n - start
 
@@ -216,7 +217,7 @@ class PrefixCache:
         if self.g4 is not None:
             limit = min(len(digests), (n_tok - 1) // self.block_size)
             self.external_queries += n_tok - hit * self.block_size
-            g4_hit = self.g4_run(hashes[:limit], hit)
+            g4_hit = self.g4_run(hashes, hit, limit)
             for h in hashes[hit:hit + g4_hit]:
                 self.g4.touch(h)
             self.external_hits += g4_hit * self.block_size

@@ -288,8 +288,7 @@ class RedisIndex(BlockIndex):
         return dict(zip(map(tuple, ks.tolist()), map(tuple, vs.tolist())))
 
     async def _drop_handles(self, model: str, worker: str) -> None:
-        self._checked(int(await self._save_h(list(self._hkeys(model, worker)),
-                                             [self.base(model), worker, "", "", b"", b"", "drop"])), model, worker)
+        await self._save_h(list(self._hkeys(model, worker)), [self.base(model), worker, "", "", b"", b"", "drop"])
 
     async def acquire_lease(self, model: str, worker: str, owner: str, ttl_s: float) -> bool:
         b = self.base(model)
@@ -339,8 +338,10 @@ class RedisIndex(BlockIndex):
         names = [n.decode() for n in await self._r.hkeys(b + "w")]
         if names:
             await self._r.unlink(*(b + "h:" + n for n in names))
-            for n in names:  # a reader scanning a map now sees it changed
-                await self._r.hincrby(b + "hver", n, 1)
+            async with self._r.pipeline(transaction=False) as p:  # one round trip for every worker's bump
+                for n in names:  # a reader scanning a map now sees it changed
+                    p.hincrby(b + "hver", n, 1)
+                await p.execute()
         await self._r.unlink(b + "hseq")
         # Worker ids stay (other gateways may hold them in their caches); the registry entry goes.
         await self._r.srem(self.models_key, model)
