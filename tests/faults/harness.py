@@ -133,6 +133,7 @@ class Load:
     conversations: int = 6
     turn_tokens: int = 48
     results: list[Result] = field(default_factory=list)
+    active: list[Result] = field(default_factory=list)  # requests in flight now
     stop: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def run(self) -> None:
@@ -147,7 +148,12 @@ class Load:
             prompt = prompt + [1000 + i * 5000 + 100 * turn + k for k in range(self.turn_tokens)]
             url = self.urls[(i + turn) % len(self.urls)]
             stream = bool(i % 2)  # streams are long (1500 tokens): a crash cuts some of them mid-way
-            res = await request(c, url, prompt, stream=stream, max_tokens=1500 if stream else 8)
+            res = Result(stream=stream)
+            self.active.append(res)
+            try:
+                await request(c, url, prompt, stream=stream, max_tokens=1500 if stream else 8, res=res)
+            finally:
+                self.active.remove(res)
             self.results.append(res)
             await asyncio.sleep(0.05)
 
@@ -155,15 +161,20 @@ class Load:
         """Requests that did not get a complete answer and were not already streaming when they failed."""
         return [r for r in self.results if not r.done and not (r.first_byte and r.error_event)]
 
+    def streaming_on(self, worker: str) -> int:
+        """Streams in flight whose first token came from ``worker``."""
+        return sum(1 for r in self.active if r.stream and r.first_byte and r.worker == worker)
+
     def cut_mid_stream(self) -> list[Result]:
         return [r for r in self.results if r.first_byte and not r.done]
 
 
-async def request(c: httpx.AsyncClient, url: str, prompt: list[int], stream: bool, max_tokens: int = 8) -> Result:
+async def request(c: httpx.AsyncClient, url: str, prompt: list[int], stream: bool, max_tokens: int = 8,
+                  res: Result | None = None) -> Result:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
-    res = Result(stream=stream)
+    res = res or Result(stream=stream)
     try:
         async with c.stream("POST", url + "/v1/completions", json=body) as r:
             res.status = r.status_code

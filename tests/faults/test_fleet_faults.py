@@ -141,8 +141,10 @@ async def test_worker_killed_under_load(redis, sims, gateways):
     load = Load([gw.url], conversations=6)
     runner = asyncio.create_task(load.run())
     await asyncio.sleep(2.0)
-    # The victim: the worker with the most requests in flight (its streams are cut mid-way).
-    victim = max((a, b), key=lambda s: gw.state.registry.get(s.name).inflight)
+    # The victim: a worker streaming now (so the crash cuts streams mid-way). Choosing by in-flight
+    # requests alone could pick a worker serving only short non-streamed requests (CI saw none cut).
+    await wait_for(lambda: load.streaming_on("a") + load.streaming_on("b") > 0, what="a stream under way")
+    victim = max((a, b), key=lambda s: load.streaming_on(s.name))
     a, b = (victim, b if victim is a else a)
     a.kill()
     await asyncio.sleep(2.0)
