@@ -61,6 +61,19 @@ def one_core_each(n: int) -> list[str]:
     return [str(i) if n <= cores else "auto" for i in range(n)]
 
 
+def cpu_dtype(cpuinfo: str | None = None) -> str:
+    """The dtype a CPU vLLM server computes in here: the models are saved in bfloat16, which vLLM 0.32 keeps
+    on the CPU, but without native bfloat16 (AVX512-BF16 or AMX) its matmuls are emulated. Measured on an
+    AVX2-only EPYC core, 152M model, 1,000-token prompt alone: bfloat16 27.5 s, float32 4.7 s (5.8x)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return "float32"
+    flags = set(cpuinfo.split())
+    return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
+
+
 class VllmServer:
     """A vLLM OpenAI-compatible server on loopback with KV events. ``start()`` returns at once;
     ``wait_ready()`` blocks until ``/health`` answers 200.
@@ -83,6 +96,7 @@ class VllmServer:
         block_size: int = 32,
         max_model_len: int = 4096,
         max_num_batched_tokens: int = CPU_MAX_NUM_BATCHED_TOKENS,
+        dtype: str | None = None,
         num_gpu_blocks: int | None = None,
         kv_cache_gib: int = 1,
         topic: str = "kv-events",
@@ -102,6 +116,7 @@ class VllmServer:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.dtype = dtype or cpu_dtype()  # an explicit --dtype in extra_args wins
         self.num_gpu_blocks = num_gpu_blocks
         self.kv_cache_gib = kv_cache_gib
         self.topic = topic
@@ -178,6 +193,7 @@ class VllmServer:
             str(self.max_num_batched_tokens),
             "--enforce-eager",
             "--enable-server-load-tracking",
+            *(() if "--dtype" in self.extra_args else ("--dtype", self.dtype)),
             "--kv-events-config",
             json.dumps(events),
         ]
