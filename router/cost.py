@@ -59,6 +59,7 @@ STEP_FLOOR_SHARE = 0.01
 # The share of vLLM's prefill seconds always counted as prefill compute (observe_engine_prefill).
 MIN_COMPUTE_SHARE = 0.5
 MIN_TTFT_MS, MAX_TTFT_MS = 0.1, 3_600_000.0
+TPS_RANGE = (1.0, 1e8)  # prefill tokens/s a first sample may set (later ones move within 10x per sample)
 
 
 @dataclass(slots=True)
@@ -126,6 +127,7 @@ class CostModel:
     def __init__(self, cfg: RoutingConfig) -> None:
         self.cfg = cfg
         self.fleet_tps = cfg.prefill_tokens_per_s  # every observation calibrates it
+        self.fleet_samples = 0  # the first replaces the prior (_calibrate)
         # Step and overhead figures, fleet-wide: every worker's samples move it (the per-worker figures are
         # kept, and used with per_worker_prefill_speed, for the same reason as the speed: identical workers
         # whose own estimates differ by noise would send every cold request to the one that looks faster).
@@ -320,11 +322,24 @@ class CostModel:
         self._calibrate(worker, requests * self.work(per_request, cached) / compute_s)
 
     def _calibrate(self, worker, observed_tps: float) -> None:
-        """One sample moves the fleet's estimate by ``calibration_alpha`` and the worker's ratio to it by a
-        quarter of that; each is clamped to a factor of 10 around its current value."""
-        a = self.cfg.calibration_alpha
+        """The first sample replaces the configured prior (within ``TPS_RANGE``); later ones move the fleet's
+        estimate as a running mean until that weighs less than ``calibration_alpha``, then by it, each
+        clamped to a factor of 10 around the current value; the worker's ratio to it moves by a quarter of
+        that. Why: the prior is a guess (10,000 tokens/s), and the clamp and EWMA meant for noisy samples
+        kept it for the whole run where it was 100x off (capacity-bound CPU vLLM: the warm-up measured 35
+        tokens/s, the first scrape moved the prior to 6,724, and the first wave was priced 180-560x under)."""
+        if not observed_tps == observed_tps:  # NaN
+            return
+        n = self.fleet_samples
+        self.fleet_samples = n + 1
         fleet = self.fleet_tps
+        if n == 0:
+            self.fleet_tps = min(TPS_RANGE[1], max(TPS_RANGE[0], observed_tps))
+            worker.prefill_samples += 1
+            return
+        a = max(self.cfg.calibration_alpha, 1.0 / (n + 1))
         self.fleet_tps = (1 - a) * fleet + a * min(fleet * 10, max(fleet / 10, observed_tps))
+        a = self.cfg.calibration_alpha
         b = a * RATIO_ALPHA_SHARE
         ratio = worker.prefill_ratio
         worker.prefill_ratio = (1 - b) * ratio + b * min(ratio * 10, max(ratio / 10, observed_tps / fleet))

@@ -84,12 +84,32 @@ def test_calibration_moves_towards_observed_speed():
                              ttft_fit=False))
     w = worker("a")
     c = cm.score(w, WorkerMatch(), g4=0, num_tokens=4000, block_size=16)
-    cm.observe_ttft(w, 1.0, c)  # 4000 tokens in 1 s: 4000 t/s observed
-    assert cm.prefill_speed(w) == 2500.0
+    cm.observe_ttft(w, 1.0, c)  # 4000 tokens in 1 s: 4000 t/s observed, the first sample: the prior goes
+    assert cm.prefill_speed(w) == 4000.0
     small = cm.score(w, WorkerMatch(), g4=0, num_tokens=10, block_size=16)
     cm.observe_ttft(w, 5.0, small)  # too small to say anything about prefill speed
-    assert cm.prefill_speed(w) == 2500.0
-    assert cm.score(w, WorkerMatch(), g4=0, num_tokens=5000, block_size=16).prefill_ms == 2000.0
+    assert cm.prefill_speed(w) == 4000.0
+    c = cm.score(w, WorkerMatch(), g4=0, num_tokens=4000, block_size=16)
+    cm.observe_ttft(w, 2.0, c)  # 2000 t/s: moves halfway (alpha 0.5)
+    assert cm.prefill_speed(w) == 3000.0
+    assert cm.score(w, WorkerMatch(), g4=0, num_tokens=6000, block_size=16).prefill_ms == 2000.0
+
+
+def test_the_first_measurement_replaces_a_prior_that_is_far_off():
+    """The prior (10,000 tokens/s) is a guess: vLLM's first measured prefills replace it, so the first
+    burst after a start is priced at the servers' speed. Capacity-bound CPU vLLM (bfloat16 emulated) ran
+    35 tokens/s; moved by the EWMA from the prior, the first wave was priced at 6,724 tokens/s and its
+    TTFTs came 180-560x the prediction. Later samples average in, each still clamped to 10x."""
+    cm = model(RoutingConfig(attention_knee_tokens=0, calibration_alpha=0.2))
+    w = worker("a")
+    cm.observe_engine_prefill(w, tokens=5056, seconds=5056 / 35.0, requests=2)  # the warm-up, at idle
+    assert cm.prefill_speed(w) == pytest.approx(35.0, rel=0.02)
+    queued = cm.score(w, WorkerMatch(), g4=0, num_tokens=900, block_size=32)
+    assert queued.predicted_ttft_ms > 900 / 40.0 * 1000  # >= 22 s, not 0.2 s
+    cm.observe_engine_prefill(w, tokens=4000, seconds=4000 / 65.0, requests=4)  # under load, batched
+    assert cm.prefill_speed(w) == pytest.approx(50.0, rel=0.05)  # a running mean of the two
+    cm.observe_engine_prefill(w, tokens=4000, seconds=4000 / 1e9, requests=4)  # absurd: clamped to 10x
+    assert cm.prefill_speed(w) < 50.0 * 10
 
 
 def test_policies_order():
