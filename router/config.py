@@ -146,6 +146,10 @@ class RoutingConfig(BaseModel):
     footprint_weight: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     # kv policy: ms per request in flight beyond the least loaded candidate (0: the TTFT prices the queue).
     load_weight: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    # Eviction model (router/cost.py): while vLLM's last scrape shows requests waiting, a candidate's cached
+    # prefix that no request in flight holds is priced evicted before this request runs (its blocks sit in
+    # the free queue, and the waiting prompts allocate first).
+    waiting_evicts: bool = False
     pending_max_blocks: int = 100_000
     # Texts of deferred prompts in flight kept beside their blocks (router/pending.py), in bytes; 0: none.
     pending_text_bytes: int = Field(16 << 20, ge=0)

@@ -185,7 +185,10 @@ class CostModel:
         demand = v.kv_demand_tokens + lost  # what the queue allocates beyond the room
         p = eviction.pressure(demand, kv_free_tokens)
         ev_model, older = "", 0.0
-        if p > 0 and indexed > 0:
+        if cfg.waiting_evicts and indexed > 0 and load.waiting > 0:
+            held = worker.active.held_blocks(hashes, indexed) if hashes else 0
+            ev_model, local = ("held", indexed) if held >= indexed else ("waiting", held)
+        elif p > 0 and indexed > 0:
             # the leading blocks a request in flight has in its prompt are not in the free queue: only the
             # tail past them can be evicted (a shared document is held while its first reader runs)
             held = worker.active.held_blocks(hashes, indexed) if hashes else 0

@@ -311,7 +311,8 @@ class CandidateOut(_Open):
                                 "prefix, or the room unknown), pressure (the queue's demand over the free room), "
                                 "lru (this gateway's recent releases on the worker place the prefix in vLLM's "
                                 "free queue: the demand evicts it past the free blocks released before it), "
-                                "held (a request in flight holds it)")
+                                "held (a request in flight holds it), waiting (routing.waiting_evicts: vLLM "
+                                "reports requests waiting, so the part no request holds is priced lost)")
     lru_older_tokens: float = Field(0.0, description="lru: the free tokens released before the prefix, which "
                                     "the queue's demand evicts first")
     eviction_pressure: float = Field(0.0, description="the queue ahead's block demand / the worker's free "

@@ -355,3 +355,18 @@ def test_blocks_sent_but_not_indexed_yet_are_not_discounted():
     assert c.evicted_blocks == 0 and c.cached_tokens == 640
     c = cm.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16, pending_blocks=10)
     assert c.cached_tokens == 0  # the indexed 30 are evicted: the run is cut before the pending ones
+
+
+def test_with_waiting_evicts_a_prefix_no_request_holds_is_priced_lost_while_vllm_has_requests_waiting():
+    """``waiting_evicts``: vLLM's scrape shows requests waiting, so its free queue (where an unheld cached
+    prefix sits) is taken before this request runs: the prefix is priced recomputed; off by default, and
+    with nothing waiting the room decides as before."""
+    on = model(RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0, waiting_evicts=True))
+    off = model(RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0))
+    w = worker("a", prefilling=[500])
+    w.load.kv_usage, w.load.num_gpu_blocks, w.load.updated_at, w.load.waiting = 0.2, 1000, 1.0, 2.0
+    c = on.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16)
+    assert (c.cached_tokens, c.evicted_blocks, c.eviction_model) == (0, 40, "waiting")
+    assert off.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16).cached_tokens == 640
+    w.load.waiting = 0.0
+    assert on.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16).cached_tokens == 640
