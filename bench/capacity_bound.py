@@ -182,6 +182,9 @@ def run_target(target: str, servers, model_dir: str, clients: list[mw.Client], a
     from bench.bench_gateway import tree_cpu_s
     from bench.bench_vllm_policies import MODEL, Gateway, reset_caches, scrape_prefix_cache, summarize
 
+    if args.g4 and getattr(args, "g4_used", False):
+        fresh_servers(servers, model_dir, args)
+    args.g4_used = bool(args.g4)
     reset_caches(servers)
     if args.g4:
         clear_g4(servers, args.g4_dir)
@@ -316,6 +319,20 @@ def warm_up(servers, model_dir: str, tokens: int, max_tokens: int) -> None:
                        json={"model": MODEL, "prompt": tm.text(tokens), "max_tokens": max_tokens}).raise_for_status()
 
 
+def fresh_servers(servers, model_dir: str, args) -> None:
+    """Restart both servers (and warm them up again) before a ``--g4`` target that is not the run's first.
+    Why: a new gateway subscribing to a running server replays its buffered events (router: a first message
+    with seq > 0), which hold the previous target's G4 ``BlockStored`` events; ``clear_g4`` deletes those
+    files behind the index's back, so the next target was priced on phantom G4 entries (session 19: the
+    second target's predicted cached tokens 0% exact). A restarted server's events start over at 0."""
+    from bench.vllm_server import start_all
+
+    for s in servers:
+        s.stop()
+    start_all(servers)
+    warm_up(servers, model_dir, args.max_prompt_tokens, args.max_tokens)
+
+
 def clear_g4(servers, g4_dir: str) -> None:
     """Empty the shared G4 directory between targets (its namespace files stay, the servers keep running):
     wait for the connectors' planned saves, delete every block file, then wait out the scheduler side's
@@ -363,6 +380,7 @@ def run(args, model_dir: str) -> int:
     t_run = time.perf_counter()
     try:
         start_all(servers)
+        args.max_prompt_tokens = ws["max_prompt_tokens"]
         warm_up(servers, model_dir, ws["max_prompt_tokens"], args.max_tokens)
         targets = [t.strip() for t in (args.policies or TARGETS).split(",") if t.strip()]
         targets += [f"kv[{spec}]" for spec in args.kv_variant]
