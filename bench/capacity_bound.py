@@ -182,9 +182,6 @@ def run_target(target: str, servers, model_dir: str, clients: list[mw.Client], a
     from bench.bench_gateway import tree_cpu_s
     from bench.bench_vllm_policies import MODEL, Gateway, reset_caches, scrape_prefix_cache, summarize
 
-    if args.g4 and getattr(args, "g4_used", False):
-        fresh_servers(servers, model_dir, args)
-    args.g4_used = bool(args.g4)
     reset_caches(servers)
     if args.g4:
         clear_g4(servers, args.g4_dir)
@@ -319,7 +316,7 @@ def warm_up(servers, model_dir: str, tokens: int, max_tokens: int) -> None:
                        json={"model": MODEL, "prompt": tm.text(tokens), "max_tokens": max_tokens}).raise_for_status()
 
 
-def fresh_servers(servers, model_dir: str, args) -> None:
+def fresh_servers(servers, model_dir: str, prompt_tokens: int, max_tokens: int) -> None:
     """Restart both servers (and warm them up again) before a ``--g4`` target that is not the run's first.
     Why: a new gateway subscribing to a running server replays its buffered events (router: a first message
     with seq > 0), which hold the previous target's G4 ``BlockStored`` events; ``clear_g4`` deletes those
@@ -330,7 +327,7 @@ def fresh_servers(servers, model_dir: str, args) -> None:
     for s in servers:
         s.stop()
     start_all(servers)
-    warm_up(servers, model_dir, args.max_prompt_tokens, args.max_tokens)
+    warm_up(servers, model_dir, prompt_tokens, max_tokens)
 
 
 def clear_g4(servers, g4_dir: str) -> None:
@@ -380,7 +377,6 @@ def run(args, model_dir: str) -> int:
     t_run = time.perf_counter()
     try:
         start_all(servers)
-        args.max_prompt_tokens = ws["max_prompt_tokens"]
         warm_up(servers, model_dir, ws["max_prompt_tokens"], args.max_tokens)
         targets = [t.strip() for t in (args.policies or TARGETS).split(",") if t.strip()]
         targets += [f"kv[{spec}]" for spec in args.kv_variant]
@@ -389,9 +385,11 @@ def run(args, model_dir: str) -> int:
             # that ran last got 0.84-0.88 s mean TTFT where the same code first got 1.35-1.65 s)
             order = targets[rnd % len(targets):] + targets[:rnd % len(targets)]
             rows = []
-            for target in order:
+            for i, target in enumerate(order):
                 print(f"round {rnd + 1}, target {target}: {ws['requests']} requests ...", flush=True)
                 try:
+                    if args.g4 and (rnd or i):
+                        fresh_servers(servers, model_dir, ws["max_prompt_tokens"], args.max_tokens)
                     rows.append(run_target(target, servers, model_dir, clients, args, workdir))
                 except Exception as e:  # noqa: BLE001 - one failed target must not lose the others
                     failed[f"{target} (round {rnd + 1})"] = f"{type(e).__name__}: {e}"[:2000]

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 
 from indexer.index.base import WorkerMatch
 from router import eviction
-from router.calibrate import EngineCalibration
+from router.calibrate import EngineCalibration, clamp
 from router.config import RoutingConfig
 from router.kv_room import kv_room, kv_wait_s
 from router.load import HELD
@@ -185,27 +185,27 @@ class CostModel:
         demand = v.kv_demand_tokens + lost  # what the queue allocates beyond the room
         p = eviction.pressure(demand, kv_free_tokens)
         ev_model, older = "", 0.0
-        if cfg.waiting_evicts and indexed > 0 and load.waiting > 0:
-            held = worker.active.held_blocks(hashes, indexed) if hashes else 0
-            ev_model, local = ("held", indexed) if held >= indexed else ("waiting", held)
-        elif p > 0 and indexed > 0:
+        waiting = cfg.waiting_evicts and load.waiting > 0
+        if indexed > 0 and (p > 0 or waiting):
             # the leading blocks a request in flight has in its prompt are not in the free queue: only the
             # tail past them can be evicted (a shared document is held while its first reader runs)
             held = worker.active.held_blocks(hashes, indexed) if hashes else 0
             if held >= indexed:
-                age = HELD
+                ev_model, local = "held", indexed
+            elif waiting:  # routing.waiting_evicts: the waiting prompts take the free queue first
+                ev_model, local = "waiting", held
             else:
                 age = worker.active.prefix_age(hashes, indexed) if hashes else None
-            if age == HELD:
-                ev_model, local = "held", indexed
-            elif age is None:
-                ev_model = "pressure"
-                local = held + eviction.surviving(indexed - held, p, worker.eviction.scale)
-            else:
-                ev_model = "lru"
-                tail, older = eviction.lru_surviving(indexed - held, block_size, demand, kv_free_tokens, age,
-                                                     worker.eviction.scale)
-                local = held + tail
+                if age == HELD:
+                    ev_model, local = "held", indexed
+                elif age is None:
+                    ev_model = "pressure"
+                    local = held + eviction.surviving(indexed - held, p, worker.eviction.scale)
+                else:
+                    ev_model = "lru"
+                    tail, older = eviction.lru_surviving(indexed - held, block_size, demand, kv_free_tokens,
+                                                         age, worker.eviction.scale)
+                    local = held + tail
         else:
             local = indexed
         if local == indexed:  # nothing evicted ahead of them: the pending blocks extend the prefix
@@ -333,17 +333,14 @@ class CostModel:
         tokens/s, the first scrape moved the prior to 6,724, and the first wave was priced 180-560x under)."""
         if not observed_tps == observed_tps:  # NaN
             return
-        n = self.fleet_samples
+        n, fleet = self.fleet_samples, self.fleet_tps
         self.fleet_samples = n + 1
-        fleet = self.fleet_tps
         if n == 0:
-            self.fleet_tps = min(TPS_RANGE[1], max(TPS_RANGE[0], observed_tps))
-            worker.prefill_samples += 1
-            return
-        a = max(self.cfg.calibration_alpha, 1.0 / (n + 1))
-        self.fleet_tps = (1 - a) * fleet + a * min(fleet * 10, max(fleet / 10, observed_tps))
-        a = self.cfg.calibration_alpha
-        b = a * RATIO_ALPHA_SHARE
-        ratio = worker.prefill_ratio
-        worker.prefill_ratio = (1 - b) * ratio + b * min(ratio * 10, max(ratio / 10, observed_tps / fleet))
+            self.fleet_tps = clamp(observed_tps, *TPS_RANGE)
+        else:
+            w = max(self.cfg.calibration_alpha, 1.0 / (n + 1))
+            self.fleet_tps = (1 - w) * fleet + w * clamp(observed_tps, fleet / 10, fleet * 10)
+            b = self.cfg.calibration_alpha * RATIO_ALPHA_SHARE
+            ratio = worker.prefill_ratio
+            worker.prefill_ratio = (1 - b) * ratio + b * clamp(observed_tps / fleet, ratio / 10, ratio * 10)
         worker.prefill_samples += 1
