@@ -177,7 +177,8 @@ class CostModel:
         m_local = match.local
         indexed = m_local - max(0, min(pending_blocks, m_local))
         usage = load.kv_usage
-        kv_free, kv_free_tokens = kv_room(load, block_size, worker.active.kv_since_scrape())
+        kv_free, kv_free_tokens = kv_room(load, block_size, worker.active.kv_since_scrape(),
+                                         worker.active.running_tokens())
         lost = 0.0  # the queue's own cached prefixes its demand evicts first (router/load.py queue_losses)
         if v.unadmitted_tokens and kv_free_tokens is not None:
             lost = worker.active.queue_losses(kv_free_tokens, v.now)

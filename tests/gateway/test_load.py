@@ -208,3 +208,30 @@ def test_a_request_running_at_a_scrape_takes_only_its_generation_at_its_first_to
     assert a.kv_since_scrape() == -16
     a.first_token(queued)  # not seen running at a scrape: its prompt and generation are new
     assert a.kv_since_scrape() == -16 - 316
+
+
+def test_the_free_room_never_exceeds_the_capacity_less_what_running_requests_hold():
+    """The scrape-corrected room counts the frees since the scrape at once, but a request vLLM admitted
+    since is taken only at its first token: a busy worker could read as empty (6,538 of 6,560 tokens free
+    with two running and three sent, on capacity-bound real vLLM). The requests vLLM runs (a first token
+    seen, or admitted at a scrape) bound it: their KV, a shared document counted once."""
+    from router.kv_room import kv_room
+
+    a = ActiveSequences(clock=Clock())
+    doc = list(range(40))  # 40 blocks of 16 tokens
+    r1 = a.add(100, 100.0, 1.0, streamed=True, tokens=700, max_tokens=16, hashes=doc + [1, 2], block_size=16)
+    r2 = a.add(100, 100.0, 1.0, streamed=True, tokens=700, max_tokens=16, hashes=doc + [3, 4], block_size=16)
+    queued = a.add(900, 900.0, 1.0, streamed=True, tokens=900, max_tokens=16, hashes=[9] * 56, block_size=16)
+    assert a.running_tokens() == 0  # nothing seen running yet
+    load = WorkerLoad(kv_usage=0.5, num_gpu_blocks=200, updated_at=1.0)  # 1,600 of 3,200 free, as scraped
+    a.mark_scrape(waiting=1)  # vLLM runs the first two; the third waits
+    assert r1.admitted and r2.admitted and not queued.admitted
+    held = 716 + (716 - 40 * 16)  # the document once
+    assert a.running_tokens() == held
+    # frees since the scrape would lift the room to the whole capacity; the running two still hold theirs
+    assert kv_room(load, 16, 3000.0, a.running_tokens()) == pytest.approx(((3200 - held) / 3200, 3200 - held))
+    assert kv_room(load, 16, 0.0, a.running_tokens()) == (0.5, 1600.0)  # the scrape is tighter: it stands
+    a.first_token(queued)
+    assert a.running_tokens() == held + 916  # memo refreshed when a request starts
+    a.finish(r1)
+    assert a.running_tokens() == 716 + 916  # and when one ends
