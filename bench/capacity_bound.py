@@ -31,6 +31,7 @@ import httpx
 from bench import mixed_workload as mw
 from bench import prediction
 from bench.chat_workload import TurnResult, run_clients
+from bench.eviction_timing import EventLog, attribute
 
 PEER = "sglang-router"
 TARGETS = f"kv,round_robin,least_loaded,{PEER}"
@@ -222,7 +223,8 @@ def run_target(target: str, servers, model_dir: str, clients: list[mw.Client], a
     else:
         policy, routing = variant_of(target)
         routing["decisions_kept"] = max(1000, 2 * requests)
-        with Gateway(servers, model_dir, policy, workdir, routing=routing) as gw:
+        with Gateway(servers, model_dir, policy, workdir, routing=routing) as gw, \
+                EventLog([sv.events_endpoint for sv in servers] if args.event_log else []) as log:
             results, total, before, after = drive(gw.url, gw.proc.pid)
             decisions = httpx.get(f"{gw.url}/admin/decisions", params={"limit": prediction.MAX_DECISIONS},
                                   timeout=60.0).json()
@@ -230,6 +232,12 @@ def run_target(target: str, servers, model_dir: str, clients: list[mw.Client], a
         kind_of_request = {r.request_id: kind_of_session.get(r.session, "?") for r in results if r.request_id}
         mine = [d for d in decisions["decisions"] if d.get("request_id") in kind_of_request]
         extra["prediction"] = prediction_stats(mine, kind_of_request)
+        if args.event_log:  # when vLLM evicted what over-predicted decisions expected (bench/eviction_timing.py)
+            extra["eviction_timing"] = attribute(log.events, mine, [sv.name for sv in servers])
+            et = extra["eviction_timing"]
+            print(f"  over-predicted {et['over_predicted']}, matched {et['matched']}: blocks removed before "
+                  f"the decision {et['blocks_removed_before_decision']}, after it "
+                  f"{et['blocks_removed_after_decision']} (median {et['removal_delay_s_median']} s)", flush=True)
         extra["decisions_seen"] = {"count": decisions["count"], "capacity": decisions["capacity"],
                                    "matched": len(mine)}
         extra["worker_prediction"] = {
@@ -274,6 +282,10 @@ def add_arguments(ap) -> None:
     cap.add_argument("--block-size", type=int, default=32)
     cap.add_argument("--kv-variant", action="append", default=[], metavar="KEY=VALUE,...",
                      help="also run kv with these routing settings, as target kv[KEY=VALUE,...] (repeatable)")
+    cap.add_argument("--event-log", action="store_true",
+                     help="subscribe to the servers' KV events beside the gateway and report, for each "
+                          "over-predicted decision, whether vLLM evicted its blocks before the decision "
+                          "(index lag) or while it waited (bench/eviction_timing.py)")
     cap.add_argument("--g4", action="store_true",
                      help="both servers run kvgate's connector on one shared G4 directory (emptied before each target)")
     for f in dataclasses.fields(mw.MixSpec):

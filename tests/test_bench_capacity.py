@@ -155,3 +155,66 @@ def test_a_kv_variant_runs_beside_kv_but_is_not_one_of_its_policies():
     assert cb.goals(rows)["kv_lowest_mean_ttft_of_kvgate_policies"]
     rows[2]["ttft_mean_s"] = 0.65
     assert not cb.goals(rows)["kv_lowest_mean_ttft_of_kvgate_policies"]
+
+
+def test_eviction_timing_tells_index_lag_from_eviction_while_waiting():
+    """``--event-log``: an over-predicted decision is matched with the blocks its server stored again at its
+    first token; their removal before the decision is index lag, after it an eviction while it waited."""
+    from bench.eviction_timing import REMOVED, STORED, attribute
+
+    events = [
+        (0.0, 0, STORED, [1, 2, 3]),  # a conversation's prefix on server 0
+        (10.5, 0, REMOVED, [2, 3]),  # evicted after the decision at 10 s
+        (11.0, 0, STORED, [2, 3, 4]),  # stored again at its first token (11 s): recomputed
+        (0.0, 1, STORED, [7, 8]),
+        (19.5, 1, REMOVED, [8]),  # evicted before the decision at 20 s: the index had not caught up
+        (21.0, 1, STORED, [8, 9]),
+        (30.9, 0, STORED, [50]),  # new blocks only: nothing to match
+    ]
+    decisions = [
+        {"ts": 10.0, "chosen": "a", "predicted_cached_tokens": 96, "delivered_cached_tokens": 32,
+         "observed_ttft_ms": 1000.0},
+        {"ts": 20.0, "chosen": "b", "predicted_cached_tokens": 64, "delivered_cached_tokens": 32,
+         "observed_ttft_ms": 1000.0},
+        {"ts": 30.0, "chosen": "a", "predicted_cached_tokens": 64, "delivered_cached_tokens": 0,
+         "observed_ttft_ms": 1000.0},
+        {"ts": 40.0, "chosen": "a", "predicted_cached_tokens": 64, "delivered_cached_tokens": 64,
+         "observed_ttft_ms": 1000.0},  # exact: not looked at
+    ]
+    out = attribute(events, decisions, ["a", "b"])
+    assert (out["over_predicted"], out["matched"]) == (3, 2)
+    assert (out["blocks_removed_before_decision"], out["blocks_removed_after_decision"]) == (1, 2)
+    first, second, third = out["decisions"]
+    assert first["restored_blocks"] == 2 and first["removed_after_s_median"] == 0.5
+    assert second["removed_before_decision"] == 1 and second["removed_after_s_median"] == -0.5
+    assert third["restored_blocks"] == 0
+
+
+def test_the_event_log_records_a_servers_kv_events():
+    """The side subscriber decodes vLLM's frames from a real ZMQ PUB socket (the server's publisher)."""
+    import time
+
+    import msgspec
+    import zmq
+
+    from bench.eviction_timing import REMOVED, STORED, EventLog
+    from bench.ports import free_port
+
+    port = free_port()
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    payload = msgspec.msgpack.encode([time.time(), [
+        {"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None, "token_ids": [],
+         "block_size": 16},
+        {"type": "BlockRemoved", "block_hashes": [11]}], 0])
+    try:
+        with EventLog([f"tcp://127.0.0.1:{port}"]) as log:
+            deadline = time.time() + 10.0
+            while len(log.events) < 2 and time.time() < deadline:
+                pub.send_multipart([b"kv-events", (1).to_bytes(8, "big"), payload])
+                time.sleep(0.1)
+        kinds = [(k, h) for _, i, k, h in log.events[:2]]
+        assert kinds == [(STORED, [11, 12]), (REMOVED, [11])]
+    finally:
+        pub.close()

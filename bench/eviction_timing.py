@@ -1,0 +1,129 @@
+"""When did vLLM evict the blocks a request was predicted to find? (``--event-log`` of the capacity-bound run.)
+
+A decision whose predicted ``cached_tokens`` exceed vLLM's delivered ones found part of its prefix gone.
+Two causes need different fixes: the index was stale (vLLM had evicted the blocks before the decision and
+the gateway had not applied the ``BlockRemoved`` yet: event lag), or the blocks were there at the decision
+and were evicted while the request waited to be scheduled (the eviction model's error). A side subscriber
+on every server's KV-event stream (ZMQ SUB beside the gateway's own; PUB sockets serve both) records each
+event with its arrival time; after the target ran, each over-predicted decision is matched with the blocks
+its server stored again at its first token (a ``BlockStored`` of a hash stored and removed before: the
+prefix computed a second time), and the removal times of those blocks, relative to the decision, tell
+which cause it was. Only engine hashes are needed (the stream's own), nothing of the gateway's.
+
+Session 20's capacity-bound round (sessions 19-20: 17-26% of kv's decisions over-predicted): every matched
+block was removed after its decision, 0.2-6 s later (none before): the blocks were evicted while the
+request waited, not missed by the index.
+"""
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections import defaultdict
+
+STORED, REMOVED = "S", "R"
+# a re-stored prompt's blocks arrive with the step that computed them: from shortly before the first
+# token was seen by the client to just after it
+WINDOW_BEFORE_S, WINDOW_AFTER_S = 0.6, 0.15
+
+
+class EventLog:
+    """Records ``(arrival wall time, server index, kind, block hashes)`` from each endpoint while open."""
+
+    def __init__(self, endpoints: list[str]) -> None:
+        self.endpoints = endpoints
+        self.events: list[tuple[float, int, str, list[int]]] = []
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.malformed = 0
+
+    def _listen(self, i: int, endpoint: str) -> None:
+        import zmq
+
+        from indexer.events.wire import BlockRemoved, BlockStored, DecodeError, decode_batch
+
+        sock = zmq.Context.instance().socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.setsockopt(zmq.RCVTIMEO, 200)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        try:
+            while not self._stop.is_set():
+                try:
+                    frames = sock.recv_multipart()
+                except zmq.Again:
+                    continue
+                t = time.time()
+                try:
+                    batch = decode_batch(frames[-1])
+                except DecodeError:
+                    self.malformed += 1
+                    continue
+                for ev in batch.events:
+                    if isinstance(ev, BlockStored):
+                        self.events.append((t, i, STORED, list(ev.block_hashes)))
+                    elif isinstance(ev, BlockRemoved):
+                        self.events.append((t, i, REMOVED, list(ev.block_hashes)))
+        finally:
+            sock.close()
+
+    def __enter__(self) -> EventLog:
+        self._threads = [threading.Thread(target=self._listen, args=(i, e), daemon=True)
+                         for i, e in enumerate(self.endpoints)]
+        for t in self._threads:
+            t.start()
+        if self._threads:
+            time.sleep(0.3)  # the subscriptions take effect before the first request
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=5.0)
+
+
+def attribute(events, decisions: list[dict], server_names: list[str]) -> dict:
+    """For each decision with predicted cached tokens above the delivered: the removal times (seconds after
+    the decision; negative: before it) of the blocks its server stored again at its first token. A summary
+    and one row per decision."""
+    history: dict[tuple[int, int], list[tuple[float, str]]] = defaultdict(list)
+    stored = []
+    for t, i, kind, hashes in events:
+        for h in hashes:
+            history[(i, h)].append((t, kind))
+        if kind == STORED:
+            stored.append((t, i, hashes))
+    for v in history.values():
+        v.sort()
+    rows = []
+    for d in decisions:
+        pred, got = d.get("predicted_cached_tokens") or 0, d.get("delivered_cached_tokens")
+        ttft = d.get("observed_ttft_ms")
+        if got is None or pred <= got or ttft is None or d.get("chosen") not in server_names:
+            continue
+        i, t0 = server_names.index(d["chosen"]), d["ts"]
+        first = t0 + ttft / 1000.0
+        removed = []
+        for t, j, hashes in stored:
+            if j != i or not first - WINDOW_BEFORE_S <= t <= first + WINDOW_AFTER_S:
+                continue
+            for h in hashes:
+                before = [e for e in history[(i, h)] if e[0] < t]
+                if any(k == STORED for _, k in before):
+                    gone = [e[0] for e in before if e[1] == REMOVED]
+                    if gone:
+                        removed.append(gone[-1] - t0)
+        rows.append({"ts": t0, "worker": d["chosen"], "predicted": pred, "delivered": got,
+                     "restored_blocks": len(removed),
+                     "removed_before_decision": sum(r < 0 for r in removed),
+                     "removed_after_s_median": statistics.median(removed) if removed else None})
+    matched = [r for r in rows if r["restored_blocks"]]
+    return {
+        "over_predicted": len(rows),
+        "matched": len(matched),
+        "blocks_removed_before_decision": sum(r["removed_before_decision"] for r in matched),
+        "blocks_removed_after_decision": sum(r["restored_blocks"] - r["removed_before_decision"] for r in matched),
+        "removal_delay_s_median": (statistics.median(r["removed_after_s_median"] for r in matched)
+                                   if matched else None),
+        "decisions": rows,
+    }
