@@ -244,7 +244,8 @@ class CostModel:
         else:
             fit = self.fit_of(worker)
             if fit is not None and fit.ready:
-                total = fit.correct(raw, compute_ms, own_steps_ms, queue_ms, cached / 1000.0)
+                total = fit.correct(raw, compute_ms, own_steps_ms, queue_ms, cached / 1000.0,
+                                    1.0 if g4_extra else 0.0)
                 if not MIN_TTFT_MS <= total <= MAX_TTFT_MS:
                     total = raw
         inflight = v.inflight

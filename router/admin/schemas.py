@@ -60,8 +60,9 @@ class WorkerLoadOut(BaseModel):
                            "delivered cached tokens (router/eviction.py): pressure_scale (1 = the prior), "
                            "samples, shortfalls (requests that got less of their local prefix than indexed)")
     ttft_fit: dict = Field(default_factory=dict, description="what the scheduler model's sum still gets wrong, "
-                           "learnt from this worker's streamed TTFTs (router/ttft_fit.py): intercept_ms and the "
-                           "scales of compute, steps and queue, samples, active (used once it has 8; the "
+                           "learnt from this worker's streamed TTFTs (router/ttft_fit.py): intercept_ms, the "
+                           "scales of compute, steps and queue, cached_ms_per_1k, g4_load_ms (what a request "
+                           "loading from G4 waits beyond its bytes), samples, active (used once it has 8; the "
                            "fleet-wide fit prices every worker unless routing.per_worker_prefill_speed)")
 
 

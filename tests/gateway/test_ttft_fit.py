@@ -16,16 +16,18 @@ def engine_ttft_s(c) -> float:
     return 0.2 + (c.queue_tokens + c.uncached_tokens) / 400.0 + c.steps * 0.005
 
 
-def run(cm, n: int, seed: int = 0, observe=True):
-    """``n`` requests of mixed size, cache hit and queue on one worker; (candidate, observed ms) each."""
+def run(cm, n: int, seed: int = 0, observe=True, g4=False, engine=engine_ttft_s):
+    """``n`` requests of mixed size, cache hit (local, or from G4 with ``g4``) and queue on one worker;
+    (candidate, observed ms) each."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         w = worker("a", prefilling=[rng.choice([0, 500, 1500]) for _ in range(rng.randint(0, 3))])
         num = rng.randint(100, 4000)
         hit = rng.randint(0, num // 16) if rng.random() < 0.5 else 0
-        c = cm.score(w, WorkerMatch(gpu=hit, local=hit), 0, num, 16)
-        y = engine_ttft_s(c)
+        match = WorkerMatch() if g4 else WorkerMatch(gpu=hit, local=hit)
+        c = cm.score(w, match, hit if g4 else 0, num, 16)
+        y = engine(c)
         out.append((c, y * 1000.0))
         if observe:
             cm.observe_ttft(w, y, c)
@@ -94,3 +96,22 @@ def test_the_fit_off_leaves_the_models_sum():
     cm = model(cfg(ttft_fit=False), engine=(0.02, 0.0, 1.0))
     pairs = run(cm, 50)
     assert cm.fleet_fit.samples == 0 and all(c.fit_ms == 0 for c, _ in pairs)
+
+
+def test_the_fit_learns_what_an_asynchronous_g4_load_waits_beyond_its_bytes():
+    """A request that loads from G4 is parked until the load is reported at a step's end and scheduled the
+    step after: on the engine here 0.8 s beyond the model's price of the bytes. The fit learns that wait
+    (``g4_load_ms``) and prices it only where a candidate loads from G4."""
+    def g4_engine_s(c) -> float:
+        return engine_ttft_s(c) + (0.8 if c.g4_blocks else 0.0)
+
+    on = model(cfg(), engine=(0.02, 0.0, 1.0))
+    run(on, 200, g4=True, engine=g4_engine_s)
+    fit = on.fleet_fit.to_dict()
+    held = run(on, 100, seed=1, observe=False, g4=True, engine=g4_engine_s)
+    loading = sorted(obs / c.predicted_ttft_ms for c, obs in held if c.g4_blocks)
+    local = sorted(obs / c.predicted_ttft_ms for c, obs in held if not c.g4_blocks)
+    assert 0.85 < loading[len(loading) // 2] < 1.15 and 0.85 < local[len(local) // 2] < 1.15
+    # priced alike: without the G4 term the loading ones read 7% higher than the rest (1.08 vs 1.01)
+    assert abs(loading[len(loading) // 2] / local[len(local) // 2] - 1.0) < 0.04
+    assert fit["g4_load_ms"] > 250  # learnt (ridge-shrunk towards 0 beside the other parts' scales)
