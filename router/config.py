@@ -150,6 +150,10 @@ class RoutingConfig(BaseModel):
     # prefix that no request in flight holds is priced evicted before this request runs (its blocks sit in
     # the free queue, and the waiting prompts allocate first).
     waiting_evicts: bool = False
+    # Occupancy (router/cost.py): the KV the requests in flight on the worker hold once scheduled (all are
+    # ahead of this request) plus the part of this prompt's cached prefix no request holds, beyond the
+    # worker's capacity, is priced evicted from the prefix's tail before it is scheduled.
+    occupancy_evicts: bool = True
     pending_max_blocks: int = 100_000
     # Texts of deferred prompts in flight kept beside their blocks (router/pending.py), in bytes; 0: none.
     pending_text_bytes: int = Field(16 << 20, ge=0)

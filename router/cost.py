@@ -187,6 +187,7 @@ class CostModel:
         p = eviction.pressure(demand, kv_free_tokens)
         ev_model, older = "", 0.0
         waiting = cfg.waiting_evicts and load.waiting > 0
+        held = None
         if indexed > 0 and (p > 0 or waiting):
             # the leading blocks a request in flight has in its prompt are not in the free queue: only the
             # tail past them can be evicted (a shared document is held while its first reader runs)
@@ -209,6 +210,19 @@ class CostModel:
                     local = held + tail
         else:
             local = indexed
+        cap = (load.num_gpu_blocks or 0) * block_size
+        if cfg.occupancy_evicts and local > 0 and cap > 0 and ev_model != "held":
+            # occupancy: every request in flight here is scheduled before this one and holds its KV then;
+            # the part of this prompt's prefix that no longer fits beside them is taken from the free
+            # queue while it waits (its own uncached blocks come after it is admitted: not counted)
+            if held is None:
+                held = worker.active.held_blocks(hashes, indexed) if hashes else 0
+            over = worker.active.inflight_tokens() + v.unknown_waiting * v.mean_tokens \
+                + (local - held) * block_size - cap
+            if over > 0:
+                keep = max(held, local - math.ceil(over / block_size))
+                if keep < local:
+                    ev_model, local = "occupancy", keep
         if local == indexed:  # nothing evicted ahead of them: the pending blocks extend the prefix
             local = m_local
         g4_extra = max(0, g4 - local)

@@ -138,7 +138,7 @@ class ActiveSequences:
         self.kv_taken = 0.0
         self.kv_freed = 0.0
         self._kv_mark = (0.0, 0.0)
-        self._running_memo: float | None = None  # running_tokens, until the requests in flight change
+        self._held_memo: dict[bool, float] = {}  # running_tokens / inflight_tokens until the requests change
 
     def add(self, uncached: int, work: float, predicted_s: float, streamed: bool = False, tokens: int = 0,
             max_tokens: int = 0, hashes: list | None = None, block_size: int = 0,
@@ -149,7 +149,7 @@ class ActiveSequences:
         ``prefix_blocks``: the cached prefix it was predicted to find, placed on the LRU clock so that the
         requests behind it see it evicted too when the queue ahead of it outgrows the room
         (:meth:`queue_losses`)."""
-        self._running_memo = None
+        self._held_memo.clear()
         now = self._clock()
         deadline = float("inf") if streamed else now + max(0.01, 2.0 * predicted_s)
         seq = Sequence(uncached=max(0, int(uncached)), work=max(0.0, float(work)), deadline=deadline,
@@ -166,7 +166,7 @@ class ActiveSequences:
 
     def first_token(self, seq: Sequence) -> None:
         if seq.first_at is None:
-            self._running_memo = None
+            self._held_memo.clear()
             seq.first_at = self._clock()
             if id(seq) in self._live:
                 # admitted at a scrape: its prompt is in that usage already, only its generation is new
@@ -177,7 +177,7 @@ class ActiveSequences:
         self.first_token(seq)
         if self._live.pop(id(seq), None) is None:
             return
-        self._running_memo = None
+        self._held_memo.clear()
         live = self._shared(seq, self._live_hashes(seq))  # blocks a request in flight holds are not freed
         self.kv_freed += self._kv_tokens(seq, live)
         # and blocks another recent release freed too are not new to the free queue (they move to its
@@ -208,7 +208,7 @@ class ActiveSequences:
         ``waiting`` of them (vLLM admits in arrival order), which are *admitted*: their KV is in the usage, so
         they are no demand on the room a placement reads (their prefill time still queues)."""
         self._kv_mark = (self.kv_taken, self.kv_freed)
-        self._running_memo = None
+        self._held_memo.clear()
         if waiting is None or not waiting == waiting:  # NaN: unknown
             return
         prefilling = [s for s in self._live.values() if s.first_at is None]
@@ -266,20 +266,30 @@ class ActiveSequences:
     def running_tokens(self) -> float:
         """KV tokens the gateway's requests that vLLM runs now hold (a first token seen, or admitted at the
         last scrape): prompt and generation, the leading blocks one shares with an earlier one counted
-        once. No free room can exceed the capacity less this (router/kv_room.py). Memoised until the
-        requests in flight change: every candidate of every request reads it."""
-        if self._running_memo is not None:
-            return self._running_memo
+        once. No free room can exceed the capacity less this (router/kv_room.py)."""
+        return self._held(True)
+
+    def inflight_tokens(self) -> float:
+        """KV tokens all the gateway's requests in flight here hold once vLLM runs them (counted as
+        :meth:`running_tokens`): a request sent now is scheduled after them all, and what its cached prefix
+        needs beyond the capacity left beside them is taken from the free queue first (router/cost.py)."""
+        return self._held(False)
+
+    def _held(self, running_only: bool) -> float:
+        """Memoised until the requests in flight change: every candidate of every request reads it."""
+        memo = self._held_memo.get(running_only)
+        if memo is not None:
+            return memo
         held = 0.0
         seen: list = []
         for s in self._live.values():
-            if s.first_at is None and not s.admitted:
+            if running_only and s.first_at is None and not s.admitted:
                 continue
             shared = _most_shared(s.hashes, seen[-LIVE_PROBES:]) if s.block_size else 0
             held += self._kv_tokens(s, shared)
             if s.hashes:
                 seen.append(s.hashes)
-        self._running_memo = held
+        self._held_memo[running_only] = held
         return held
 
     def held_blocks(self, hashes, n: int) -> int:

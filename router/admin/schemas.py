@@ -313,7 +313,10 @@ class CandidateOut(_Open):
                                 "lru (this gateway's recent releases on the worker place the prefix in vLLM's "
                                 "free queue: the demand evicts it past the free blocks released before it), "
                                 "held (a request in flight holds it), waiting (routing.waiting_evicts: vLLM "
-                                "reports requests waiting, so the part no request holds is priced lost)")
+                                "reports requests waiting, so the part no request holds is priced lost), occupancy "
+                                "(routing.occupancy_evicts: the requests in flight hold so much KV once "
+                                "scheduled that the part of the prefix no request holds does not fit beside "
+                                "them)")
     lru_older_tokens: float = Field(0.0, description="lru: the free tokens released before the prefix, which "
                                     "the queue's demand evicts first")
     eviction_pressure: float = Field(0.0, description="the queue ahead's block demand / the worker's free "

@@ -370,3 +370,30 @@ def test_with_waiting_evicts_a_prefix_no_request_holds_is_priced_lost_while_vllm
     assert off.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16).cached_tokens == 640
     w.load.waiting = 0.0
     assert on.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16).cached_tokens == 640
+
+
+def test_a_prefix_that_does_not_fit_beside_the_requests_in_flight_is_priced_evicted_from_its_tail():
+    """``occupancy_evicts``: every request in flight is scheduled before a new one and holds its KV then; the
+    part of the new prompt's cached prefix that no longer fits beside them is taken from the free queue while
+    it waits (session 20's event log: over-predicted blocks were removed 0.2-6 s after their decision). A
+    prefix a request in flight holds stays, and this prompt's own uncached tokens do not count (they are
+    allocated after it is admitted)."""
+    on = model(RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0))
+    off = model(RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0, occupancy_evicts=False))
+    w = worker("a")
+    w.load.kv_usage, w.load.num_gpu_blocks, w.load.updated_at = 0.75, 100, 1.0  # 400 of 1,600 tokens free
+    for base in (1000, 2000):  # two decoding requests of 600 tokens (37 blocks), nothing shared: no queue
+        w.active.first_token(w.active.add(600, 600.0, 1e6, streamed=True, tokens=600, max_tokens=0,
+                                          hashes=list(range(base, base + 37)), block_size=16))
+    w.active.mark_scrape(0.0)
+    prefix = list(range(40))  # this prompt: 40 indexed blocks (640 tokens) of 1,000
+    c = on.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16, hashes=prefix + [99] * 22)
+    # 1,200 in flight + 640 of prefix = 1,840 > 1,600: 240 tokens (15 blocks) go from its tail
+    assert (c.local_blocks, c.evicted_blocks, c.eviction_model) == (25, 15, "occupancy")
+    assert off.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16, hashes=prefix + [99] * 22).local_blocks == 40
+    # a shorter prefix fits beside them: nothing lost (its 600 uncached tokens do not count)
+    assert on.score(w, WorkerMatch(gpu=20, local=20), 0, 1000, 16, hashes=prefix[:20] + [99] * 42).local_blocks == 20
+    # a request in flight that holds the prefix: it is not in the free queue
+    w.active.add(0, 0.0, 1e6, streamed=True, tokens=640, max_tokens=0, hashes=prefix, block_size=16)
+    c = on.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16, hashes=prefix + [99] * 22)
+    assert c.local_blocks == 40 and c.eviction_model != "occupancy"
