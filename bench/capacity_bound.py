@@ -179,7 +179,10 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_target(target: str, servers, model_dir: str, clients: list[mw.Client], args, workdir: Path) -> dict:
+def run_target(target: str, servers, model_dir: str, clients: list[mw.Client], args, workdir: Path,
+               rnd: int = 0) -> dict:
+    """One target's run of the workload on the servers (caches emptied first). ``rnd``: the round, which
+    names its decision records (``decisions-<target>-round<N>.json`` in the work directory)."""
     from bench.bench_gateway import tree_cpu_s
     from bench.bench_vllm_policies import MODEL, Gateway, reset_caches, scrape_prefix_cache, summarize
 
@@ -195,6 +198,7 @@ def run_target(target: str, servers, model_dir: str, clients: list[mw.Client], a
     extra: dict = {}
 
     def drive(url: str, pid: int) -> tuple[list[TurnResult], float, list, list]:
+        check_alive(servers)  # a server that died since its last request fails the target, not hangs it
         before = [scrape_prefix_cache(s.url) for s in servers]
         g4_before = [s.g4_stats() for s in servers] if args.g4 else []
         cpu0, t0 = tree_cpu_s(pid), time.perf_counter()
@@ -245,9 +249,19 @@ def run_target(target: str, servers, model_dir: str, clients: list[mw.Client], a
             for w in (workers if isinstance(workers, list) else workers.get("workers", []))
         }
         label = f"kvgate {target}"
-        (workdir / f"decisions-{target}.json").write_text(json.dumps(decisions))
+        (workdir / f"decisions-{target}-round{rnd + 1}.json").write_text(json.dumps(decisions))
     return {"target": target, "label": label, **summarize(results, total, before, after),
             "by_kind": by_kind(results, kind_of_session), **extra}
+
+
+def check_alive(servers) -> None:
+    """Raise with the log's tail when a server's process has exited (the gateway would hold the clients'
+    requests for want of a healthy worker until their timeout)."""
+    for s in servers:
+        if s.proc is None or s.proc.poll() is not None:
+            code = None if s.proc is None else s.proc.returncode
+            raise RuntimeError(f"{s.name} is not running (exit status {code}); log {s.log_path}:\n"
+                               f"{s.log_tail()}")
 
 
 def variant_of(target: str) -> tuple[str, dict]:
@@ -402,7 +416,7 @@ def run(args, model_dir: str) -> int:
                 try:
                     if args.g4 and (rnd or i):
                         fresh_servers(servers, model_dir, ws["max_prompt_tokens"], args.max_tokens)
-                    rows.append(run_target(target, servers, model_dir, clients, args, workdir))
+                    rows.append(run_target(target, servers, model_dir, clients, args, workdir, rnd))
                 except Exception as e:  # noqa: BLE001 - one failed target must not lose the others
                     failed[f"{target} (round {rnd + 1})"] = f"{type(e).__name__}: {e}"[:2000]
                     print(f"  {target} failed: {failed[f'{target} (round {rnd + 1})']}", flush=True)

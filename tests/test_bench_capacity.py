@@ -218,3 +218,26 @@ def test_the_event_log_records_a_servers_kv_events():
         assert kinds == [(STORED, [11, 12]), (REMOVED, [11])]
     finally:
         pub.close()
+
+
+def test_a_server_that_died_fails_the_target_with_its_log():
+    """The gateway holds requests for want of a healthy worker until the clients' timeout (600 s): a dead
+    server must fail the target at once, with its log (a real child process that has exited)."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from bench.capacity_bound import check_alive
+
+    done = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    done.wait(30)
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        up = SimpleNamespace(name="vllm-0", proc=alive, log_path="/x/0.log", log_tail=lambda: "")
+        dead = SimpleNamespace(name="vllm-1", proc=done, log_path="/x/1.log", log_tail=lambda: "engine died")
+        check_alive([up])
+        with pytest.raises(RuntimeError, match=r"(?s)vllm-1 is not running .exit status 3.*engine died"):
+            check_alive([up, dead])
+    finally:
+        alive.kill()
+        alive.wait(30)
