@@ -10,9 +10,9 @@ its server stored again at its first token (a ``BlockStored`` of a hash stored a
 prefix computed a second time), and the removal times of those blocks, relative to the decision, tell
 which cause it was. Only engine hashes are needed (the stream's own), nothing of the gateway's.
 
-Session 20's capacity-bound round (sessions 19-20: 17-26% of kv's decisions over-predicted): every matched
-block was removed after its decision, 0.2-6 s later (none before): the blocks were evicted while the
-request waited, not missed by the index.
+Session 20's capacity-bound runs (7-12 over-predicted decisions per kv target): 83-100% of the matched
+blocks were removed after their decision (0.5-1.0 s, median per target), the rest before it: mostly
+evicted while the request waited, a little missed by an index about a step behind.
 """
 from __future__ import annotations
 

@@ -214,13 +214,14 @@ class CostModel:
         if cfg.occupancy_evicts and local > 0 and cap > 0 and ev_model != "held":
             # occupancy: every request in flight here is scheduled before this one and holds its KV then;
             # the part of this prompt's prefix that no longer fits beside them is taken from the free
-            # queue while it waits (its own uncached blocks come after it is admitted: not counted)
-            if held is None:
-                held = worker.active.held_blocks(hashes, indexed) if hashes else 0
-            over = worker.active.inflight_tokens() + v.unknown_waiting * v.mean_tokens \
-                + (local - held) * block_size - cap
+            # queue while it waits (its own uncached blocks come after it is admitted: not counted).
+            # Held blocks only lower the excess: probed only when the whole prefix would not fit.
+            over = worker.active.inflight_tokens() + v.unknown_waiting * v.mean_tokens + local * block_size - cap
             if over > 0:
-                keep = max(held, local - math.ceil(over / block_size))
+                if held is None:
+                    held = worker.active.held_blocks(hashes, indexed) if hashes else 0
+                over -= held * block_size
+                keep = max(held, local - math.ceil(over / block_size)) if over > 0 else local
                 if keep < local:
                     ev_model, local = "occupancy", keep
         if local == indexed:  # nothing evicted ahead of them: the pending blocks extend the prefix
