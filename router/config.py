@@ -154,6 +154,8 @@ class RoutingConfig(BaseModel):
     # ahead of this request) plus the part of this prompt's cached prefix no request holds, beyond the
     # worker's capacity, is priced evicted from the prefix's tail before it is scheduled.
     occupancy_evicts: bool = True
+    # ... and the KV released after the prefix (behind it in vLLM's free queue) does not spare it.
+    occupancy_age: bool = True
     pending_max_blocks: int = 100_000
     # Texts of deferred prompts in flight kept beside their blocks (router/pending.py), in bytes; 0: none.
     pending_text_bytes: int = Field(16 << 20, ge=0)

@@ -38,7 +38,7 @@ from indexer.index.base import WorkerMatch
 from router import eviction
 from router.calibrate import EngineCalibration, clamp
 from router.config import RoutingConfig
-from router.kv_room import kv_room, kv_wait_s
+from router.kv_room import capacity_tokens, kv_room, kv_wait_s
 from router.load import HELD
 from router.ttft_fit import TtftFit
 
@@ -185,7 +185,7 @@ class CostModel:
         queue_tokens = v.queue_tokens + lost
         demand = v.kv_demand_tokens + lost  # what the queue allocates beyond the room
         p = eviction.pressure(demand, kv_free_tokens)
-        ev_model, older = "", 0.0
+        ev_model, older, age = "", 0.0, None
         waiting = cfg.waiting_evicts and load.waiting > 0
         held = None
         if indexed > 0 and (p > 0 or waiting):
@@ -210,13 +210,20 @@ class CostModel:
                     local = held + tail
         else:
             local = indexed
-        cap = (load.num_gpu_blocks or 0) * block_size
+        cap = capacity_tokens(load, block_size)
         if cfg.occupancy_evicts and local > 0 and cap > 0 and ev_model != "held":
             # occupancy: every request in flight here is scheduled before this one and holds its KV then;
             # the part of this prompt's prefix that no longer fits beside them is taken from the free
             # queue while it waits (its own uncached blocks come after it is admitted: not counted).
             # Held blocks only lower the excess: probed only when the whole prefix would not fit.
             over = worker.active.inflight_tokens() + v.unknown_waiting * v.mean_tokens + local * block_size - cap
+            if cfg.occupancy_age and hashes:
+                # blocks released after the prefix sit behind it in the free queue: vLLM evicts the prefix
+                # before them, so they do not spare it (router/load.py prefix_age; HELD or unknown: none)
+                if ev_model != "lru":
+                    age = worker.active.prefix_age(hashes, indexed)
+                if age is not None and age > 0:
+                    over += age
             if over > 0:
                 if held is None:
                     held = worker.active.held_blocks(hashes, indexed) if hashes else 0

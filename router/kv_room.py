@@ -13,6 +13,16 @@ import math
 
 # the longest KV-capacity wait priced (the cost model's own clamp, router/cost.py MAX_TTFT_MS)
 MAX_WAIT_S = 3600.0
+# vLLM's block pool sets one block aside (the null block; vllm:kv_cache_usage_perc is over the others)
+NULL_BLOCKS = 1
+
+
+def capacity_tokens(load, block_size: int) -> int:
+    """The KV tokens a worker's requests can hold: ``num_gpu_blocks`` less the null block (0: unknown)."""
+    blocks = load.num_gpu_blocks
+    if not (blocks and block_size > 0):
+        return 0
+    return max(1, blocks - NULL_BLOCKS) * block_size
 
 
 def kv_room(load, block_size: int, since_tokens: float = 0.0,
@@ -30,10 +40,9 @@ def kv_room(load, block_size: int, since_tokens: float = 0.0,
     u = load.kv_usage
     if not load.updated_at or not isinstance(u, (int, float)) or not 0.0 <= u <= 1.0:  # NaN included
         return None, None
-    blocks = load.num_gpu_blocks
-    if not (blocks and block_size > 0):
+    cap = capacity_tokens(load, block_size)
+    if not cap:
         return 1.0 - u, None
-    cap = blocks * block_size
     free = (1.0 - u) * cap
     if not math.isnan(since_tokens):
         free = min(cap, max(0.0, free + since_tokens))

@@ -199,8 +199,11 @@ class ActiveSequences:
 
     @staticmethod
     def _kv_tokens(seq: Sequence, shared: int) -> int:
-        """The KV tokens ``seq`` holds (prompt and generation) less ``shared`` leading blocks."""
-        return max(0, seq.tokens + seq.max_tokens - shared * seq.block_size)
+        """The KV tokens ``seq`` holds (prompt and generation) less ``shared`` leading blocks; the prompt in
+        whole blocks (vLLM allocates its last, partial block whole; the generation grows into it)."""
+        bs = seq.block_size
+        prompt = -(-seq.tokens // bs) * bs if bs > 0 else seq.tokens
+        return max(0, max(prompt, seq.tokens + seq.max_tokens) - shared * bs)
 
     def mark_scrape(self, waiting: float | None = None) -> None:
         """vLLM's KV usage was just scraped: it includes what the gateway's requests took and freed so far,

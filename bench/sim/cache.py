@@ -127,9 +127,12 @@ class PrefixCache:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks, self.block_size = num_blocks, block_size
+        # vLLM's block pool sets block 0 aside (the null block) and reports its usage over the others
+        self.usable = num_blocks - 1 if num_blocks > 1 else num_blocks
         self.root = none_hash(hash_seed)
         self._blocks = [_Block(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks - self.usable,
+                                                                                  num_blocks))
         self._cached: dict[int, list[int]] = {}
         self.g4 = g4
         self.events: list = []          # pending events, taken by the engine once per step
@@ -147,7 +150,7 @@ class PrefixCache:
     def usage(self) -> float:
         """vllm:kv_cache_usage_perc: the fraction of blocks held by running requests (cached free blocks
         count as free, as in vLLM)."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - len(self._free) / self.usable
 
     def cached_hashes(self) -> set[int]:
         return {h for h, ids in self._cached.items() if ids}
@@ -198,8 +201,8 @@ class PrefixCache:
         hashes = [external(d) for d in digests]
         hit = self.longest_hit(digests, n_tok, hashes)
         need_total = self.blocks_needed(reserve_tokens)
-        if need_total > self.num_blocks:
-            raise ValueError(f"request needs {need_total} blocks, the pool has {self.num_blocks}")
+        if need_total > self.usable:
+            raise ValueError(f"request needs {need_total} blocks, the pool has {self.usable}")
         hit_ids = [self._cached[h][0] for h in hashes[:hit]]
         # Hit blocks that are free stop being free once touched.
         free_hits = sum(1 for b in hit_ids if self._blocks[b].ref == 0)
@@ -322,7 +325,7 @@ class PrefixCache:
 
     def reset(self) -> bool:
         """``/reset_prefix_cache``: drop every hash when nothing is running; one AllBlocksCleared."""
-        if len(self._free) != self.num_blocks:
+        if len(self._free) != self.usable:
             return False
         from bench.sim.events import AllBlocksCleared
 

@@ -190,9 +190,9 @@ class SimEngine:
             raise RequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{len(tokens) + max_tokens} tokens ({len(tokens)} in the messages, {max_tokens} in the completion).")
-        if self.cache.blocks_needed(len(tokens) + max_tokens) > self.cache.num_blocks:
+        if self.cache.blocks_needed(len(tokens) + max_tokens) > self.cache.usable:
             raise RequestError(f"The request needs {self.cache.blocks_needed(len(tokens) + max_tokens)} KV blocks; "
-                               f"this engine has {self.cache.num_blocks}.")
+                               f"this engine has {self.cache.usable}.")
         lo, hi = min(tokens), max(tokens)
         if lo < 0 or hi >= self.vocab_size + 5:  # words + the tokenizer's special tokens
             raise RequestError(f"Token id {hi if hi >= 0 else lo} is out of vocabulary")

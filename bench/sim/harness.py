@@ -35,11 +35,15 @@ class Target:
 
 def overrides(spec: str) -> dict:
     """``future_turns=5,stay_margin=0.5`` -> ``{"future_turns": 5.0, "stay_margin": 0.5}``: the settings of
-    a kv variant target (``--kv-variant`` of bench.side_by_side and of the capacity-bound mode)."""
-    out = {}
+    a kv variant target (``--kv-variant`` of bench.side_by_side and of the capacity-bound mode); a value
+    that is not a number stays a string (a setting that takes a name)."""
+    out: dict = {}
     for kv in filter(None, (x.strip() for x in spec.split(","))):
         k, _, v = kv.partition("=")
-        out[k.strip()] = float(v)
+        try:
+            out[k.strip()] = float(v)
+        except ValueError:
+            out[k.strip()] = v.strip()
     return out
 
 

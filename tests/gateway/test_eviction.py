@@ -18,7 +18,8 @@ def test_the_prior_keeps_a_prefix_below_half_the_free_blocks_and_none_past_all_o
     def room(usage, blocks):  # the free room in tokens at block size 16 (router/kv_room.py)
         return kv_room(WorkerLoad(kv_usage=usage, num_gpu_blocks=blocks, updated_at=1.0), 16)[1]
 
-    assert pressure(800, room(0.9, 1000)) == pytest.approx(0.5)  # 50 blocks of demand, 100 free
+    # 50 blocks of demand, 100 free (of 1,000: vLLM's null block is the 1,001st)
+    assert pressure(800, room(0.9, 1001)) == pytest.approx(0.5)
     assert surviving(40, 0.5) == 40 and surviving(40, 0.75) == 20 and surviving(40, 1.0) == 0
     assert surviving(40, 0.0) == 40 and surviving(40, math.inf) == 0
     assert pressure(800, room(0.9, None)) == 0.0 and pressure(800, room(float("nan"), 1000)) == 0.0
@@ -76,7 +77,7 @@ def test_the_cost_model_prices_the_prefix_at_the_workers_learnt_scale():
     cm = model(RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0))
     calm, evicting = worker("a", prefilling=[400]), worker("b", prefilling=[400])
     for w in (calm, evicting):
-        w.load.kv_usage, w.load.num_gpu_blocks, w.load.updated_at = 0.9, 800, 1.0
+        w.load.kv_usage, w.load.num_gpu_blocks, w.load.updated_at = 0.9, 801, 1.0  # and the null block
     evicting.eviction.scale = 4.0
     a = cm.score(calm, WorkerMatch(gpu=40, local=40), 0, 1000, 16)
     b = cm.score(evicting, WorkerMatch(gpu=40, local=40), 0, 1000, 16)
@@ -138,7 +139,7 @@ def test_the_workers_releases_place_a_prefix_in_the_lru_order():
 
     cm = model(RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0))
     w = worker("a")
-    w.load.kv_usage, w.load.num_gpu_blocks, w.load.updated_at = 0.0, 125, 1.0  # 2,000 free tokens
+    w.load.kv_usage, w.load.num_gpu_blocks, w.load.updated_at = 0.0, 126, 1.0  # 2,000 free tokens
     a_hashes, b_hashes = list(range(100, 140)), list(range(200, 240))
     for hashes in (a_hashes, b_hashes):
         w.active.finish(w.active.add(0, 0.0, 1.0, tokens=640, max_tokens=0, hashes=hashes))

@@ -151,8 +151,8 @@ def test_missing_or_malformed_metrics_are_neutral_and_said():
     assert kv_room(never, 16) == (None, None)
     for bad in (float("nan"), -0.5, 1.5, float("inf")):
         assert kv_room(WorkerLoad(kv_usage=bad, updated_at=1.0, num_gpu_blocks=100), 16)[0] is None
-    ok = kv_room(WorkerLoad(kv_usage=0.25, updated_at=1.0, num_gpu_blocks=100), 16)
-    assert ok == (0.75, 1200.0)
+    ok = kv_room(WorkerLoad(kv_usage=0.25, updated_at=1.0, num_gpu_blocks=101), 16)
+    assert ok == (0.75, 1200.0)  # vLLM's usage is over its blocks less the null block
     known, unknown = cand("k", kv_free=0.9, kv_free_tokens=1e5), cand("u")
     kv_order([known, unknown], 0, scorers_of(FOOTPRINT))
     assert unknown.terms_ms["footprint"] == 0 and "footprint" in unknown.score_notes[0]

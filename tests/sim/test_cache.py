@@ -1,6 +1,8 @@
 """The simulator's prefix cache follows vLLM's block-pool semantics (see bench/sim/cache.py)."""
 from __future__ import annotations
 
+import pytest
+
 from bench.sim.cache import PrefixCache, SharedG4Store
 from bench.sim.events import BlockRemoved, BlockStored
 from indexer.hashing import sequence_hashes
@@ -49,7 +51,7 @@ def test_last_prompt_token_is_never_a_hit_and_repeats_store_again():
 
 
 def test_freed_blocks_stay_cached_until_their_space_is_needed():
-    c = PrefixCache(4, B)
+    c = PrefixCache(5, B)  # 4 blocks and vLLM's null block
     a, _ = run(c, toks(0, 32))
     c.free(a)
     assert c.num_free == 4
@@ -58,7 +60,7 @@ def test_freed_blocks_stay_cached_until_their_space_is_needed():
 
 
 def test_lru_eviction_one_removal_per_block_before_the_store():
-    c = PrefixCache(4, B)
+    c = PrefixCache(5, B)  # 4 blocks and vLLM's null block
     a, ev_a = run(c, toks(0, 32))
     c.free(a)
     b, ev_b = run(c, toks(1000, 32))
@@ -74,7 +76,7 @@ def test_lru_eviction_one_removal_per_block_before_the_store():
 
 
 def test_a_hit_refreshes_recency():
-    c = PrefixCache(4, B)
+    c = PrefixCache(5, B)  # 4 blocks and vLLM's null block
     a, _ = run(c, toks(0, 32)); c.free(a)
     b, ev_b = run(c, toks(1000, 32)); c.free(b)
     a2, _ = run(c, toks(0, 17)); c.free(a2)  # touches A's first block (and reuses one free block)
@@ -85,7 +87,7 @@ def test_a_hit_refreshes_recency():
 
 
 def test_no_room_while_blocks_are_held():
-    c = PrefixCache(4, B)
+    c = PrefixCache(5, B)  # 4 blocks and vLLM's null block
     a, _ = run(c, toks(0, 48))
     assert c.allocate(toks(500, 32), 32) is None
     c.free(a)
@@ -126,6 +128,16 @@ def test_shared_g4_extends_a_local_miss_and_is_announced_once():
     b = w2.allocate(toks(0, 50), 50)
     assert b.hit_blocks == 0 and b.g4_blocks == 3
     assert w2.external_hits == 48
+
+
+def test_block_zero_is_vllms_null_block():
+    """vLLM's block pool sets one block aside: num_gpu_blocks counts it, the usage does not."""
+    c = PrefixCache(5, B)
+    assert c.num_free == 4 and c.usage() == 0.0
+    a, _ = run(c, toks(0, 32))
+    assert 0 not in a.blocks and c.usage() == 0.5
+    with pytest.raises(ValueError):
+        c.allocate(toks(0, 80), 80)  # 5 blocks: more than the pool holds
 
 
 def test_reset_clears_everything_when_idle():

@@ -56,7 +56,8 @@ async def test_eviction_batch_has_one_removal_per_block_before_the_store():
     from bench.sim.fleet import FleetConfig, SimFleet
     from bench.sim.timing import DEFAULT_TIMING
 
-    async with SimFleet(FleetConfig(workers=1, num_blocks=4, timing=DEFAULT_TIMING.with_(time_scale=1000))) as f:
+    # 4 blocks and vLLM's null block
+    async with SimFleet(FleetConfig(workers=1, num_blocks=5, timing=DEFAULT_TIMING.with_(time_scale=1000))) as f:
         w = f.workers[0]
         ctx = zmq.asyncio.Context()
         sub = await _sub(ctx, w.events_endpoint)

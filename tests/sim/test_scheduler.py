@@ -167,9 +167,9 @@ async def test_metrics_export_vllms_scheduler_histograms():
 
 # -- KV blocks: held as vLLM 0.32 holds them -----------------------------------------------------------------
 async def test_a_chunked_prompt_holds_blocks_chunk_by_chunk_and_is_admitted_if_its_prompt_fits():
-    # 20 blocks x 16 tokens: a 300-token prompt (19 blocks) with 100 tokens to generate is admitted (vLLM's
-    # gate counts the prompt, not the output), and it holds blocks for the chunks scheduled so far
-    async with engine(budget=100, num_blocks=20, scale=1) as e:
+    # 20 blocks x 16 tokens (and the null block): a 300-token prompt (19 blocks) with 100 tokens to generate is
+    # admitted (vLLM's gate counts the prompt, not the output), and it holds blocks for the chunks scheduled so far
+    async with engine(budget=100, num_blocks=21, scale=1) as e:
         r = e.submit(prompt(300, 50), 12)
         while e.steps < 1:
             await asyncio.sleep(0.001)
@@ -184,7 +184,7 @@ async def test_a_pool_that_runs_out_while_decoding_preempts_the_last_admitted_an
     # 10 blocks x 16 tokens; two 48-token prompts (3 blocks each) are admitted together, and each needs 7
     # blocks by its 60th token: the pool runs out, the second is preempted (its blocks freed, its full
     # blocks still cached) and readmitted when the first ends, recomputing its prompt and its output so far
-    async with engine(num_blocks=10) as e:
+    async with engine(num_blocks=11) as e:  # and the null block
         a, b = e.submit(prompt(48, 60), 60), e.submit(prompt(48, 61), 60)
         await drain(a, b)
         assert a.preemptions == 0 and b.preemptions >= 1 and e.stats.preemptions == b.preemptions
@@ -195,7 +195,7 @@ async def test_a_pool_that_runs_out_while_decoding_preempts_the_last_admitted_an
 
 
 async def test_preemptions_are_exported_as_vllm_num_preemptions():
-    async with SimFleet(FleetConfig(workers=1, num_blocks=10, block_size=16,
+    async with SimFleet(FleetConfig(workers=1, num_blocks=11, block_size=16,
                                     timing=DEFAULT_TIMING.with_(time_scale=1000), stream_interval=4)) as f:
         url = f.workers[0].url
         async with httpx.AsyncClient(timeout=30) as c:
