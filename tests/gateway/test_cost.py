@@ -409,21 +409,22 @@ def test_kv_released_after_a_prefix_does_not_spare_it():
     on = model(RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0))
     off = model(RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0, occupancy_age=False))
     w = worker("a")
-    w.load.kv_usage, w.load.num_gpu_blocks, w.load.updated_at = 0.5, 101, 1.0  # 1,600 tokens of KV
+    w.load.kv_usage, w.load.num_gpu_blocks, w.load.updated_at = 0.0, 101, 1.0  # 1,600 tokens of KV, all free
     prefix = list(range(40))  # 640 tokens: the last request that used it ended, then 320 more were released
     done = w.active.add(0, 0.0, 1e6, streamed=True, tokens=640, hashes=prefix, block_size=16)
     w.active.finish(done)
     later = w.active.add(0, 0.0, 1e6, streamed=True, tokens=320, hashes=list(range(500, 520)), block_size=16)
     w.active.finish(later)
-    running = w.active.add(700, 700.0, 1e6, streamed=True, tokens=800, hashes=list(range(900, 950)),
-                           block_size=16)
-    w.active.first_token(running)
-    w.active.mark_scrape(0.0)
+    # a request sent since, not yet scheduled, whose 800 tokens will be taken from the free queue
+    w.active.add(0, 0.0, 1e6, streamed=True, tokens=800, hashes=list(range(900, 950)), block_size=16)
     hashes = prefix + [99] * 22
     # 800 in flight + 640 of prefix = 1,440 fit in 1,600; the 320 released after it do not: 160 over
     c = on.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16, hashes=hashes)
     assert (c.local_blocks, c.evicted_blocks, c.eviction_model) == (30, 10, "occupancy")
     assert off.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16, hashes=hashes).local_blocks == 40
+    # only free blocks sit behind the prefix: with 800 free (a scrape shows 800 held), at most 160 of them
+    w.load.kv_usage = 0.5
+    assert on.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16, hashes=hashes).local_blocks == 40
     # the most recently released prefix has nothing behind it: it stays
     w.active.finish(w.active.add(0, 0.0, 1e6, streamed=True, tokens=640, hashes=prefix, block_size=16))
     assert on.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16, hashes=hashes).local_blocks == 40
