@@ -217,16 +217,17 @@ class CostModel:
             # queue while it waits (its own uncached blocks come after it is admitted: not counted).
             # Held blocks only lower the excess: probed only when the whole prefix would not fit.
             over = worker.active.inflight_tokens() + v.unknown_waiting * v.mean_tokens + local * block_size - cap
-            if cfg.occupancy_age and hashes:
-                # blocks released after the prefix sit behind it in the free queue: vLLM evicts the prefix
-                # before them, so they do not spare it (router/load.py prefix_age; HELD or unknown: none).
-                # Only free blocks sit there: a release a request in flight since reused (a shared document
-                # read again) is in the requests' KV already, so no more than the free room past the prefix.
+            # blocks released after the prefix sit behind it in the free queue: vLLM evicts the prefix
+            # before them, so they do not spare it (router/load.py prefix_age; HELD or unknown: none).
+            # Only free blocks sit there: a release a request in flight since reused (a shared document
+            # read again) is in the requests' KV already, so no more than the free room past the prefix
+            # (probed only when that room could make the excess positive).
+            behind = (kv_free_tokens if kv_free_tokens is not None else cap) - local * block_size
+            if cfg.occupancy_age and hashes and over + behind > 0:
                 if ev_model != "lru":
                     age = worker.active.prefix_age(hashes, indexed)
                 if age is not None and age > 0:
-                    room = kv_free_tokens if kv_free_tokens is not None else cap
-                    over += min(age, max(0.0, room - local * block_size))
+                    over += min(age, max(0.0, behind))
             if over > 0:
                 if held is None:
                     held = worker.active.held_blocks(hashes, indexed) if hashes else 0
