@@ -224,7 +224,7 @@ class CostModel:
             # (probed only when that room could make the excess positive).
             behind = (kv_free_tokens if kv_free_tokens is not None else cap) - local * block_size
             if cfg.occupancy_age and hashes and over + behind > 0:
-                if ev_model != "lru":
+                if ev_model not in ("lru", "pressure"):  # those two probed it already (None: pressure)
                     age = worker.active.prefix_age(hashes, indexed)
                 if age is not None and age > 0:
                     over += min(age, max(0.0, behind))
