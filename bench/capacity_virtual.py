@@ -42,6 +42,7 @@ from indexer.index.base import WorkerMatch
 from router.config import RoutingConfig, WorkerConfig
 from router.cost import Candidate, CostModel
 from router.eviction import observe_delivery
+from router.admission import PrefillGate, gate_budget
 from router.kv_room import kv_room
 from router.load import ActiveSequences, Sequence, shared_blocks
 from router.registry import Worker, WorkerLoad
@@ -88,7 +89,10 @@ async def closed_loop(clients, place, *, workers: int, num_blocks: int, block_si
                       max_tokens: int, stagger_s: float, g4: bool = False) -> list[Turn]:
     """Every client's sessions in order, each turn sent when the last one's answer is complete; call on a
     :class:`bench.sim.virtual.VirtualLoop`. ``g4``: the engines share one G4 store (kvgate's connector on
-    both servers: every prompt's full blocks are written after its prefill, and a local miss loads them)."""
+    both servers: every prompt's full blocks are written after its prefill, and a local miss loads them).
+    A placement with a ``gate`` (the kv placements' routing settings, when ``prefill_gate`` is on) holds each
+    request at the gateway's prefill gate (router/admission.py) on the engine's load tracker, as the gateway
+    does."""
     store = SharedG4Store() if g4 else None
     engines = [SimEngine(PrefixCache(num_blocks, block_size, g4=store), None, timing) for _ in range(workers)]
     for e in engines:
@@ -96,6 +100,9 @@ async def closed_loop(clients, place, *, workers: int, num_blocks: int, block_si
     loop = asyncio.get_running_loop()
     out: list[Turn] = []
     view: GatewayView | None = getattr(place, "view", None)  # the kv placer's load trackers, fed here
+    routing = getattr(place, "gate", None)  # the placement's RoutingConfig when it gates
+    gates = [PrefillGate(clock=loop.time) for _ in engines] if view is not None and routing is not None else None
+    budget = gate_budget(routing, timing.max_num_batched_tokens) if gates else 0
 
     async def client(i: int, kind: str, sessions) -> None:
         await asyncio.sleep(i * stagger_s)
@@ -104,6 +111,8 @@ async def closed_loop(clients, place, *, workers: int, num_blocks: int, block_si
                 w = place(engines, tokens)
                 t0 = loop.time()
                 seq = view.sent(w, engines[w], tokens, max_tokens) if view else None
+                if gates:
+                    await gates[w].admit(view.tracker(w), seq, budget, GATE_MAX_WAIT_S)
                 r = engines[w].submit(list(tokens), max_tokens)
                 first = None
                 while (chunk := await r.out.get()) is not None:
@@ -111,8 +120,12 @@ async def closed_loop(clients, place, *, workers: int, num_blocks: int, block_si
                         first = loop.time()
                         if view:
                             view.first(w, seq)
+                            if gates:
+                                gates[w].wake()
                 if view:
                     view.done(w, seq, r.cached_tokens, None if first is None else first - t0)
+                    if gates:
+                        gates[w].wake()
                 out.append(Turn(i, kind, f"{i}.{s}", t, len(tokens), r.cached_tokens, (first or loop.time()) - t0, w))
 
     try:
@@ -174,8 +187,11 @@ def prediction_table(results: dict[str, list[dict]], seeds: list[int]) -> str:
     return "\n".join(lines)
 
 
+GATE_MAX_WAIT_S = RoutingConfig().prefill_gate_max_wait_s
+
 VARIANTS = {
     "kv defaults": {},
+    "kv prefill_gate=0": {"prefill_gate": False},
     "kv future_turns=0, stay_margin=0": {"future_turns": 0.0, "stay_margin": 0.0},
 }
 
@@ -210,9 +226,13 @@ class GatewayView:
         return kv_room(self.seen[i][1], e.block_size, since)[0]
 
     def sent(self, i: int, e: SimEngine, tokens: list[int], max_tokens: int) -> Sequence:
-        hashes = [external(d) for d in e.cache.digests(tokens)[: len(tokens) // e.block_size]]
-        return self.tracker(i).add(0, 0.0, 1.0, streamed=True, tokens=len(tokens), max_tokens=max_tokens,
-                                   hashes=hashes, block_size=e.block_size)
+        digests = e.cache.digests(tokens)
+        hashes = [external(d) for d in digests[: len(tokens) // e.block_size]]
+        # its uncached prompt as the engine holds it now (what the prefill gate orders by)
+        hit = e.cache.longest_hit(digests, len(tokens), hashes[: (len(tokens) - 1) // e.block_size])
+        return self.tracker(i).add(len(tokens) - hit * e.block_size, 0.0, 1.0, streamed=True,
+                                   tokens=len(tokens), max_tokens=max_tokens, hashes=hashes,
+                                   block_size=e.block_size)
 
     def first(self, i: int, seq: Sequence) -> None:
         self.tracker(i).first_token(seq)
@@ -311,8 +331,9 @@ def prediction_summary(outcomes: list[tuple[int, int, int]], ttft_ratios: list[f
 def kv_placer(routing: dict, scrape_s: float = 0.0, live: bool = True):
     """The kv policy's placement over the KV room a :class:`GatewayView` shows (``place.view``)."""
     view = GatewayView(scrape_s, live)
-    place = placer(RoutingConfig(**routing), lambda i, e: view.free_of(i, e))
-    place.view = view
+    rc = RoutingConfig(**routing)
+    place = placer(rc, lambda i, e: view.free_of(i, e))
+    place.view, place.gate = view, (rc if rc.prefill_gate else None)
     return place
 
 
@@ -320,8 +341,9 @@ def predicting_placer(routing: dict, scrape_s: float = 1.0, current: bool = True
     """The kv placement, with the gateway's predictions of each request's cached tokens (``place.view``,
     a :class:`PredictingView`)."""
     view = PredictingView(scrape_s, routing, current)
-    place = placer(RoutingConfig(**routing), lambda i, e: view.free_of(i, e))
-    place.view = view
+    rc = RoutingConfig(**routing)
+    place = placer(rc, lambda i, e: view.free_of(i, e))
+    place.view, place.gate = view, (rc if rc.prefill_gate else None)
     return place
 
 
@@ -350,7 +372,7 @@ def gateway_placer(routing: dict, timing: TimingModel, scrape_s: float = 1.0, bl
         cands = [c for c, _ in view.placed.values()]
         return int(kv_order(cands, next(turn) % len(engines), scorers, rc.overlap_share)[0].worker)
 
-    place.view = view
+    place.view, place.gate = view, (rc if rc.prefill_gate else None)
     return place
 
 

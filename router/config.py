@@ -156,6 +156,14 @@ class RoutingConfig(BaseModel):
     occupancy_evicts: bool = True
     # ... and the KV released after the prefix (behind it in vLLM's free queue) does not spare it.
     occupancy_age: bool = True
+    # Prefill admission (router/admission.py): a request waits at the gateway while the gateway's prompts its
+    # worker is prefilling would, with it, pass prefill_gate_tokens uncached tokens (default: one step's
+    # max_num_batched_tokens), and the shortest waiting prefill goes first; a worker prefilling none of them
+    # takes the next at once.
+    prefill_gate: bool = True
+    prefill_gate_tokens: int | None = Field(None, ge=1)
+    # ... and a request waits there at most this long (then it goes whatever the queue).
+    prefill_gate_max_wait_s: float = Field(5.0, ge=0.0, le=600.0, allow_inf_nan=False)
     pending_max_blocks: int = 100_000
     # Texts of deferred prompts in flight kept beside their blocks (router/pending.py), in bytes; 0: none.
     pending_text_bytes: int = Field(16 << 20, ge=0)

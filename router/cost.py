@@ -14,6 +14,9 @@ waiting beyond them at the worker's mean size) while ``D`` requests decode:
   latency at its running count), plus the prefill work of the tokens it batches at the prefill speed;
 - the request pays a fixed overhead once (vLLM's TTFT minus its queue and prefill times).
 
+Requests held at the gateway's prefill gate (router/admission.py) are queue too, but the gate sends the
+shortest first: the held ones longer than this request are behind it, not ahead.
+
 Work is counted in tokens at context 0: a token at context L costs ``1 + L / attention_knee_tokens`` of
 them (attention reads every earlier token), so the same 1,000 new tokens cost more after a 100K cached
 prefix than after none. The prefill speed is calibrated online (EWMA, from the configured default) from
@@ -240,13 +243,18 @@ class CostModel:
         g4_extra = max(0, g4 - local)
         cached = min(num_tokens, (local + g4_extra) * block_size)
         uncached = max(0, num_tokens - cached)
+        queue_work = v.queue_work
+        queue_requests = v.queue_requests
+        if v.gated:  # the prefill gate sends the shorter ones first: the longer ones it holds are behind
+            n, t, w = v.gated_behind(uncached)
+            queue_requests, queue_tokens, queue_work = queue_requests - n, queue_tokens - t, queue_work - w
         budget = self.budget(worker)
         decodes = min(v.decodes, budget - 1)
         per_step = budget - decodes
         queue_steps = math.ceil(queue_tokens / per_step)
         steps = max(queue_steps + 1, math.ceil((queue_tokens + uncached) / per_step))
         step_ms = cal.step_time_s(decodes) * 1000.0
-        queue_ms = (v.queue_work + self.work(lost, 0.0)) / tps * 1000.0 + queue_steps * step_ms
+        queue_ms = (queue_work + self.work(lost, 0.0)) / tps * 1000.0 + queue_steps * step_ms
         wait_ms = 0.0
         if v.decoding and kv_free_tokens is not None:
             wait_ms = kv_wait_s(v.decoding, kv_free_tokens, demand + uncached, step_ms / 1000.0,
@@ -284,7 +292,7 @@ class CostModel:
             queue_ms=queue_ms, prefill_ms=prefill_ms, g4_load_ms=g4_ms, predicted_ttft_ms=total,
             model_ttft_ms=raw, fit_ms=total - raw,
             load=(inflight if inflight > running_waiting else running_waiting) + usage,
-            queue_requests=v.queue_requests, queue_tokens=queue_tokens, queue_lost_tokens=lost,
+            queue_requests=queue_requests, queue_tokens=queue_tokens, queue_lost_tokens=lost,
             kv_demand_tokens=demand,
             decodes=decodes, steps=steps,
             step_ms=step_ms, overhead_ms=overhead_ms, calibration=cal.source, clamped=clamped,

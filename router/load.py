@@ -52,6 +52,7 @@ class Sequence:
     prefix_blocks: int = 0  # the cached prefix it was predicted to find (its local blocks)
     prefix_at: float | None = None  # where that prefix sat on the LRU clock when sent (None: held or unknown)
     admitted: bool = False  # vLLM was running it (its KV allocated) at a scrape while it was prefilling
+    gated: bool = False  # waiting at the gateway's prefill gate, not sent yet (router/admission.py)
 
     def kv_release(self, step_s: float) -> tuple[float, int]:
         """When a decoding sequence is expected to end (``max_tokens`` steps after its first token, or its
@@ -65,7 +66,8 @@ class LoadView:
     """What a scorer needs of a worker's load at one instant (the admin API shows it too)."""
 
     inflight: int = 0
-    prefill_requests: int = 0  # the gateway's own, sent and not yet prefilled
+    prefill_requests: int = 0  # the gateway's own, sent and not yet prefilled (or at its prefill gate)
+    gated_requests: int = 0  # of those, the ones waiting at the gateway's prefill gate (router/admission.py)
     prefill_tokens: int = 0  # their uncached prompt tokens
     unadmitted_tokens: int = 0  # of those, the ones not yet allocated as of the last scrape (KV demand)
     prefill_work: float = 0.0  # their prefill work
@@ -77,6 +79,8 @@ class LoadView:
     # the gateway's decoding requests whose generation length is known, for the KV-capacity wait
     # (router/cost.py); None when there are none
     decoding: list[Sequence] | None = None
+    # the gateway's requests at its prefill gate (router/admission.py), None when there are none
+    gated: list[Sequence] | None = None
 
     @property
     def queue_requests(self) -> float:
@@ -89,6 +93,18 @@ class LoadView:
     @property
     def queue_tokens(self) -> float:
         return self.prefill_tokens + self.unknown_waiting * self.mean_tokens
+
+    def gated_behind(self, uncached: int) -> tuple[int, int, float]:
+        """The requests at the prefill gate that a request of ``uncached`` tokens would go before (the gate
+        sends the shortest first; equal ones in arrival order): their count, uncached tokens and work."""
+        n = tokens = 0
+        work = 0.0
+        for s in self.gated or ():
+            if s.uncached > uncached:
+                n += 1
+                tokens += s.uncached
+                work += s.work
+        return n, tokens, work
 
     @property
     def kv_demand_tokens(self) -> float:
@@ -214,9 +230,14 @@ class ActiveSequences:
         self._held_memo.clear()
         if waiting is None or not waiting == waiting:  # NaN: unknown
             return
-        prefilling = [s for s in self._live.values() if s.first_at is None]
+        prefilling = [s for s in self._live.values() if s.first_at is None and not s.gated]
         for s in prefilling[: max(0, len(prefilling) - int(max(0.0, waiting)))]:
             s.admitted = True
+
+    def prefilling(self, now: float):
+        """The requests counted as prefilling at ``now`` (those at the gateway's prefill gate too), in arrival
+        order."""
+        return (s for s in self._live.values() if s.first_at is None and now < s.deadline)
 
     def kv_since_scrape(self) -> float:
         """KV tokens the gateway's requests freed less those they took since the last scrape (negative: more
@@ -307,8 +328,14 @@ class ActiveSequences:
         """The load now, reconciled with vLLM's ``running`` and ``waiting`` gauges."""
         now = self._clock() if now is None else now
         v = LoadView(inflight=len(self._live), mean_work=self.mean_work, mean_tokens=self.mean_tokens, now=now)
+        gated = 0
         for s in self._live.values():
             if s.first_at is None and now < s.deadline:
+                if s.gated:
+                    gated += 1
+                    if v.gated is None:
+                        v.gated = []
+                    v.gated.append(s)
                 v.prefill_requests += 1
                 v.prefill_tokens += s.uncached
                 if not s.admitted:
@@ -319,8 +346,10 @@ class ActiveSequences:
                     v.decoding = []
                 v.decoding.append(s)
         own_decodes = v.inflight - v.prefill_requests
-        v.unknown_waiting = max(0.0, waiting - v.prefill_requests)
+        v.gated_requests = gated
+        sent = v.prefill_requests - gated  # those at the gateway's gate (router/admission.py) vLLM has not seen
+        v.unknown_waiting = max(0.0, waiting - sent)
         # the gateway's prefilling requests that vLLM does not count as waiting are running (prefilling)
-        running_prefills = v.prefill_requests - min(float(v.prefill_requests), waiting)
+        running_prefills = sent - min(float(sent), waiting)
         v.decodes = int(max(own_decodes, running - running_prefills, 0))
         return v

@@ -24,6 +24,7 @@ class _Snapshot:
         self.index_blocks: dict[tuple[str, str], float] = {}
         self.events: dict[str, dict] = {}
         self.health: dict[str, bool] = {}
+        self.gated: dict[str, int] = {}  # routing target -> requests at its prefill gate
         self.tokenize: dict[str, dict] = {}
 
     def collect(self):
@@ -43,6 +44,11 @@ class _Snapshot:
         for worker, ok in self.health.items():
             health.add_metric([worker], 1.0 if ok else 0.0)
         yield health
+        gated = GaugeMetricFamily("kvgate_prefill_gate_held", "Requests waiting at the worker's prefill gate "
+                                  "(routing.prefill_gate), not sent yet", labels=["worker"])
+        for worker, n in self.gated.items():
+            gated.add_metric([worker], float(n))
+        yield gated
         yield from self._tokenize_families()
 
     def _tokenize_families(self):
@@ -113,6 +119,10 @@ class GatewayMetrics:
                                   "How late the event loop ran a timer, sampled every loop_lag_interval_s: the "
                                   "wait of every request it serves for its turn (a stall shows here first)",
                                   buckets=_LAG_BUCKETS, registry=r)
+        self.gate_wait = Histogram("kvgate_prefill_gate_wait_seconds",
+                                   "Time a request waited at its worker's prefill gate before it was sent "
+                                   "(routing.prefill_gate; 0 for most)", ["worker"], buckets=_LAG_BUCKETS + (10.0,),
+                                   registry=r)
         self.inflight = Gauge("kvgate_inflight_requests", "Requests in flight per worker", ["worker"], registry=r)
         self.retries = Counter("kvgate_retries", "Requests retried on another worker before the first byte",
                                ["model", "reason"], registry=r)
@@ -160,6 +170,7 @@ class GatewayMetrics:
         """Copy the index, ingestion and health counts into the snapshot collector."""
         snap = self.snapshot
         snap.health = {w.name: w.healthy for w in state.registry.workers()}
+        snap.gated = {t.name: len(t.gate) for w in state.registry.workers() for t in w.targets()}
         snap.tokenize = state.tokenizers.cache_stats()
         if state.ingestor is not None:
             try:

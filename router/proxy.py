@@ -29,6 +29,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from router import eviction
+from router.admission import gate_budget
 from router.apis.routes import add_routes as add_api_routes
 from router.errors import APIError, error_body, error_response, sse_error_event
 from router.metrics import CONTENT_TYPE
@@ -233,11 +234,22 @@ class _Lease:
 
     def first_byte(self) -> None:
         self.worker.active.first_token(self.seq)
+        self.worker.gate.wake()  # its prefill is done: the next held one may go (router/admission.py)
+
+    async def admit(self, routing, max_batched: int) -> float:
+        """Wait at the worker's prefill gate (router/admission.py); the seconds waited."""
+        if not routing.prefill_gate:
+            return 0.0
+        budget = gate_budget(routing, max_batched)
+        waited = await self.worker.gate.admit(self.worker.active, self.seq, budget, routing.prefill_gate_max_wait_s)
+        self.metrics.child(self.metrics.gate_wait, self.worker.name).observe(waited)
+        return waited
 
     def release(self) -> None:
         if self.active:
             self.active = False
             self.worker.active.finish(self.seq)
+            self.worker.gate.wake()
             self.metrics.child(self.metrics.inflight, self.worker.name).set(self.worker.inflight)
 
 
@@ -333,9 +345,10 @@ class Forwarder:
             recorded = bool(self.hashes) and not w.blind_for(kind_of(self.path))
             if recorded:
                 st.pending.record(d.namespace, self.hashes, w.name, cand.local_blocks, text=self.sent_text)
-            t_send = time.perf_counter()
+            t_send = time.perf_counter()  # TTFT counts the wait at the gateway's prefill gate too
             resp = None
             try:
+                d.gate_wait_ms = round(await lease.admit(st.routing, st.router.cost.budget(w)) * 1000.0, 3)
                 resp = await st.upstream.open(self.method, w.url + self.path, self.body, w.pin(headers),
                                               self.query)
                 if resp.status >= 500:

@@ -32,6 +32,7 @@ from indexer.events.subscriber import resolve_endpoint
 from router.calibrate import EngineCalibration, PredictionErrors, default_calibration
 from router.config import Settings, WorkerConfig
 from router.eviction import EvictionCalibration
+from router.admission import PrefillGate
 from router.load import ActiveSequences, LoadView
 from router.ttft_fit import TtftFit
 
@@ -128,6 +129,7 @@ class Worker:
     # The requests this gateway has in flight on the worker, by phase (router/load.py), and the scheduler
     # model's parameters learnt from its metrics (router/calibrate.py).
     active: ActiveSequences = field(default_factory=ActiveSequences)
+    gate: PrefillGate = field(default_factory=PrefillGate)  # requests held before it (router/admission.py)
     engine: EngineCalibration = field(default_factory=default_calibration)
     prediction: PredictionErrors = field(default_factory=PredictionErrors)  # observed / predicted TTFT
     ttft_fit: TtftFit = field(default_factory=TtftFit)  # the model's learnt correction (router/ttft_fit.py)
@@ -260,13 +262,14 @@ class RankTarget:
     has no RankTarget: it is routed, indexed and named exactly as before, and no header is sent.
     """
 
-    OWN = frozenset({"server", "dp_rank", "name", "event_sources", "load", "active", "engine", "prediction", "eviction",
-                     "ttft_fit", "prefill_ratio", "ttft_samples", "prefill_samples"})
+    OWN = frozenset({"server", "dp_rank", "name", "event_sources", "load", "active", "gate", "engine", "prediction",
+                     "eviction", "ttft_fit", "prefill_ratio", "ttft_samples", "prefill_samples"})
 
     def __init__(self, server: Worker, rank: int) -> None:
         e = server.engine  # the rank starts from the server's priors and calibrates on its own series
         own = {"server": server, "dp_rank": rank, "name": f"{server.name}@dp{rank}",
                "event_sources": [], "load": WorkerLoad(), "active": ActiveSequences(server.active.mean_work),
+               "gate": PrefillGate(),
                "engine": EngineCalibration(e.step_s, e.seq_s, e.request_s), "prediction": PredictionErrors(),
                "eviction": EvictionCalibration(), "ttft_fit": TtftFit(),
                "prefill_ratio": 1.0, "ttft_samples": 0, "prefill_samples": 0}

@@ -54,6 +54,7 @@ class Decision:
     status: int | None = None
     outcome: str | None = None
     observed_ttft_ms: float | None = None
+    gate_wait_ms: float = 0.0  # held at the chosen worker's prefill gate (router/admission.py)
     prompt_tokens: int | None = None
     delivered_cached_tokens: int | None = None
     # (key, UTF-8 text) of a prompt planned on its start only: the pending record keeps it while in flight
@@ -92,7 +93,8 @@ class Decision:
             "attempts": list(self.attempts), "timings_ms": dict(self.timings_ms),
             "predicted_cached_tokens": self.predicted_cached_tokens,
             "predicted_ttft_ms": self.predicted_ttft_ms, "status": self.status, "outcome": self.outcome,
-            "observed_ttft_ms": self.observed_ttft_ms, "prompt_tokens": self.prompt_tokens,
+            "observed_ttft_ms": self.observed_ttft_ms, "gate_wait_ms": self.gate_wait_ms,
+            "prompt_tokens": self.prompt_tokens,
             "delivered_cached_tokens": self.delivered_cached_tokens,
         }
         if include_hashes:

@@ -48,7 +48,10 @@ class WorkerLoadOut(BaseModel):
     prefill_samples: int = Field(0, description="observations that calibrated it: streamed TTFTs and "
                                                 "vLLM's prefill histograms between two scrapes")
     ttft_samples: int = Field(0, description="streamed responses whose time to first byte was seen")
-    pending_requests: int = Field(0, description="requests the gateway sent that have no first token yet")
+    pending_requests: int = Field(0, description="requests the gateway sent that have no first token yet "
+                                  "(those waiting at its prefill gate too)")
+    gated_requests: int = Field(0, description="of those, the ones waiting at the gateway's prefill gate "
+                                "(routing.prefill_gate): not sent yet, the shortest goes first")
     decodes: int = Field(0, description="requests decoding: the gateway's own, or vLLM's running beyond "
                                         "the gateway's prefilling ones, the larger")
     engine: dict = Field(default_factory=dict, description="the scheduler model's parameters for this worker "
@@ -364,6 +367,9 @@ class DecisionOut(_Open):
     status: int | None = None
     outcome: str | None = None
     observed_ttft_ms: float | None = None
+    gate_wait_ms: float = Field(0.0, description="time the request waited at the gateway's prefill gate before "
+                                "it was sent (routing.prefill_gate): the worker was prefilling a step's worth "
+                                "of the gateway's prompts, and shorter ones went first; part of the TTFT")
     prompt_tokens: int | None = None
     delivered_cached_tokens: int | None = Field(None, description="usage.prompt_tokens_details.cached_tokens")
 

@@ -39,7 +39,7 @@ def worker_out(state, w, stats: dict, events: dict) -> schemas.WorkerOut:
             running=w.load.running, waiting=w.load.waiting, kv_usage=w.load.kv_usage, inflight=w.inflight,
             pending_tokens=round(view.prefill_work), prefill_tokens_per_s=state.router.cost.prefill_speed(w),
             prefill_ratio=w.prefill_ratio, prefill_samples=w.prefill_samples, ttft_samples=w.ttft_samples,
-            pending_requests=view.prefill_requests, decodes=view.decodes, engine=w.engine.to_dict(),
+            pending_requests=view.prefill_requests, gated_requests=view.gated_requests, decodes=view.decodes, engine=w.engine.to_dict(),
             prediction=w.prediction.to_dict(), eviction=w.eviction.to_dict(), ttft_fit=w.ttft_fit.to_dict()),
         cached_blocks=cached, parity=parity if isinstance(parity, dict) else None,
         cache_blind=bool(getattr(w, "cache_blind", False)),

@@ -56,6 +56,21 @@ def test_prediction_steps_the_queue_forward():
     assert cm.score(big, WorkerMatch(local=2), 5, 200, 16).steps == 2
 
 
+def test_requests_held_at_the_prefill_gate_that_are_longer_queue_behind_a_short_one():
+    """The prefill gate (router/admission.py) sends the shortest held request first: a short prompt is
+    priced behind the prompt the worker prefills and the shorter held ones only, a long one behind all."""
+    cfg = RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0, max_num_batched_tokens=512)
+    cm = model(cfg)
+    w = worker("a", prefilling=[400, 300, 50])
+    sent, long_held, short_held = w.active._live.values()
+    long_held.gated = short_held.gated = True
+    short = cm.score(w, WorkerMatch(), 0, 100, 16)
+    assert (short.queue_requests, short.queue_tokens, short.queue_ms) == (2, 450, pytest.approx(450.0))
+    long = cm.score(w, WorkerMatch(), 0, 1000, 16)
+    assert (long.queue_requests, long.queue_tokens, long.queue_ms) == (3, 750, pytest.approx(750.0))
+    assert w.view().gated_requests == 2 and w.view().prefill_requests == 3
+
+
 def test_a_long_prompt_takes_several_steps_and_decodes_slow_each():
     cm = model(RoutingConfig(prefill_tokens_per_s=10_000.0, attention_knee_tokens=0,
                              max_num_batched_tokens=2048), engine=(0.01, 0.002, 0.0))

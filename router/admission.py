@@ -1,0 +1,120 @@
+"""Prefill admission: the gateway holds a request while its worker already prefills enough of the gateway's
+prompts, and sends the shortest held prefill first when one of them ends.
+
+Why: vLLM serves its waiting queue first come, first served, one step at a time of at most
+``max_num_batched_tokens`` prompt tokens. A short prompt that arrives behind a long one waits for all of
+the long one's chunks, and the long one's new blocks are taken from the free queue before the short one's
+cached prefix is read again: under capacity pressure a follow-up turn loses the prefix it came back for.
+The gateway sees every prompt's uncached length before vLLM does (router/cost.py), so it keeps the
+worker's queue short and lets the cheapest prefill go next: shortest job first, which lowers the mean TTFT
+of any mix of long and short prompts, and runs the cached follow-ups before the cold prompts that would
+evict them. (vLLM's own ``--scheduling-policy priority`` cannot do this: a prompt it already runs keeps
+the step budget until it is done, whatever the priority of the requests behind it.)
+
+How short (:func:`gate_budget`): one step's ``max_num_batched_tokens`` of the gateway's prompts (or
+``routing.prefill_gate_tokens``). vLLM then always has the next step's prompts queued, and the rest wait at
+the gateway, shortest first. Shorter was tried: one prompt at a time (a budget of a step's fixed time x the
+prefill speed, a few dozen tokens on a CPU server) is shortest first exactly and won on the virtual clock,
+but lost on real vLLM (docs/BENCHMARKS.md, session 22): each hand-over then waits for the first byte to
+reach the gateway and the next prompt to reach the engine, time the engine's prefill stands still.
+
+It is not a rate limit: a worker with none of the gateway's prompts prefilling takes the next one at once
+whatever its size, a request held ``max_wait_s`` goes whatever the queue, and only prompts from this
+gateway count (vLLM's waiting gauge still prices the others, router/load.py). Held requests are in the
+worker's load tracker as prefilling, so the cost model prices them as queue ahead of later requests, and
+a G4 prefetch ordered for a held request (router/prefetch.py) runs while it waits.
+"""
+from __future__ import annotations
+
+import asyncio
+import heapq
+import time
+from itertools import count
+
+from router.load import ActiveSequences, Sequence
+
+
+def gate_budget(routing, max_batched: int) -> int:
+    """The uncached prompt tokens of the gateway's a worker may be prefilling for another request to join
+    them: ``routing.prefill_gate_tokens``, else one step's ``max_batched``; at most that, at least 1."""
+    return max(1, min(max_batched, routing.prefill_gate_tokens or max_batched))
+
+
+class PrefillGate:
+    """One worker's held requests (bounded by the requests in flight), shortest uncached prompt first."""
+
+    def __init__(self, clock=time.monotonic) -> None:
+        self._held: list[tuple[int, int, Sequence, asyncio.Future]] = []  # heap: (uncached, arrival, ...)
+        self._order = count()
+        self._clock = clock
+        self._timer: asyncio.TimerHandle | None = None
+        self._active: ActiveSequences | None = None
+        self._budget = 0
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def outstanding(self, active: ActiveSequences) -> int:
+        """Uncached prompt tokens of the gateway's requests the worker is prefilling or has queued (sent,
+        no first token yet; one that shows none, not streamed, until its deadline: router/load.py)."""
+        now = self._clock()
+        return sum(s.uncached for s in active.prefilling(now) if not s.gated)
+
+    def _fits(self, active: ActiveSequences, uncached: int, budget: int) -> bool:
+        out = self.outstanding(active)
+        return out == 0 or out + uncached <= budget
+
+    async def admit(self, active: ActiveSequences, seq: Sequence, budget: int, max_wait_s: float) -> float:
+        """Wait until the worker has room for ``seq``'s prefill in one step's ``budget`` of prompt tokens
+        (or ``max_wait_s`` passes); the seconds waited. ``seq`` is in ``active`` already, marked ``gated``
+        meanwhile. A cancellation (the client left) takes it out of the queue."""
+        self._active, self._budget = active, budget
+        seq.gated = True  # not outstanding itself while it asks
+        if not self._held and self._fits(active, seq.uncached, budget):
+            seq.gated = False
+            return 0.0
+        t0 = self._clock()
+        fut = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._held, (seq.uncached, next(self._order), seq, fut))
+        self.wake()
+        try:
+            if not fut.done():
+                await asyncio.wait_for(asyncio.shield(fut), timeout=max(0.0, max_wait_s))
+        except asyncio.TimeoutError:
+            pass  # waited long enough: it goes whatever the queue
+        finally:
+            if seq.gated:
+                seq.gated = False
+                self._held = [e for e in self._held if e[2] is not seq]
+                heapq.heapify(self._held)
+        waited = self._clock() - t0
+        if seq.deadline != float("inf"):
+            seq.deadline += waited  # a response with no first token: its prefill starts now
+        return waited
+
+    def wake(self) -> None:
+        """A prefill on the worker ended (a first token, a request done) or a request joined: send the held
+        ones that fit now, shortest first."""
+        active = self._active
+        if active is None:
+            return
+        while self._held and self._fits(active, self._held[0][0], self._budget):
+            _, _, seq, fut = heapq.heappop(self._held)
+            seq.gated = False  # counted as outstanding from now on, before its task runs
+            if not fut.done():
+                fut.set_result(None)
+        self._arm(active)
+
+    def _arm(self, active: ActiveSequences) -> None:
+        """While requests are held, wake at the next deadline of a sent request that shows no first token:
+        it stops counting as prefilling then, and nothing else would say so."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._held:
+            return
+        now = self._clock()
+        nxt = min((s.deadline for s in active.prefilling(now) if not s.gated and s.deadline != float("inf")),
+                  default=None)
+        if nxt is not None:
+            self._timer = asyncio.get_running_loop().call_later(max(0.0, nxt - now) + 1e-3, self.wake)

@@ -1,0 +1,174 @@
+"""The prefill gate (router/admission.py): the gateway keeps a worker's queue one step of prompt tokens
+deep and sends the shortest held prompt first. Unit tests on the gate and the load tracker (no servers),
+then the order a fake vLLM worker (tests/support/fake_worker.py: it holds each stream's first token for a
+set time, as a prefill would) receives requests in through a real gateway."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from router.admission import PrefillGate, gate_budget
+from router.config import RoutingConfig
+from router.load import ActiveSequences
+from tests.gateway.conftest import MODEL
+from tests.gateway.test_proxy import wait_until
+
+
+async def held(gate: PrefillGate, n: int) -> None:
+    for _ in range(100):
+        if len(gate) == n:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"{len(gate)} held, expected {n}")
+
+
+def test_the_budget_is_one_step_unless_set():
+    assert gate_budget(RoutingConfig(), 2048) == 2048
+    assert gate_budget(RoutingConfig(prefill_gate_tokens=700), 2048) == 700
+    assert gate_budget(RoutingConfig(prefill_gate_tokens=5000), 2048) == 2048  # never past one step
+
+
+async def test_a_worker_prefilling_nothing_admits_at_once_and_a_full_step_holds():
+    a, g = ActiveSequences(), PrefillGate()
+    first = a.add(uncached=3000, work=3000.0, predicted_s=1.0, streamed=True)
+    assert await g.admit(a, first, budget=2048, max_wait_s=5.0) == 0.0  # nothing prefilling: any size goes
+    small = a.add(uncached=10, work=10.0, predicted_s=0.1, streamed=True)
+    task = asyncio.create_task(g.admit(a, small, budget=2048, max_wait_s=5.0))
+    await held(g, 1)
+    assert small.gated and a.view().prefill_requests == 2  # held, and priced as queue ahead of later ones
+    a.first_token(first)
+    g.wake()
+    assert await asyncio.wait_for(task, 1.0) > 0.0
+    assert not small.gated and len(g) == 0
+
+
+async def test_the_shortest_held_prompt_goes_first_and_prompts_that_fit_the_budget_go_together():
+    a, g = ActiveSequences(), PrefillGate()
+    running = a.add(uncached=900, work=900.0, predicted_s=1.0, streamed=True)
+    await g.admit(a, running, 1000, 5.0)
+    order: list[str] = []
+    seqs = {}
+
+    async def client(name: str, uncached: int):
+        seqs[name] = seq = a.add(uncached=uncached, work=float(uncached), predicted_s=1.0, streamed=True)
+        await g.admit(a, seq, 1000, 5.0)
+        order.append(name)
+
+    long = asyncio.create_task(client("long", 950))
+    await held(g, 1)  # 900 + 950 > 1000
+    short = asyncio.create_task(client("short", 50))
+    await asyncio.wait_for(short, 1.0)  # 900 + 50 fit, and nothing shorter waits: it goes at once
+    mid = asyncio.create_task(client("mid", 120))
+    await held(g, 2)  # 900 + 50 + 120 > 1000
+    a.first_token(running)
+    g.wake()
+    await asyncio.wait_for(mid, 1.0)  # 50 + 120 fit; the long one sent before it does not (50 + 120 + 950)
+    assert order == ["short", "mid"] and len(g) == 1
+    a.first_token(seqs["short"])
+    g.wake()
+    await asyncio.sleep(0.01)
+    assert order == ["short", "mid"]  # 120 + 950 > 1000: still held
+    a.finish(seqs["mid"])
+    g.wake()
+    await asyncio.wait_for(long, 1.0)
+    assert order == ["short", "mid", "long"]
+
+
+async def test_a_held_request_goes_after_max_wait_and_a_cancelled_one_leaves_the_queue():
+    a, g = ActiveSequences(), PrefillGate()
+    await g.admit(a, a.add(uncached=5000, work=5000.0, predicted_s=9.0, streamed=True), 100, 5.0)
+    late = a.add(uncached=200, work=200.0, predicted_s=1.0, streamed=True)
+    waited = await asyncio.wait_for(g.admit(a, late, 100, max_wait_s=0.05), 1.0)  # not a rate limit
+    assert waited >= 0.05 and not late.gated and len(g) == 0
+    gone = a.add(uncached=200, work=200.0, predicted_s=1.0, streamed=True)
+    task = asyncio.create_task(g.admit(a, gone, 100, 5.0))
+    await held(g, 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert len(g) == 0 and not gone.gated
+
+
+async def test_a_response_without_a_first_token_stops_blocking_at_its_deadline():
+    """A non-streamed response shows no first token: it counts as prefilling until twice its predicted
+    TTFT (router/load.py), and the gate wakes then by itself."""
+    a, g = ActiveSequences(), PrefillGate()
+    plain = a.add(uncached=3000, work=3000.0, predicted_s=0.05, streamed=False)
+    await g.admit(a, plain, 2048, 5.0)
+    nxt = a.add(uncached=3000, work=3000.0, predicted_s=0.05, streamed=True)
+    waited = await asyncio.wait_for(g.admit(a, nxt, 2048, 5.0), 2.0)
+    assert 0.05 < waited < 1.0
+
+
+async def test_held_requests_are_not_taken_for_ones_vllm_runs():
+    """vLLM's waiting gauge counts only what was sent: a held request is neither admitted at a scrape (its
+    KV is not in the usage) nor taken for a running prefill."""
+    a, g = ActiveSequences(), PrefillGate()
+    sent = a.add(uncached=3000, work=3000.0, predicted_s=1.0, streamed=True)
+    await g.admit(a, sent, 2048, 5.0)
+    later = a.add(uncached=500, work=500.0, predicted_s=1.0, streamed=True)
+    task = asyncio.create_task(g.admit(a, later, 2048, 5.0))
+    await held(g, 1)
+    a.mark_scrape(waiting=0.0)  # vLLM runs the one it has
+    assert sent.admitted and not later.admitted
+    v = a.view(running=1.0, waiting=0.0)
+    assert v.unadmitted_tokens == 500 and v.decodes == 0 and v.unknown_waiting == 0
+    task.cancel()
+
+
+def _stream_body(words: int) -> dict:
+    text = " ".join(f"word{i}" for i in range(words))
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}], "stream": True, "max_tokens": 4}
+
+
+@pytest.mark.parametrize("gate", [True, False])
+async def test_the_worker_gets_the_short_prompt_before_a_long_one_sent_earlier(fleet, start_gateway, gate):
+    """Three streamed prompts while the worker prefills a first one (the fake worker holds each first token
+    0.8 s): with the gate a short prompt sent last reaches the worker before a long one sent before it, and
+    its TTFT is the shorter; without it (``prefill_gate: false``) the worker gets them as they came."""
+    st = fleet.add("a", first_token_delay_s=0.8)
+    routing = RoutingConfig(max_num_batched_tokens=16, pending_ttl_s=0, parity_check=False, prefill_gate=gate)
+    gw = start_gateway(fleet, routing=routing)
+    ttft: dict[str, float] = {}
+
+    async def send(c: httpx.AsyncClient, name: str, words: int) -> None:
+        t0 = asyncio.get_running_loop().time()
+        async with c.stream("POST", gw.url + "/v1/chat/completions", json=_stream_body(words),
+                            headers={"x-request-id": name}) as r:
+            assert r.status_code == 200
+            async for _ in r.aiter_raw():
+                ttft.setdefault(name, asyncio.get_running_loop().time() - t0)
+
+    async with httpx.AsyncClient(timeout=30) as c:
+        first = asyncio.create_task(send(c, "first", 200))
+        await wait_until(lambda: len(st.requests) == 1)
+        long = asyncio.create_task(send(c, "long", 300))
+        await wait_until(lambda: gw.state.decisions.get("long") is not None)
+        await asyncio.sleep(0.05)
+        short = asyncio.create_task(send(c, "short", 5))
+        if gate:  # both wait at the gate while "first" prefills, and the admin API says so
+            for _ in range(100):
+                load = (await c.get(gw.url + "/admin/workers")).json()["workers"][0]["load"]
+                if load["gated_requests"] == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert load["gated_requests"] == 2 and load["pending_requests"] == 3
+        await asyncio.gather(first, long, short)
+    got = [r["headers"]["x-request-id"] for r in st.requests]
+    if gate:
+        assert got == ["first", "short", "long"]
+        assert ttft["short"] < ttft["long"]
+        assert gw.state.decisions.get("long").gate_wait_ms > 700  # behind "first" and "short"
+        d = gw.state.decisions.get("short").to_dict()
+        assert 0 < d["gate_wait_ms"] < d["observed_ttft_ms"]
+        async with httpx.AsyncClient(timeout=10) as c:
+            text = (await c.get(gw.url + "/metrics")).text
+        assert 'kvgate_prefill_gate_wait_seconds_count{worker="a"} 3.0' in text
+        assert 'kvgate_prefill_gate_held{worker="a"} 0.0' in text
+    else:
+        assert got == ["first", "long", "short"]
+        assert all(gw.state.decisions.get(n).gate_wait_ms == 0 for n in got)
+    assert json.loads(json.dumps(gw.state.decisions.get("short").to_dict()))["chosen"] == "a"
