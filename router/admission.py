@@ -21,8 +21,8 @@ reach the gateway and the next prompt to reach the engine, time the engine's pre
 It is not a rate limit: a worker with none of the gateway's prompts prefilling takes the next one at once
 whatever its size, a request held ``max_wait_s`` goes whatever the queue, and only prompts from this
 gateway count (vLLM's waiting gauge still prices the others, router/load.py). Held requests are in the
-worker's load tracker as prefilling, so the cost model prices them as queue ahead of later requests, and
-a G4 prefetch ordered for a held request (router/prefetch.py) runs while it waits.
+worker's load tracker as prefilling, so the cost model prices the shorter ones as queue ahead of a request
+(router/cost.py: the longer ones go after it), and a G4 prefetch ordered for a held request (router/prefetch.py) runs while it waits.
 """
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ from router.load import ActiveSequences, Sequence
 
 
 def gate_budget(routing, max_batched: int) -> int:
-    """The uncached prompt tokens of the gateway's a worker may be prefilling for another request to join
-    them: ``routing.prefill_gate_tokens``, else one step's ``max_batched``; at most that, at least 1."""
+    """How many uncached prompt tokens of this gateway's a worker may be prefilling for another request to
+    join them: ``routing.prefill_gate_tokens``, else one step's ``max_batched``; at most that, at least 1."""
     return max(1, min(max_batched, routing.prefill_gate_tokens or max_batched))
 
 
