@@ -328,13 +328,19 @@ def prediction_summary(outcomes: list[tuple[int, int, int]], ttft_ratios: list[f
             "ttft_ratio_p90": r[min(len(r) - 1, int(0.9 * len(r)))] if r else None}
 
 
+def _fed(place, view, rc: RoutingConfig):
+    """``place`` with the load trackers ``closed_loop`` feeds (``place.view``) and, when ``rc`` turns the
+    prefill gate on, the settings it gates by (``place.gate``)."""
+    place.view, place.gate = view, (rc if rc.prefill_gate else None)
+    return place
+
+
 def kv_placer(routing: dict, scrape_s: float = 0.0, live: bool = True):
     """The kv policy's placement over the KV room a :class:`GatewayView` shows (``place.view``)."""
     view = GatewayView(scrape_s, live)
     rc = RoutingConfig(**routing)
     place = placer(rc, lambda i, e: view.free_of(i, e))
-    place.view, place.gate = view, (rc if rc.prefill_gate else None)
-    return place
+    return _fed(place, view, rc)
 
 
 def predicting_placer(routing: dict, scrape_s: float = 1.0, current: bool = True):
@@ -343,8 +349,7 @@ def predicting_placer(routing: dict, scrape_s: float = 1.0, current: bool = True
     view = PredictingView(scrape_s, routing, current)
     rc = RoutingConfig(**routing)
     place = placer(rc, lambda i, e: view.free_of(i, e))
-    place.view, place.gate = view, (rc if rc.prefill_gate else None)
-    return place
+    return _fed(place, view, rc)
 
 
 def calibrated(timing: TimingModel, block_size: int = 32) -> dict:
@@ -372,8 +377,7 @@ def gateway_placer(routing: dict, timing: TimingModel, scrape_s: float = 1.0, bl
         cands = [c for c, _ in view.placed.values()]
         return int(kv_order(cands, next(turn) % len(engines), scorers, rc.overlap_share)[0].worker)
 
-    place.view, place.gate = view, (rc if rc.prefill_gate else None)
-    return place
+    return _fed(place, view, rc)
 
 
 PREDICTORS = {"session 16: admitted, held, cascade": True, "before: every prefilling prompt is demand": False}

@@ -22,7 +22,8 @@ It is not a rate limit: a worker with none of the gateway's prompts prefilling t
 whatever its size, a request held ``max_wait_s`` goes whatever the queue, and only prompts from this
 gateway count (vLLM's waiting gauge still prices the others, router/load.py). Held requests are in the
 worker's load tracker as prefilling, so the cost model prices the shorter ones as queue ahead of a request
-(router/cost.py: the longer ones go after it), and a G4 prefetch ordered for a held request (router/prefetch.py) runs while it waits.
+(router/cost.py: the longer ones go after it), and a G4 prefetch ordered for a held request
+(router/prefetch.py) runs while it waits.
 """
 from __future__ import annotations
 

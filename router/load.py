@@ -67,7 +67,6 @@ class LoadView:
 
     inflight: int = 0
     prefill_requests: int = 0  # the gateway's own, sent and not yet prefilled (or at its prefill gate)
-    gated_requests: int = 0  # of those, the ones waiting at the gateway's prefill gate (router/admission.py)
     prefill_tokens: int = 0  # their uncached prompt tokens
     unadmitted_tokens: int = 0  # of those, the ones not yet allocated as of the last scrape (KV demand)
     prefill_work: float = 0.0  # their prefill work
@@ -79,8 +78,12 @@ class LoadView:
     # the gateway's decoding requests whose generation length is known, for the KV-capacity wait
     # (router/cost.py); None when there are none
     decoding: list[Sequence] | None = None
-    # the gateway's requests at its prefill gate (router/admission.py), None when there are none
+    # of the prefilling ones, those at the gateway's prefill gate (router/admission.py), None when there are none
     gated: list[Sequence] | None = None
+
+    @property
+    def gated_requests(self) -> int:
+        return len(self.gated) if self.gated else 0
 
     @property
     def queue_requests(self) -> float:
@@ -328,11 +331,9 @@ class ActiveSequences:
         """The load now, reconciled with vLLM's ``running`` and ``waiting`` gauges."""
         now = self._clock() if now is None else now
         v = LoadView(inflight=len(self._live), mean_work=self.mean_work, mean_tokens=self.mean_tokens, now=now)
-        gated = 0
         for s in self._live.values():
             if s.first_at is None and now < s.deadline:
                 if s.gated:
-                    gated += 1
                     if v.gated is None:
                         v.gated = []
                     v.gated.append(s)
@@ -346,8 +347,8 @@ class ActiveSequences:
                     v.decoding = []
                 v.decoding.append(s)
         own_decodes = v.inflight - v.prefill_requests
-        v.gated_requests = gated
-        sent = v.prefill_requests - gated  # those at the gateway's gate (router/admission.py) vLLM has not seen
+        # those at the gateway's prefill gate (router/admission.py) vLLM has not seen
+        sent = v.prefill_requests - v.gated_requests
         v.unknown_waiting = max(0.0, waiting - sent)
         # the gateway's prefilling requests that vLLM does not count as waiting are running (prefilling)
         running_prefills = sent - min(float(sent), waiting)
