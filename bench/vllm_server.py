@@ -130,6 +130,9 @@ class VllmServer:
         self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"kvgate-{name}-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.workdir / "vllm.log"
+        # vLLM's ZMQ IPC sockets (uuid-named, left behind when the server is killed): a short folder of their
+        # own (a socket path is at most 107 bytes), emptied at stop and removed at close
+        self.rpc_dir = Path(tempfile.mkdtemp(prefix="kvgate-rpc-"))
         self.g4_path = None if g4_path is None else str(g4_path)
         self.g4_config = dict(g4_config or {})
         self.prefetch_port = free_port() if g4_path is not None else None
@@ -230,6 +233,7 @@ class VllmServer:
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
             VLLM_CACHE_ROOT=str(self.workdir / "vllm-cache"),
+            VLLM_RPC_BASE_PATH=str(self.rpc_dir),
             PYTHONHASHSEED="0",
             VLLM_SERVER_DEV_MODE="1",
             PYTHONUNBUFFERED="1",
@@ -330,6 +334,8 @@ class VllmServer:
         except subprocess.TimeoutExpired:
             pass
         _wait_group_gone(proc.pid, 10.0)
+        for sock in self.rpc_dir.glob("*"):
+            sock.unlink(missing_ok=True)
 
     def restart(self, timeout_s: float | None = None) -> "VllmServer":
         """Stop and start again on the same ports (its event sequence numbers start over at 0)."""
@@ -340,6 +346,7 @@ class VllmServer:
         """Stop and delete the working directory (log and vLLM cache)."""
         self.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)
+        shutil.rmtree(self.rpc_dir, ignore_errors=True)
 
     def _last_start_log(self) -> list[str]:
         try:

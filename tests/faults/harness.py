@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,13 +50,13 @@ class SimProc:
     def start(self, timeout: float = 60.0) -> SimProc:
         wf = self.dir / "workers.json"
         wf.unlink(missing_ok=True)
-        log = open(self.dir / "sim.log", "a")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "sim", "--workers", "1", "--base-port", str(self.port),
-             "--event-base-port", str(self.event_port), "--num-blocks", "4096", "--block-size", str(BLOCK),
-             "--time-scale", "20", "--model", MODEL, "--workers-file", str(wf)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=str(REPO),
-            env={**os.environ, "PYTHONPATH": str(REPO)})
+        with open(self.dir / "sim.log", "a") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "router.cli", "sim", "--workers", "1", "--base-port", str(self.port),
+                 "--event-base-port", str(self.event_port), "--num-blocks", "4096", "--block-size", str(BLOCK),
+                 "--time-scale", "20", "--model", MODEL, "--workers-file", str(wf)],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=str(REPO),
+                env={**os.environ, "PYTHONPATH": str(REPO)})
         deadline = time.monotonic() + timeout
         while not wf.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -73,7 +74,9 @@ class SimProc:
         self.proc = None
 
     def stop(self) -> None:
+        """Kill it and remove its log folder (a restart after :meth:`kill` keeps appending to the log)."""
         self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def cached(self) -> set[int]:
         return set(httpx.get(self.url + "/sim/cached", timeout=10).json()["hashes"])
