@@ -354,12 +354,14 @@ class LocalTokenizer:
         block_hashes(rec, pre, (), hashing[0], hashing[1], hashing[2], (len(pre) + len(rec.tokens)) // hashing[0])
         return rec
 
-    def shared_ids(self, res: Tokenized, nbytes: int, other: bytes, off_loop: bool = False) -> int:
+    def shared_ids(self, res: Tokenized, nbytes: int, other: bytes, off_loop: bool = False,
+                   budget: int | None = None) -> tuple[int | None, int]:
         """How many leading ids (after ``res.pre``) ``res``'s prompt has in common with the whole encoding
         of ``other``, a text whose first ``nbytes`` bytes are the prompt's: the ids before the prompt's
         last fine cut whose deciding bytes both share (a cut of both, so both encode the same ids before
-        it), then the two encodings compared past it until they differ. ``off_loop``: on a pool thread
-        (encode releasing the GIL)."""
+        it), then the two encodings compared past it until they differ; and the bytes of ``other`` it
+        encoded. ``off_loop``: on a pool thread (encode releasing the GIL). ``budget``: encode at most
+        that many bytes (on the event loop); None for the count when the comparison needs more."""
         rec, cut = res.record, self.prefix.cut
         encode = self.encode_released if off_loop else self.encode
         encoded = res.reused_bytes + res.new_bytes  # a deferred prompt: its start only
@@ -374,12 +376,14 @@ class LocalTokenizer:
             end = self.prefix.cut_after(other, max(start + 1, nbytes)) or len(other)
             if end > limit:
                 break
+            if budget is not None and end - q > budget:
+                return None, start - q
             for x, y in zip(islice(mine, k, None), encode(other[start:end].decode("utf-8"), False)):
                 if x != y:
-                    return base + k
+                    return base + k, end - q
                 k += 1
             start = end
-        return base + k
+        return base + k, start - q
 
     def finish(self, lk: Lookup, rec: Record, add_special_tokens: bool) -> Tokenized:
         """Keep the record and assemble the prompt's ids (on the loop)."""
@@ -467,7 +471,7 @@ class LocalTokenizer:
 def _shared_ids(local: LocalTokenizer, res: Tokenized, shares: dict[str, tuple[int, bytes]]) -> dict[str, int]:
     """:meth:`LocalTokenizer.shared_ids` of ``res`` for each holder's text (on a pool thread: each compares
     up to four prefix chunks of text, encoded)."""
-    return {holder: local.shared_ids(res, nbytes, other, True) for holder, (nbytes, other) in shares.items()}
+    return {holder: local.shared_ids(res, nbytes, other, True)[0] for holder, (nbytes, other) in shares.items()}
 
 
 def _lower_priority(nice: int) -> None:
@@ -589,9 +593,30 @@ class Tokenizers:
             res = local.finish(lk, rec, add_special)
             self._sample(local, res, text, add_special)
         if shares:
-            res.shared_ids = {} if res.record is None else await self._off_loop(_shared_ids, local, res, shares)
+            res.shared_ids = {} if res.record is None else await self._shared(local, res, shares)
             res.reused_bytes, res.new_bytes = res.reused_bytes - staged, res.new_bytes + staged
         return res
+
+    async def _shared(self, local: LocalTokenizer, res: Tokenized,
+                      shares: dict[str, tuple[int, bytes]]) -> dict[str, int]:
+        """The ids ``res`` shares with each holder's deferred prompt: on the event loop while the comparisons
+        encode at most ``offload_chars`` bytes in all (they mostly stop a piece past the shared bytes), the
+        rest in one pool job. A pool round trip cost 7-15 ms of wall time per request on a busy 2-core
+        simulator run (its thread's and the loop's wake-ups) for ~0.5 ms of encoding; nearly every request
+        shares a start with some deferred prompt there (a common first block)."""
+        out: dict[str, int] = {}
+        rest: dict[str, tuple[int, bytes]] = {}
+        budget = self.settings.tokenizer.offload_chars
+        for holder, (nbytes, other) in shares.items():
+            n, used = local.shared_ids(res, nbytes, other, budget=budget) if budget > 0 else (None, 0)
+            budget -= used
+            if n is None:
+                rest[holder] = (nbytes, other)
+            else:
+                out[holder] = n
+        if rest:
+            out.update(await self._off_loop(_shared_ids, local, res, rest))
+        return out
 
     async def _encode_shared(self, local: LocalTokenizer, lk: Lookup, text: str, add_special: bool,
                              hashing: tuple, nbytes: int) -> tuple[Lookup, int, bool]:

@@ -303,7 +303,7 @@ def test_shared_ids_are_the_common_start_of_both_whole_encodings(tokenizers, nam
                                                           prefix_cache_bytes=4 * 1024 * 1024))
     rng = random.Random(zlib.crc32(name.encode()) + seed)
     texts = _workload(rng, [s for s in lt.hf.all_special_tokens if s][:4], 120)
-    checked = 0
+    checked = budgeted = deferred = 0
     for _ in range(600):
         a, b = rng.sample(texts, 2)
         da, db = a.encode(), b.encode()
@@ -315,7 +315,14 @@ def test_shared_ids_are_the_common_start_of_both_whole_encodings(tokenizers, nam
             continue
         ea, eb = lt.encode(a, False), lt.encode(b, False)
         want = next((i for i, (x, y) in enumerate(zip(ea, eb)) if x != y), min(len(ea), len(eb)))
-        got = lt.shared_ids(res, n, db)
+        got, used = lt.shared_ids(res, n, db)
         assert got == want if name != "sim" else got <= want, (a[:n], n, got, want)
+        # on the event loop with a byte budget: the same count, or None when it would encode more
+        small, spent = lt.shared_ids(res, n, db, budget=300)
+        assert spent <= 300 and small in (got, None)
+        budgeted += small is not None
+        none, spent = lt.shared_ids(res, n, db, budget=0)
+        assert spent == 0 and none == (got if used == 0 else None)
+        deferred += none is None
         checked += 1
-    assert checked > 30
+    assert checked > 30 and budgeted and deferred

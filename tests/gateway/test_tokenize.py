@@ -144,14 +144,25 @@ async def test_a_long_new_tail_no_cached_prefix_reaches_is_not_tokenized(tokeniz
     t.close()
 
 
-async def test_a_prompt_sharing_a_deferred_prompt_in_flight_is_encoded_as_far_as_they_share(tokenizer_dir):
+@pytest.mark.parametrize("offload", [4096, 0], ids=["compared-on-loop", "compared-on-pool"])
+async def test_a_prompt_sharing_a_deferred_prompt_in_flight_is_encoded_as_far_as_they_share(tokenizer_dir, offload):
     """A deferred prompt (its tail never encoded) was sent to worker "w" and is still being prefilled: a
     second question over the same document is encoded up to the last safe cut inside the bytes the two
     share, and ``shared_ids`` says so; "w" will hold exactly the blocks the two whole encodings have in
-    common. ``sent`` stands for router/pending.py here (the gateway test in test_pending.py uses it)."""
-    t = Tokenizers(Settings(models={MODEL: ModelConfig(tokenizer=tokenizer_dir)}))
+    common. ``sent`` stands for router/pending.py here (the gateway test in test_pending.py uses it). The
+    comparison runs on the event loop within ``offload_chars`` bytes, on the pool past them: the same ids."""
+    t = Tokenizers(Settings(models={MODEL: ModelConfig(tokenizer=tokenizer_dir)},
+                            tokenizer=TokenizerConfig(offload_chars=offload)))
     t.load()
     local = t.for_model(MODEL)
+    pooled: list[str] = []
+    off_loop = t._off_loop
+
+    async def spy(fn, *args):
+        pooled.append(getattr(fn, "__name__", ""))
+        return await off_loop(fn, *args)
+
+    t._off_loop = spy
     doc = _document(2, 8_000)  # ~60 KB, never seen
     first, second = doc + "\nQuestion: what is kept?", doc + "\nQuestion: Which tier?"
 
@@ -192,6 +203,7 @@ async def test_a_prompt_sharing_a_deferred_prompt_in_flight_is_encoded_as_far_as
     r4 = await t.tokenize(MODEL, "completion", {"prompt": third}, size=1, hashing=hashing, reach=_all, sent=sent)
     assert r4.total_tokens is None and list(r4.tokens) == local.encode(third, True)
     assert len(pre) + r4.shared_ids["w"] == common
+    assert ("_shared_ids" in pooled) == (offload == 0)
     t.close()
 
 
