@@ -40,12 +40,13 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL = "m152"
 
 
-def scrape_prefix_cache(url: str) -> tuple[float, float, float]:
-    """vLLM's cumulative prefix-cache (queries, hits), in tokens, and finished requests."""
+def scrape_prefix_cache(url: str) -> tuple[float, float, float, float]:
+    """vLLM's cumulative prefix-cache (queries, hits), in tokens, finished requests and preemptions (a
+    running request's KV taken back when the blocks run out: it is recomputed later)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{url}/metrics", timeout=30.0).text
-    q = h = n = 0.0
+    q = h = n = p = 0.0
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name == "vllm:prefix_cache_queries_total":
@@ -54,7 +55,9 @@ def scrape_prefix_cache(url: str) -> tuple[float, float, float]:
                 h += s.value
             elif s.name == "vllm:request_success_total":
                 n += s.value
-    return q, h, n
+            elif s.name == "vllm:num_preemptions_total":
+                p += s.value
+    return q, h, n, p
 
 
 def reset_caches(servers: list[VllmServer]) -> None:
@@ -164,6 +167,8 @@ def summarize(results: list[TurnResult], total_s: float, before: list, after: li
         "requests_per_worker": workers,
         # from each server's vllm:request_success_total (every target, peers included)
         "requests_per_server": [round(a[2] - b[2]) for a, b in zip(after, before)],
+        # vllm:num_preemptions_total per server: preempted requests stall for their recompute
+        "preemptions_per_server": [round(a[3] - b[3]) for a, b in zip(after, before)],
     }
 
 

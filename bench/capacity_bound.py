@@ -423,7 +423,7 @@ def run(args, model_dir: str) -> int:
                     continue
                 r = rows[-1]
                 print(f"  hit {r['cached_share']:.1%}  mean TTFT {r['ttft_mean_s']:.2f} s  total {r['total_s']:.1f} s"
-                      f"  per server {r['requests_per_server']}", flush=True)
+                      f"  per server {r['requests_per_server']}  preempted {r['preemptions_per_server']}", flush=True)
             add_ratios(rows)
             rounds.append(rows)
     finally:

@@ -241,3 +241,17 @@ def test_a_server_that_died_fails_the_target_with_its_log():
     finally:
         alive.kill()
         alive.wait(30)
+
+
+def test_a_targets_summary_counts_vllms_preemptions_per_server():
+    """The rows carry each server's vllm:num_preemptions_total delta beside its finished requests (a
+    preempted request stalls for its recompute: a slow round is told from a placement that was slow)."""
+    from bench.bench_vllm_policies import summarize
+    from bench.chat_workload import TurnResult
+
+    turns = [TurnResult("s", 0, 0.5, 1.0, 100, 0), TurnResult("s", 1, 0.3, 1.0, 200, 96)]
+    before = [(1000.0, 200.0, 10.0, 2.0), (500.0, 0.0, 4.0, 0.0)]
+    after = [(1200.0, 296.0, 12.0, 5.0), (600.0, 0.0, 5.0, 0.0)]
+    row = summarize(turns, 2.0, before, after)
+    assert row["requests_per_server"] == [2, 1] and row["preemptions_per_server"] == [3, 0]
+    assert row["cached_share"] == pytest.approx(96 / 300) and row["vllm_prefix_cache_hit_rate"] == 96 / 300
