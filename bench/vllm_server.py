@@ -131,8 +131,8 @@ class VllmServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.workdir / "vllm.log"
         # vLLM's ZMQ IPC sockets (uuid-named, left behind when the server is killed): a short folder of their
-        # own (a socket path is at most 107 bytes), emptied at stop and removed at close
-        self.rpc_dir = Path(tempfile.mkdtemp(prefix="kvgate-rpc-"))
+        # own (a socket path is at most 107 bytes), made at start and removed at stop
+        self.rpc_dir: Path | None = None
         self.g4_path = None if g4_path is None else str(g4_path)
         self.g4_config = dict(g4_config or {})
         self.prefetch_port = free_port() if g4_path is not None else None
@@ -233,13 +233,14 @@ class VllmServer:
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
             VLLM_CACHE_ROOT=str(self.workdir / "vllm-cache"),
-            VLLM_RPC_BASE_PATH=str(self.rpc_dir),
             PYTHONHASHSEED="0",
             VLLM_SERVER_DEV_MODE="1",
             PYTHONUNBUFFERED="1",
         )
         if self.g4_path is not None:
             env["PYTHONPATH"] = str(PROJECT_ROOT)
+        if self.rpc_dir is not None:
+            env["VLLM_RPC_BASE_PATH"] = str(self.rpc_dir)
         env.update(self.extra_env)
         return env
 
@@ -253,6 +254,8 @@ class VllmServer:
                 f"{self.python.parent.parent} (make test does)"
             )
         self.starts += 1
+        if self.rpc_dir is None:
+            self.rpc_dir = Path(tempfile.mkdtemp(prefix="kvgate-rpc-"))
         log = open(self.log_path, "ab")
         log.write(f"\n==== start {self.starts}: {' '.join(self.command())}\n".encode())
         log.flush()
@@ -321,6 +324,7 @@ class VllmServer:
         """TERM the process group, KILL what is left after ``timeout_s`` (vLLM's engine core included)."""
         proc, self.proc = self.proc, None
         if proc is None:
+            self._drop_rpc_dir()
             return
         if proc.poll() is None:
             _signal_group(proc.pid, signal.SIGTERM)
@@ -334,8 +338,12 @@ class VllmServer:
         except subprocess.TimeoutExpired:
             pass
         _wait_group_gone(proc.pid, 10.0)
-        for sock in self.rpc_dir.glob("*"):
-            sock.unlink(missing_ok=True)
+        self._drop_rpc_dir()
+
+    def _drop_rpc_dir(self) -> None:
+        if self.rpc_dir is not None:
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)
+            self.rpc_dir = None
 
     def restart(self, timeout_s: float | None = None) -> "VllmServer":
         """Stop and start again on the same ports (its event sequence numbers start over at 0)."""
@@ -346,7 +354,6 @@ class VllmServer:
         """Stop and delete the working directory (log and vLLM cache)."""
         self.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)
-        shutil.rmtree(self.rpc_dir, ignore_errors=True)
 
     def _last_start_log(self) -> list[str]:
         try:

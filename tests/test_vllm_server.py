@@ -31,3 +31,35 @@ def test_the_server_computes_in_the_dtype_this_cpu_runs_natively(tmp_path):
     flags = {"avx2 fma": "float32", "avx2 avx512f avx512_bf16": "bfloat16", "avx2 amx_bf16 amx_tile": "bfloat16"}
     for line, want in flags.items():
         assert vs.cpu_dtype(f"processor : 0\nflags : {line}\n") == want
+
+
+def test_vllms_ipc_sockets_go_into_a_folder_of_the_servers_own_removed_at_stop(tmp_path):
+    """vLLM names its ZMQ IPC sockets by uuid under VLLM_RPC_BASE_PATH (the temp dir by default) and leaves
+    them there when killed: each start gets a folder of its own, gone after stop. No vLLM needed: a stand-in
+    interpreter records what it was given and leaves a file where a killed vLLM leaves its sockets."""
+    import os
+    import stat
+    import time
+
+    out = tmp_path / "rpc-path"
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\necho "$VLLM_RPC_BASE_PATH" > "$FAKE_OUT"\n'
+                    'touch "$VLLM_RPC_BASE_PATH/a-socket"\nexec sleep 60\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    server = VllmServer(str(tmp_path), workdir=tmp_path / "w", python=fake, extra_env={"FAKE_OUT": str(out)})
+    assert "VLLM_RPC_BASE_PATH" not in server.environment()  # nothing made before a start
+    server.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not (out.exists() and out.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rpc = out.read_text().strip()
+        assert os.path.isdir(rpc) and os.path.basename(rpc).startswith("kvgate-rpc-")
+        deadline = time.monotonic() + 10
+        while not os.path.exists(os.path.join(rpc, "a-socket")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert os.path.exists(os.path.join(rpc, "a-socket"))
+    finally:
+        server.stop()
+    assert not os.path.exists(rpc)
+    server.close()
