@@ -23,7 +23,8 @@ whatever its size, a request held ``max_wait_s`` goes whatever the queue, and on
 gateway count (vLLM's waiting gauge still prices the others, router/load.py). Held requests are in the
 worker's load tracker as prefilling, so the cost model prices the shorter ones as queue ahead of a request
 (router/cost.py: the longer ones go after it), and a G4 prefetch ordered for a held request
-(router/prefetch.py) runs while it waits.
+(router/prefetch.py) runs while it waits. A worker out of routing (failed, draining, gone) releases its held
+requests at once (:meth:`PrefillGate.release_all`), and the proxy sends them to their next candidate.
 """
 from __future__ import annotations
 
@@ -105,6 +106,18 @@ class PrefillGate:
             if not fut.done():
                 fut.set_result(None)
         self._arm(active)
+
+    def release_all(self) -> None:
+        """The worker failed, drains or left: every held request goes now (the proxy sends it to its next
+        candidate instead, router/proxy.py), not when a prefill there ends or its wait runs out."""
+        held, self._held = self._held, []
+        for _, _, seq, fut in held:
+            seq.gated = False
+            if not fut.done():
+                fut.set_result(None)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def _arm(self, active: ActiveSequences) -> None:
         """While requests are held, wake at the next deadline of a sent request that shows no first token:

@@ -348,7 +348,12 @@ class Forwarder:
             t_send = time.perf_counter()  # TTFT counts the wait at the gateway's prefill gate too
             resp = None
             try:
-                d.gate_wait_ms = round(await lease.admit(st.routing, st.router.cost.budget(w)) * 1000.0, 3)
+                waited = await lease.admit(st.routing, st.router.cost.budget(w))
+                d.gate_wait_ms = round(d.gate_wait_ms + waited * 1000.0, 3)  # every attempt's
+                if waited > 0 and not w.routable:  # it failed, drains or left while the request was held
+                    self._withdraw(w, cand, recorded)
+                    last_error, last_status = f"unavailable: worker {w.name} left while the request was held", 503
+                    continue
                 resp = await st.upstream.open(self.method, w.url + self.path, self.body, w.pin(headers),
                                               self.query)
                 if resp.status >= 500:

@@ -528,6 +528,7 @@ class WorkerRegistry:
             await self.remove(name)
         elif w.lost_at is None:
             w.lost_at = time.monotonic()
+            self._unhold(w)
             log.info("worker %s left discovery; removed in %.0f s unless it returns", name,
                      self.settings.lost_grace_s)
 
@@ -567,10 +568,17 @@ class WorkerRegistry:
             await self._probe(w, full=True)
         return w
 
+    @staticmethod
+    def _unhold(w: Worker) -> None:
+        """Out of routing: the requests held at its prefill gates (router/admission.py) go elsewhere now."""
+        for t in w.targets():
+            t.gate.release_all()
+
     async def remove(self, name: str) -> Worker:
         w = self._workers.pop(name, None)
         if w is None:
             raise KeyError(name)
+        self._unhold(w)
         await self._unsubscribe(w)
         await self._clear_index(w, local_g4=True)
         if self.metrics is not None:
@@ -586,6 +594,8 @@ class WorkerRegistry:
         if w is None:
             raise KeyError(name)
         w.draining = draining
+        if draining:
+            self._unhold(w)
         return w
 
     def mark_failed(self, w: Worker, reason: str) -> None:
@@ -595,6 +605,7 @@ class WorkerRegistry:
             log.warning("worker %s unhealthy: %s", w.name, reason)
         w.healthy = False
         w.failures = max(w.failures, self.settings.unhealthy_after)
+        self._unhold(w)
 
     async def on_events_reset(self, worker: str, reason: str = "restart") -> None:
         """The ingestor reset the worker's entries (sequence went backwards: a restart; or an unfillable
@@ -670,6 +681,7 @@ class WorkerRegistry:
             if w.healthy and w.failures >= self.settings.unhealthy_after:
                 log.warning("worker %s unhealthy: %s", w.name, reason)
                 w.healthy = False
+                self._unhold(w)
             w.refused = w.refused + 1 if refused else 0
             if w.refused >= self.settings.unhealthy_after and w.ever_healthy and not w.down:
                 await self._down(w)

@@ -54,7 +54,7 @@ class Decision:
     status: int | None = None
     outcome: str | None = None
     observed_ttft_ms: float | None = None
-    gate_wait_ms: float = 0.0  # held at the chosen worker's prefill gate (router/admission.py)
+    gate_wait_ms: float = 0.0  # held at prefill gates (router/admission.py), all attempts together
     prompt_tokens: int | None = None
     delivered_cached_tokens: int | None = None
     # (key, UTF-8 text) of a prompt planned on its start only: the pending record keeps it while in flight

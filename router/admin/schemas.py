@@ -369,7 +369,8 @@ class DecisionOut(_Open):
     observed_ttft_ms: float | None = None
     gate_wait_ms: float = Field(0.0, description="time the request waited at the gateway's prefill gate before "
                                 "it was sent (routing.prefill_gate): the worker was prefilling a step's worth "
-                                "of the gateway's prompts, and shorter ones went first; part of the TTFT")
+                                "of the gateway's prompts, and shorter ones went first; part of the TTFT "
+                                "(every attempt's, when one failed over)")
     prompt_tokens: int | None = None
     delivered_cached_tokens: int | None = Field(None, description="usage.prompt_tokens_details.cached_tokens")
 

@@ -172,3 +172,76 @@ async def test_the_worker_gets_the_short_prompt_before_a_long_one_sent_earlier(f
         assert got == ["first", "long", "short"]
         assert all(gw.state.decisions.get(n).gate_wait_ms == 0 for n in got)
     assert json.loads(json.dumps(gw.state.decisions.get("short").to_dict()))["chosen"] == "a"
+
+
+def _indexed_prompt(tokenizer_dir, words: int) -> tuple[dict, list[int]]:
+    """A streamed chat body and its routable block hashes (the gateway's own tokenizer and block size)."""
+    from indexer.hashing import routable_blocks, sequence_hashes
+    from router.config import TokenizerConfig
+    from router.tokenize import LocalTokenizer
+    from tests.gateway.conftest import BLOCK
+
+    body = _stream_body(words)
+    toks = LocalTokenizer(tokenizer_dir, TokenizerConfig()).tokenize_chat(body).tokens
+    return body, sequence_hashes(toks, BLOCK, max_blocks=routable_blocks(len(toks), BLOCK))
+
+
+async def test_a_request_held_for_a_worker_that_drains_goes_to_the_next_one(fleet, start_gateway, tokenizer_dir):
+    """A request waits at the gate of the worker holding its prefix; the worker is drained meanwhile. The gate
+    lets it go at once (not when the prefill there ends) and it is not sent there but to the next
+    candidate: it is answered while the worker still prefills, and the decision lists both."""
+    from indexer.index.base import Tier
+
+    a = fleet.add("a", first_token_delay_s=3.0)
+    b = fleet.add("b")
+    routing = RoutingConfig(max_num_batched_tokens=16, pending_ttl_s=0, parity_check=False)
+    gw = start_gateway(fleet, routing=routing)
+    first_body, first_hashes = _indexed_prompt(tokenizer_dir, 200)
+    body, hashes = _indexed_prompt(tokenizer_dir, 300)
+    gw.call(gw.state.index.store(MODEL, "a", Tier.GPU, first_hashes))
+    gw.call(gw.state.index.store(MODEL, "a", Tier.GPU, hashes))
+    statuses: dict[str, int] = {}
+
+    async def send(c: httpx.AsyncClient, name: str, bd: dict) -> None:
+        async with c.stream("POST", gw.url + "/v1/chat/completions", json=bd, headers={"x-request-id": name}) as r:
+            statuses[name] = r.status_code
+            async for _ in r.aiter_raw():
+                pass
+
+    async with httpx.AsyncClient(timeout=30) as c:
+        first = asyncio.create_task(send(c, "first", first_body))
+        await wait_until(lambda: len(a.requests) == 1)
+        held_task = asyncio.create_task(send(c, "held", body))
+        await wait_until(lambda: len(gw.state.registry.get("a").gate) == 1)
+        r = await c.post(gw.url + "/admin/workers/a/drain")
+        assert r.status_code == 200 and r.json()["draining"] is True
+        done, _ = await asyncio.wait({first, held_task}, return_when=asyncio.FIRST_COMPLETED)
+        assert done == {held_task}
+        await first
+    assert statuses == {"first": 200, "held": 200}
+    d = gw.state.decisions.get("held")
+    assert d.attempts == ["a", "b"] and d.chosen == "b" and d.gate_wait_ms > 0
+    assert [x["headers"]["x-request-id"] for x in a.requests] == ["first"]
+    assert [x["headers"]["x-request-id"] for x in b.requests] == ["held"]
+
+
+async def test_a_request_held_for_the_only_worker_that_drains_gets_a_503(fleet, start_gateway):
+    """The same with no other worker: the client gets a 503 in the OpenAI error format at once, and the drained
+    worker is not sent the held request."""
+    a = fleet.add("a", first_token_delay_s=3.0)
+    gw = start_gateway(fleet, routing=RoutingConfig(max_num_batched_tokens=16, pending_ttl_s=0, parity_check=False))
+    async with httpx.AsyncClient(timeout=30) as c:
+        first = asyncio.create_task(c.post(gw.url + "/v1/chat/completions", json=_stream_body(200)))
+        await wait_until(lambda: len(a.requests) == 1)
+        held_task = asyncio.create_task(c.post(gw.url + "/v1/chat/completions", json=_stream_body(300),
+                                               headers={"x-request-id": "held"}))
+        await wait_until(lambda: len(gw.state.registry.get("a").gate) == 1)
+        assert (await c.post(gw.url + "/admin/workers/a/drain")).status_code == 200
+        done, _ = await asyncio.wait({first, held_task}, return_when=asyncio.FIRST_COMPLETED)
+        assert done == {held_task}
+        r = await held_task
+        assert (await first).status_code == 200
+    assert r.status_code == 503
+    err = r.json()["error"]
+    assert "left while the request was held" in err["message"] and err["code"] == "upstream_error"
+    assert len(a.requests) == 1 and gw.state.decisions.get("held").outcome == "failed"
