@@ -136,6 +136,11 @@ class RoutingConfig(BaseModel):
     future_turns: float = Field(3.0, ge=0.0, le=100.0, allow_inf_nan=False)
     stay_margin: float = Field(0.3, ge=0.0, le=10.0, allow_inf_nan=False)
     stay_margin_ms: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    # ... plus stay_margin_roomy x that TTFT when the holder's KV cache is roomy for the prompt: it holds
+    # roomy_prompts prompts of its size or more (in proportion below), so its prefix outlives the turns to
+    # come; a cache that holds only a few (capacity-bound) leaves the margin at stay_margin.
+    stay_margin_roomy: float = Field(1.2, ge=0.0, le=10.0, allow_inf_nan=False)
+    roomy_prompts: float = Field(8.0, gt=0.0, allow_inf_nan=False)
     # kv policy: a share of the prompt below which a worker's cached prefix is not meaningful; when no
     # worker holds that much, the prompt goes where it evicts the least recently used cache: it pays
     # footprint_weight x its prefill time x how much more of the worker's free KV it and the queue take than

@@ -154,9 +154,11 @@ class ContinuityScorer(Scorer):
 
     name = "continuity"
 
-    def __init__(self, future_turns: float, margin: float, margin_ms: float) -> None:
+    def __init__(self, future_turns: float, margin: float, margin_ms: float, roomy: float = 0.0,
+                 roomy_prompts: float = 8.0) -> None:
         super().__init__(1.0)
         self.future_turns, self.margin, self.margin_ms = future_turns, margin, margin_ms
+        self.roomy, self.roomy_prompts = roomy, roomy_prompts
 
     def term(self, c: Candidate, fleet: Fleet) -> float:
         h = fleet.holder
@@ -165,7 +167,21 @@ class ContinuityScorer(Scorer):
         split = self.future_turns * work_ms(c, c.prefill_work - h.prefill_work)
         lead = h.local_blocks - c.local_blocks
         computed = 1.0 - min(1.0, max(0, c.g4_blocks) / lead)
-        return split + computed * (self.margin * h.predicted_ttft_ms + self.margin_ms)
+        margin = self.margin + self.roomy * roominess(h, self.roomy_prompts) if self.roomy else self.margin
+        return split + computed * (margin * h.predicted_ttft_ms + self.margin_ms)
+
+
+def roominess(c: Candidate, prompts: float) -> float:
+    """How roomy the candidate's KV cache is for this prompt, 0 to 1: 1 less ``prompts`` prompts of its size
+    over the capacity (vLLM's free share and tokens, router/kv_room.py), at least 0; 0 when the capacity is
+    unknown. A cache that holds many such prompts keeps a conversation's prefix for its next turns (the
+    fleet simulator's 1M-token workers, and GPU servers); one that holds a few evicts it between turns
+    whoever is sent there (the capacity-bound run's 6,560-token servers and 2,000-token prompts)."""
+    free, tokens = c.kv_free, c.kv_free_tokens
+    if not free or tokens is None or not free > 0 or not tokens > 0:
+        return 0.0
+    capacity = tokens / free
+    return max(0.0, 1.0 - prompts * (c.cached_tokens + c.uncached_tokens) / capacity)
 
 
 class FootprintScorer(Scorer):

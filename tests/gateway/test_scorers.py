@@ -12,7 +12,7 @@ from router.kv_room import kv_room
 from router.policies import RouteRequest, create_policy
 from router.policies.kv import kv_order, scorers_of
 from router.policies.scorers import (ContinuityScorer, Fleet, FootprintScorer, LoadScorer, RecomputeScorer,
-                                     kv_pressure)
+                                     kv_pressure, roominess)
 from router.registry import WorkerLoad
 
 REQ = RouteRequest("m", "/v1/chat/completions", {})
@@ -66,6 +66,26 @@ def test_continuity_term_prices_future_turns_and_the_margin_for_non_holders_only
     twin = cand("t", cached=800, uncached=200)  # holds as much as the holder: no cost to go there
     assert s.ms(twin, Fleet.of([h, twin, o], 0.1)) == 0
     assert s.ms(o, Fleet.of([cand("a"), o], 0.1)) == 0  # no holder, nothing to leave
+
+
+def test_a_holder_with_a_roomy_cache_keeps_the_conversation_a_tight_one_loses():
+    """``stay_margin_roomy``: the holder's margin grows by up to that share of its TTFT when its KV cache holds
+    many prompts of this size (``roomy_prompts``), since its prefix outlives the turns to come there; with a
+    cache that holds a few (the capacity-bound run's), or an unknown capacity, it is ``stay_margin``."""
+    def holder(capacity):
+        free = None if capacity is None else 0.5
+        return cand("h", cached=800, uncached=200, ttft=1000.0, kv_free=free,
+                    kv_free_tokens=None if capacity is None else 0.5 * capacity)
+    idle = cand("i", cached=0, uncached=1000, ttft=110.0)
+    assert roominess(holder(1_000_000), 8.0) == pytest.approx(1 - 8 * 1000 / 1_000_000)
+    assert roominess(holder(6_560), 8.0) == 0 and roominess(holder(None), 8.0) == 0
+    assert roominess(holder(16_000), 8.0) == pytest.approx(0.5)
+    cfg = RoutingConfig()  # future_turns 3, stay_margin 0.3, stay_margin_roomy 1.2, roomy_prompts 8
+    # the holder: 1000 ms less 8% affinity = 920; the idle worker: 110 + 80 (recompute) + 240 (3 future turns)
+    # + the margin: 300 ms (tight) -> 730, it leaves; 0.3 + 1.2 x 0.992 of 1000 ms (roomy) -> 1,920, it stays
+    assert first(cfg, holder(6_560), idle) == "i" and first(cfg, holder(None), idle) == "i"
+    assert first(cfg, holder(1_000_000), idle) == "h"
+    assert first(RoutingConfig(stay_margin_roomy=0), holder(1_000_000), idle) == "i"
 
 
 def test_no_margin_for_a_lead_the_candidate_loads_from_g4():
