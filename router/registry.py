@@ -570,14 +570,16 @@ class WorkerRegistry:
 
     @staticmethod
     def _unhold(w: Worker) -> None:
-        """Out of routing: the requests held at its prefill gates (router/admission.py) go elsewhere now."""
-        for t in w.targets():
+        """Out of routing: the requests held at its prefill gates (router/admission.py), every rank's of a
+        data-parallel server, go elsewhere now."""
+        for t in getattr(w, "server", w).targets():
             t.gate.release_all()
 
     async def remove(self, name: str) -> Worker:
         w = self._workers.pop(name, None)
         if w is None:
             raise KeyError(name)
+        w.draining = True  # what still holds it (a request in flight, one held at its gate) sees it gone
         self._unhold(w)
         await self._unsubscribe(w)
         await self._clear_index(w, local_g4=True)

@@ -186,8 +186,11 @@ def _indexed_prompt(tokenizer_dir, words: int) -> tuple[dict, list[int]]:
     return body, sequence_hashes(toks, BLOCK, max_blocks=routable_blocks(len(toks), BLOCK))
 
 
-async def test_a_request_held_for_a_worker_that_drains_goes_to_the_next_one(fleet, start_gateway, tokenizer_dir):
-    """A request waits at the gate of the worker holding its prefix; the worker is drained meanwhile. The gate
+@pytest.mark.parametrize("leaves", ["drain", "remove"])
+async def test_a_request_held_for_a_worker_that_drains_goes_to_the_next_one(fleet, start_gateway, tokenizer_dir,
+                                                                            leaves):
+    """A request waits at the gate of the worker holding its prefix; the worker is drained (or removed)
+    meanwhile. The gate
     lets it go at once (not when the prefill there ends) and it is not sent there but to the next
     candidate: it is answered while the worker still prefills, and the decision lists both."""
     from indexer.index.base import Tier
@@ -213,8 +216,11 @@ async def test_a_request_held_for_a_worker_that_drains_goes_to_the_next_one(flee
         await wait_until(lambda: len(a.requests) == 1)
         held_task = asyncio.create_task(send(c, "held", body))
         await wait_until(lambda: len(gw.state.registry.get("a").gate) == 1)
-        r = await c.post(gw.url + "/admin/workers/a/drain")
-        assert r.status_code == 200 and r.json()["draining"] is True
+        if leaves == "drain":
+            r = await c.post(gw.url + "/admin/workers/a/drain")
+            assert r.status_code == 200 and r.json()["draining"] is True
+        else:
+            assert (await c.delete(gw.url + "/admin/workers/a")).status_code == 200
         done, _ = await asyncio.wait({first, held_task}, return_when=asyncio.FIRST_COMPLETED)
         assert done == {held_task}
         await first
