@@ -352,7 +352,8 @@ class Forwarder:
                 d.gate_wait_ms = round(d.gate_wait_ms + waited * 1000.0, 3)  # every attempt's
                 if waited > 0 and not w.routable:  # it failed, drains or left while the request was held
                     self._withdraw(w, cand, recorded)
-                    last_error, last_status = f"unavailable: worker {w.name} left while the request was held", 503
+                    last_error = f"unavailable: worker {w.name} left while the request was held"
+                    last_status = 503
                     continue
                 resp = await st.upstream.open(self.method, w.url + self.path, self.body, w.pin(headers),
                                               self.query)

@@ -282,8 +282,9 @@ class CandidateOut(_Open):
     terms_ms: dict[str, float] = Field(default_factory=dict, description=(
         "kv: score_ms by scorer (router/policies/scorers.py), weights applied: ttft (predicted TTFT), "
         "affinity (the cache edge, <= 0), recompute (prefill work beyond the best holder's), continuity "
-        "(leaving the conversation's holder: future turns and the stay margin), footprint (low-overlap "
-        "prompts: how much more recently used cache it would evict here than on the best worker), load"))
+        "(leaving the conversation's holder: future turns and the stay margin, larger where the holder's "
+        "cache is roomy for the prompt), footprint (low-overlap prompts: how much more recently used cache "
+        "it would evict here than on the best worker), load"))
     score_notes: list[str] = Field(default_factory=list, description="inputs a scorer found missing or "
                                    "malformed and the neutral value it used instead")
     load: float = 0

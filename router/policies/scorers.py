@@ -147,7 +147,9 @@ class ContinuityScorer(Scorer):
     """Hysteresis: leaving the conversation's holder costs its expected future turns (the holder's prefix
     this worker would compute, once more per turn: ``routing.future_turns``) plus a margin (a share of the
     holder's predicted TTFT, ``routing.stay_margin``, and ``routing.stay_margin_ms``), so a transient
-    queue on the holder does not split the conversation over two workers. The margin counts only for the
+    queue on the holder does not split the conversation over two workers. The share grows by up to
+    ``routing.stay_margin_roomy`` with the holder's cache room for the prompt (:func:`roominess`): where
+    the prefix outlives the next turns, leaving loses them all. The margin counts only for the
     part of the holder's lead this worker would compute: a lead it can load from G4 splits nothing (the
     blocks it loads are its own the next turn), and with G4 on both servers of the capacity-bound run the
     full margin kept conversations on busy holders (35 / 24 requests, 1.19x round_robin's mean TTFT)."""

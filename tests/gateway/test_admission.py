@@ -206,7 +206,8 @@ async def test_a_request_held_for_a_worker_that_drains_goes_to_the_next_one(flee
     statuses: dict[str, int] = {}
 
     async def send(c: httpx.AsyncClient, name: str, bd: dict) -> None:
-        async with c.stream("POST", gw.url + "/v1/chat/completions", json=bd, headers={"x-request-id": name}) as r:
+        async with c.stream("POST", gw.url + "/v1/chat/completions", json=bd,
+                            headers={"x-request-id": name}) as r:
             statuses[name] = r.status_code
             async for _ in r.aiter_raw():
                 pass
@@ -232,10 +233,11 @@ async def test_a_request_held_for_a_worker_that_drains_goes_to_the_next_one(flee
 
 
 async def test_a_request_held_for_the_only_worker_that_drains_gets_a_503(fleet, start_gateway):
-    """The same with no other worker: the client gets a 503 in the OpenAI error format at once, and the drained
-    worker is not sent the held request."""
+    """The same with no other worker: the client gets a 503 in the OpenAI error format at once, and the
+    drained worker is not sent the held request."""
     a = fleet.add("a", first_token_delay_s=3.0)
-    gw = start_gateway(fleet, routing=RoutingConfig(max_num_batched_tokens=16, pending_ttl_s=0, parity_check=False))
+    routing = RoutingConfig(max_num_batched_tokens=16, pending_ttl_s=0, parity_check=False)
+    gw = start_gateway(fleet, routing=routing)
     async with httpx.AsyncClient(timeout=30) as c:
         first = asyncio.create_task(c.post(gw.url + "/v1/chat/completions", json=_stream_body(200)))
         await wait_until(lambda: len(a.requests) == 1)
