@@ -169,7 +169,7 @@ class ContinuityScorer(Scorer):
         split = self.future_turns * work_ms(c, c.prefill_work - h.prefill_work)
         lead = h.local_blocks - c.local_blocks
         computed = 1.0 - min(1.0, max(0, c.g4_blocks) / lead)
-        margin = self.margin + self.roomy * roominess(h, self.roomy_prompts) if self.roomy else self.margin
+        margin = self.margin + self.roomy * roominess(h, self.roomy_prompts)
         return split + computed * (margin * h.predicted_ttft_ms + self.margin_ms)
 
 
@@ -180,7 +180,7 @@ def roominess(c: Candidate, prompts: float) -> float:
     fleet simulator's 1M-token workers, and GPU servers); one that holds a few evicts it between turns
     whoever is sent there (the capacity-bound run's 6,560-token servers and 2,000-token prompts)."""
     free, tokens = c.kv_free, c.kv_free_tokens
-    if not free or tokens is None or not free > 0 or not tokens > 0:
+    if free is None or tokens is None or not (free > 0 and tokens > 0):  # NaN included
         return 0.0
     capacity = tokens / free
     return max(0.0, 1.0 - prompts * (c.cached_tokens + c.uncached_tokens) / capacity)
