@@ -58,8 +58,9 @@ class IndexConfig(BaseModel):
     timeout_s: float = 2.0  # every Redis call's socket timeout (event writes, admin reads)
     # The request path's lookup deadline: past it the request is routed load-aware, cache-blind.
     lookup_timeout_s: float = Field(0.05, gt=0)
-    # Lookups failing in a row that open the circuit breaker, and how long it stays open (lookups then
-    # fail at once) before one is let through to try again.
+    # Lookups failing in a row that open the circuit breaker (lookups in flight together that fail
+    # together count once: router/index_guard.py), and how long it stays open (lookups then fail at once)
+    # before one is let through to try again.
     breaker_failures: int = Field(3, ge=1)
     breaker_open_s: float = Field(1.0, gt=0)
     # Redis connections per gateway process (a bounded pool: a caller waits up to timeout_s for one).

@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 from indexer.hashing import sequence_hashes
 from indexer.index.base import Tier
 from indexer.index.redis import RedisIndex
-from router.index_guard import IndexUnavailable, LookupGuard
+from router.index_guard import Breaker, IndexUnavailable, LookupGuard
 from tests.support.procs import free_port
 
 H = sequence_hashes(list(range(64)), 16)
@@ -42,6 +42,56 @@ async def test_deadline_then_breaker_then_recovery(redis_url):
         await admin.execute_command("CLIENT", "UNPAUSE")
         await admin.aclose()
         await idx.close()
+
+
+async def test_one_stall_is_one_failure(redis_url):
+    """Lookups in flight together that time out together (one Redis stall, or the gateway's loop busy past
+    the deadline) count once towards the breaker: the next request is routed with the cache again. Counted
+    one by one, these five opened a two-failure breaker and failed the next lookup at once."""
+    idx = RedisIndex(redis_url, key_prefix="g")
+    await idx.store("m", "w", Tier.GPU, H)
+    guard = LookupGuard(idx, timeout_s=0.05, breaker_failures=2, breaker_open_s=5)
+    admin = aioredis.from_url(redis_url)
+    try:
+        await admin.execute_command("CLIENT", "PAUSE", 1500, "ALL")
+        res = await asyncio.gather(*(guard.lookup("m", H) for _ in range(5)), return_exceptions=True)
+        assert [getattr(r, "reason", r) for r in res] == ["timeout"] * 5
+        await admin.execute_command("CLIENT", "UNPAUSE")
+        assert not guard.open
+        assert (await guard.lookup("m", H)).match("w").gpu == 4
+        # two stalls one after the other still open it
+        await admin.execute_command("CLIENT", "PAUSE", 1500, "ALL")
+        for _ in range(2):
+            with pytest.raises(IndexUnavailable):
+                await guard.lookup("m", H)
+        assert guard.open
+    finally:
+        await admin.execute_command("CLIENT", "UNPAUSE")
+        await admin.aclose()
+        await idx.close()
+
+
+def test_breaker_counts_episodes_and_makes_one_trial():
+    now = [0.0]
+    b = Breaker(2, open_s=1.0, clock=lambda: now[0])
+    early, late = b.allow(), b.allow()
+    now[0] = 0.1
+    b.failure(early)
+    b.failure(late)  # in flight when the first counted: the same episode
+    assert b.count == 1 and b.state == "closed"
+    b.failure(b.allow())  # sent after it: a second episode
+    assert b.state == "open" and b.allow() is None
+    now[0] = 1.2
+    trial = b.allow()
+    assert trial is not None and b.allow() is None  # one trial at a time; the rest fail at once
+    b.abandon(trial)  # its request went away: another may try
+    trial = b.allow()
+    b.failure(trial)  # a failed trial reopens it for another open_s
+    assert b.state == "open"
+    now[0] = 2.3
+    b.allow()
+    b.success()
+    assert b.state == "closed" and b.count == 0
 
 
 async def test_dead_redis_degrades_with_a_reason():
