@@ -35,8 +35,9 @@ from bench import mixed_workload as mw
 from bench.policy_virtual import placer, sglang_cache_aware
 from router.policies.kv import kv_order, scorers_of
 from bench.sim import virtual as vt
-from bench.sim.cache import PrefixCache, SharedG4Store, external
+from bench.sim.cache import MEDIUM_GPU, PrefixCache, SharedG4Store, external
 from bench.sim.engine import SimEngine
+from bench.sim.events import BlockStored
 from bench.sim.timing import TimingModel
 from indexer.index.base import WorkerMatch
 from router.config import RoutingConfig, WorkerConfig
@@ -85,6 +86,21 @@ def round_robin():
     return lambda engines, tokens: next(turn) % len(engines)
 
 
+@dataclass
+class _Stored:
+    """An engine's event publisher that hands its GPU BlockStored events to the gateway's load tracker of
+    that engine, as the gateway's ingestor does (router/state.py ``_observe_events``), at each step's end."""
+
+    view: GatewayView
+    engine: int
+
+    def publish(self, events) -> None:
+        tracker = self.view.tracker(self.engine)
+        for ev in events:
+            if isinstance(ev, BlockStored) and ev.medium == MEDIUM_GPU:
+                tracker.stored(ev.block_hashes)
+
+
 async def closed_loop(clients, place, *, workers: int, num_blocks: int, block_size: int, timing: TimingModel,
                       max_tokens: int, stagger_s: float, g4: bool = False) -> list[Turn]:
     """Every client's sessions in order, each turn sent when the last one's answer is complete; call on a
@@ -94,12 +110,14 @@ async def closed_loop(clients, place, *, workers: int, num_blocks: int, block_si
     request at the gateway's prefill gate (router/admission.py) on the engine's load tracker, as the gateway
     does."""
     store = SharedG4Store() if g4 else None
-    engines = [SimEngine(PrefixCache(num_blocks, block_size, g4=store), None, timing) for _ in range(workers)]
+    view: GatewayView | None = getattr(place, "view", None)  # the kv placer's load trackers, fed here
+    events = view is not None and view.admit_on_events
+    engines = [SimEngine(PrefixCache(num_blocks, block_size, g4=store), _Stored(view, i) if events else None,
+                         timing) for i in range(workers)]
     for e in engines:
         e.start()
     loop = asyncio.get_running_loop()
     out: list[Turn] = []
-    view: GatewayView | None = getattr(place, "view", None)  # the kv placer's load trackers, fed here
     routing = getattr(place, "gate", None)  # the placement's RoutingConfig when it gates
     gates = [PrefillGate(clock=loop.time) for _ in engines] if view is not None and routing is not None else None
     budget = gate_budget(routing, timing.max_num_batched_tokens) if gates else 0
@@ -206,6 +224,7 @@ class GatewayView:
     def __init__(self, scrape_s: float, live: bool) -> None:
         self.scrape_s, self.live = scrape_s, live
         self.active: dict[int, ActiveSequences] = {}
+        self.admit_on_events = True  # its engines' BlockStored events reach the trackers (``_Stored``)
         self.seen: dict[int, tuple[int, WorkerLoad]] = {}  # engine -> (scrape tick, what it read)
 
     def tracker(self, i: int) -> ActiveSequences:
@@ -332,6 +351,7 @@ def _fed(place, view, rc: RoutingConfig):
     """``place`` with the load trackers ``closed_loop`` feeds (``place.view``) and, when ``rc`` turns the
     prefill gate on, the settings it gates by (``place.gate``)."""
     place.view, place.gate = view, (rc if rc.prefill_gate else None)
+    view.admit_on_events = rc.admit_on_events
     return place
 
 

@@ -162,6 +162,10 @@ class RoutingConfig(BaseModel):
     occupancy_evicts: bool = True
     # ... and the KV released after the prefix (behind it in vLLM's free queue) does not spare it.
     occupancy_age: bool = True
+    # Load tracker (router/load.py): a request whose first new blocks vLLM's events show stored is running
+    # (its KV taken, no longer demand on the room) at once; off: only from the waiting gauge at the next
+    # scrape (every health_interval_s).
+    admit_on_events: bool = True
     # Prefill admission (router/admission.py): a request waits at the gateway while the gateway's prompts its
     # worker is prefilling would, with it, pass prefill_gate_tokens uncached tokens (default: one step's
     # max_num_batched_tokens), and the shortest waiting prefill goes first; a worker prefilling none of them

@@ -51,7 +51,8 @@ class Sequence:
     block_size: int = 0
     prefix_blocks: int = 0  # the cached prefix it was predicted to find (its local blocks)
     prefix_at: float | None = None  # where that prefix sat on the LRU clock when sent (None: held or unknown)
-    admitted: bool = False  # vLLM was running it (its KV allocated) at a scrape while it was prefilling
+    admitted: bool = False  # vLLM runs it (its KV allocated): seen at a scrape or in its blocks' events
+    admit_keys: tuple = ()  # the hashes of its first uncached blocks: their BlockStored says vLLM runs it
     gated: bool = False  # waiting at the gateway's prefill gate, not sent yet (router/admission.py)
 
     def kv_release(self, step_s: float) -> tuple[float, int]:
@@ -119,6 +120,7 @@ class LoadView:
 HELD = -1.0  # prefix_age: a request in flight holds the prefix (or touches it before a later one runs)
 RECENT = 64  # releases remembered per worker
 DEDUP = 8  # a release's blocks shared with this many recent releases (or a request in flight) are not new
+ADMIT_KEYS = 2  # first uncached block hashes watched per request (the prediction may be a block off)
 LIVE_PROBES = 32  # requests in flight probed (the most recent): bounded cost at any concurrency
 
 
@@ -158,6 +160,9 @@ class ActiveSequences:
         self.kv_freed = 0.0
         self._kv_mark = (0.0, 0.0)
         self._held_memo: dict[bool, float] = {}  # running_tokens / inflight_tokens until the requests change
+        # a sent request's first uncached block hashes -> the requests in flight with them (identical
+        # prompts share them: vLLM stores a block once)
+        self._admit_keys: dict[int, list[Sequence]] = {}
 
     def add(self, uncached: int, work: float, predicted_s: float, streamed: bool = False, tokens: int = 0,
             max_tokens: int = 0, hashes: list | None = None, block_size: int = 0,
@@ -179,11 +184,18 @@ class ActiveSequences:
             if age is not None and age != HELD:
                 seq.prefix_blocks, seq.prefix_at = prefix_blocks, self.released_tokens - age
         self._live[id(seq)] = seq
+        if hashes and block_size > 0:
+            first = (seq.tokens - seq.uncached) // block_size  # the first block it computes
+            seq.admit_keys = tuple(hashes[first:first + ADMIT_KEYS])
+            for h in seq.admit_keys:
+                self._admit_keys.setdefault(h, []).append(seq)
         self.mean_work = 0.9 * self.mean_work + 0.1 * seq.work
         self.mean_tokens = 0.9 * self.mean_tokens + 0.1 * seq.uncached
         return seq
 
     def first_token(self, seq: Sequence) -> None:
+        if seq.admit_keys:
+            self._drop_keys(seq)
         if seq.first_at is None:
             self._held_memo.clear()
             seq.first_at = self._clock()
@@ -236,6 +248,47 @@ class ActiveSequences:
         prefilling = [s for s in self._live.values() if s.first_at is None and not s.gated]
         for s in prefilling[: max(0, len(prefilling) - int(max(0.0, waiting)))]:
             s.admitted = True
+
+    def stored(self, hashes) -> None:
+        """vLLM stored these blocks (its BlockStored events, GPU tier): a request of the gateway's whose
+        first uncached blocks are among them is running now (vLLM caches a chunk's full blocks when it
+        schedules it): :meth:`admit` it, without waiting for the next scrape of the waiting gauge."""
+        keys = self._admit_keys
+        if not keys:
+            return
+        for h in hashes:
+            for seq in list(keys.get(h, ())):
+                self.admit(seq)
+
+    def _drop_keys(self, seq: Sequence) -> None:
+        keys = self._admit_keys
+        for h in seq.admit_keys:
+            seqs = keys.get(h)
+            if seqs is not None and seq in seqs:
+                seqs.remove(seq)
+                if not seqs:
+                    del keys[h]
+        seq.admit_keys = ()
+
+    def admit(self, seq: Sequence) -> None:
+        """vLLM scheduled ``seq`` since the last scrape: its prompt's KV is taken now, not at its first
+        token, and it is no longer demand on the room. Between scrapes (5 s) a request vLLM admitted was
+        both demand and free room: the room read the prefix it touched and the blocks it took as free,
+        older than the prefix being priced (the virtual clock: 36 blocks read free where only that
+        prefix was)."""
+        if seq.gated:  # not sent yet: the blocks are another request's
+            return
+        self._drop_keys(seq)
+        if seq.admitted or seq.first_at is not None or id(seq) not in self._live:
+            return
+        self._held_memo.clear()
+        seq.admitted = True
+        bs = seq.block_size
+        prompt = -(-seq.tokens // bs) * bs if bs > 0 else seq.tokens
+        # the leading blocks a running request holds were not free: only the rest leaves the free room
+        running = (s.hashes for s in islice(reversed(self._live.values()), LIVE_PROBES)
+                   if s.hashes and s is not seq and (s.first_at is not None or s.admitted))
+        self.kv_taken += max(0, prompt - self._shared(seq, running) * bs)
 
     def prefilling(self, now: float):
         """The requests counted as prefilling at ``now`` (those at the gateway's prefill gate too), in arrival

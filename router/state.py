@@ -10,6 +10,7 @@ import httpx
 
 from indexer.events import EventIngestor
 from indexer.index import create_index
+from indexer.index.base import Tier
 from indexer.index.owners import create_owners
 from router.apis.probes import make_probes
 from router.config import Settings
@@ -59,10 +60,10 @@ class GatewayState:
                                     decode=self._decode, api_probes=make_probes(self))
         ic = settings.index
         self.ingestor = ingestor if ingestor is not None or not with_events else EventIngestor(
-            self.index, queue_size=10000, on_reset=self._on_events_reset, observer=self.parity.observe,
+            self.index, queue_size=10000, on_reset=self._on_events_reset, observer=self._observe_events,
             lease_ttl_s=ic.lease_ttl_s, max_handles=ic.max_handles_per_worker, sweep_idle_s=ic.sweep_idle_s)
         if self.ingestor is not None and getattr(self.ingestor, "observer", False) is None:
-            self.ingestor.observer = self.parity.observe  # an ingestor passed in by the caller
+            self.ingestor.observer = self._observe_events  # an ingestor passed in by the caller
         self.registry = WorkerRegistry(settings, self.client, self.index, self.ingestor, self.metrics)
         if settings.routing.parity_check and self.ingestor is not None:
             self.registry.on_ready = self._check_parity
@@ -155,6 +156,15 @@ class GatewayState:
             return self.ingestor is not None and self.ingestor.status(worker) is not None
         except KeyError:
             return False
+
+    def _observe_events(self, worker: str, tier: str, hashes: list[int]) -> None:
+        """Stored blocks, as the ingestor applies them: the parity check's watches, and the worker's load
+        tracker (a request whose first new blocks vLLM stored is running: router/load.py ``stored``)."""
+        self.parity.observe(worker, tier, hashes)
+        if tier == Tier.GPU.value and self.settings.routing.admit_on_events:
+            target = self.registry.target(worker)
+            if target is not None:
+                target.active.stored(hashes)
 
     def _on_events_reset(self, worker: str, reason: str = "restart") -> None:
         try:

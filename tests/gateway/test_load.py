@@ -210,6 +210,36 @@ def test_a_request_running_at_a_scrape_takes_only_its_generation_at_its_first_to
     assert a.kv_since_scrape() == -16 - 316
 
 
+def test_a_request_whose_first_new_blocks_vllm_stored_is_running_before_the_next_scrape():
+    """vLLM stores a chunk's full blocks when it schedules it: the BlockStored of a request's first uncached
+    blocks says vLLM runs it. Until the next scrape (5 s) such a request was demand on the room and its
+    prefix and new blocks read free; now its prompt is taken at once, it is no demand, and its first token
+    takes only its generation. Blocks of a request still at the gateway's prefill gate, or unrelated ones,
+    admit nothing."""
+    a = ActiveSequences(clock=Clock())
+    doc = list(range(100, 140))  # 40 cached blocks, then 10 new ones
+    sent = a.add(160, 160.0, 1.0, streamed=True, tokens=800, max_tokens=16, hashes=doc + list(range(10)),
+                 block_size=16)
+    held = a.add(160, 160.0, 1.0, streamed=True, tokens=800, max_tokens=16, hashes=doc + list(range(10)),
+                 block_size=16)
+    held.gated = True
+    a.mark_scrape(waiting=2)  # both waiting as of the scrape
+    assert a.view().unadmitted_tokens == 320
+    a.stored([999, 998])  # someone else's blocks
+    a.stored(doc[:3])  # cached blocks of its prefix are not its new ones
+    assert not sent.admitted and a.kv_since_scrape() == 0
+    a.stored([0, 1, 2, 3])  # its first chunk's blocks
+    assert sent.admitted and not held.admitted
+    assert a.view().unadmitted_tokens == 160  # only the held one is demand
+    assert a.kv_since_scrape() == -800  # its prompt (the cached prefix touched, the new blocks allocated)
+    assert a.running_tokens() == 816
+    a.first_token(sent)
+    assert a.kv_since_scrape() == -816  # then its generation only
+    held.gated = False  # the gate lets it go: its own blocks admit it
+    a.stored([0])
+    assert held.admitted
+
+
 def test_the_free_room_never_exceeds_the_capacity_less_what_running_requests_hold():
     """The scrape-corrected room counts the frees since the scrape at once, but a request vLLM admitted
     since is taken only at its first token: a busy worker could read as empty (6,538 of 6,560 tokens free
