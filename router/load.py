@@ -223,6 +223,11 @@ class ActiveSequences:
         lazily, so a sequence without hashes probes nothing)."""
         return (s.hashes for s in islice(reversed(self._live.values()), LIVE_PROBES) if s.hashes and s is not seq)
 
+    def _running_hashes(self, seq: Sequence):
+        """As :meth:`_live_hashes`, of the requests vLLM runs (a first token seen, or admitted)."""
+        return (s.hashes for s in islice(reversed(self._live.values()), LIVE_PROBES)
+                if s.hashes and s is not seq and (s.first_at is not None or s.admitted))
+
     @staticmethod
     def _shared(seq: Sequence, others) -> int:
         """The most leading blocks ``seq``'s prompt shares with one of ``others`` (block-hash lists)."""
@@ -286,9 +291,7 @@ class ActiveSequences:
         bs = seq.block_size
         prompt = -(-seq.tokens // bs) * bs if bs > 0 else seq.tokens
         # the leading blocks a running request holds were not free: only the rest leaves the free room
-        running = (s.hashes for s in islice(reversed(self._live.values()), LIVE_PROBES)
-                   if s.hashes and s is not seq and (s.first_at is not None or s.admitted))
-        self.kv_taken += max(0, prompt - self._shared(seq, running) * bs)
+        self.kv_taken += max(0, prompt - self._shared(seq, self._running_hashes(seq)) * bs)
 
     def prefilling(self, now: float):
         """The requests counted as prefilling at ``now`` (those at the gateway's prefill gate too), in arrival
