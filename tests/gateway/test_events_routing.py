@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 
 from bench.sim.vllm_format import EventPublisher
 from tests.gateway.conftest import BLOCK
@@ -113,3 +114,35 @@ async def test_a_long_new_document_is_tokenized_as_far_as_a_worker_holds_it(flee
     finally:
         for p in pubs:
             p.close()
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["admit_on_events", "scrapes_only"])
+async def test_a_request_whose_blocks_vllm_stored_is_running_before_a_scrape_says_so(fleet, start_gateway, on):
+    """The worker announces a prompt's new blocks as it starts on it (vLLM stores a chunk's blocks when it
+    schedules it) and reports four requests waiting, so no scrape of the waiting gauge tells the gateway it
+    runs this one. With ``routing.admit_on_events`` the BlockStored admits it at once: it is no longer
+    demand on the worker's free KV while it prefills; without, it stays demand until its first token."""
+    pub = EventPublisher("tcp://*:0", "tcp://127.0.0.1:0")
+    try:
+        fleet.add("a", publisher=pub, first_token_delay_s=2.5, waiting=4)
+        gw = start_gateway(fleet, events=True, routing={"admit_on_events": on})
+        await wait_until(lambda: set(gw.state.ingestor.statuses()) == {"a"})
+        w = gw.state.registry.get("a")
+
+        async def queue():
+            v = w.active.view(w.load.running, w.load.waiting)
+            return v.prefill_requests, v.unadmitted_tokens
+
+        async with httpx.AsyncClient(timeout=30) as c:
+            body = dict(chat_body(LONG), stream=True)
+            task = asyncio.create_task(c.post(gw.url + "/v1/chat/completions", json=body))
+            await wait_until(lambda: gw.call(queue())[0] == 1)
+            await wait_until(lambda: gw.state.ingestor.status("a")["blocks_stored"] > 0)
+            await asyncio.sleep(0.5)  # a few scrapes (every 0.2 s) and the event's application
+            prefilling, demand = gw.call(queue())
+            assert prefilling == 1  # still before its first token
+            assert (demand == 0) if on else (demand > BLOCK)
+            r = await task
+            assert r.status_code == 200
+    finally:
+        pub.close()
