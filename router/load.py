@@ -218,15 +218,12 @@ class ActiveSequences:
         if seq.hashes:
             self._recent.append((seq.hashes, self.released_tokens))
 
-    def _live_hashes(self, seq: Sequence | None):
+    def _live_hashes(self, seq: Sequence | None, running: bool = False):
         """The block hashes of the last ``LIVE_PROBES`` requests in flight other than ``seq`` (references;
-        lazily, so a sequence without hashes probes nothing)."""
-        return (s.hashes for s in islice(reversed(self._live.values()), LIVE_PROBES) if s.hashes and s is not seq)
-
-    def _running_hashes(self, seq: Sequence):
-        """As :meth:`_live_hashes`, of the requests vLLM runs (a first token seen, or admitted)."""
+        lazily, so a sequence without hashes probes nothing); ``running``: only those vLLM runs (a first
+        token seen, or admitted)."""
         return (s.hashes for s in islice(reversed(self._live.values()), LIVE_PROBES)
-                if s.hashes and s is not seq and (s.first_at is not None or s.admitted))
+                if s.hashes and s is not seq and (not running or s.first_at is not None or s.admitted))
 
     @staticmethod
     def _shared(seq: Sequence, others) -> int:
@@ -234,12 +231,17 @@ class ActiveSequences:
         return _most_shared(seq.hashes, others) if seq.block_size else 0
 
     @staticmethod
+    def _prompt_tokens(seq: Sequence) -> int:
+        """The KV tokens ``seq``'s prompt holds: whole blocks (vLLM allocates its last, partial block whole)."""
+        bs = seq.block_size
+        return -(-seq.tokens // bs) * bs if bs > 0 else seq.tokens
+
+    @staticmethod
     def _kv_tokens(seq: Sequence, shared: int) -> int:
         """The KV tokens ``seq`` holds (prompt and generation) less ``shared`` leading blocks; the prompt in
-        whole blocks (vLLM allocates its last, partial block whole; the generation grows into it)."""
-        bs = seq.block_size
-        prompt = -(-seq.tokens // bs) * bs if bs > 0 else seq.tokens
-        return max(0, max(prompt, seq.tokens + seq.max_tokens) - shared * bs)
+        whole blocks (the generation grows into its last one)."""
+        prompt = ActiveSequences._prompt_tokens(seq)
+        return max(0, max(prompt, seq.tokens + seq.max_tokens) - shared * seq.block_size)
 
     def mark_scrape(self, waiting: float | None = None) -> None:
         """vLLM's KV usage was just scraped: it includes what the gateway's requests took and freed so far,
@@ -262,8 +264,10 @@ class ActiveSequences:
         if not keys:
             return
         for h in hashes:
-            for seq in list(keys.get(h, ())):
-                self.admit(seq)
+            seqs = keys.get(h)
+            if seqs:  # admit() takes it out of the list: iterate over a copy
+                for seq in seqs.copy():
+                    self.admit(seq)
 
     def _drop_keys(self, seq: Sequence) -> None:
         keys = self._admit_keys
@@ -288,10 +292,9 @@ class ActiveSequences:
             return
         self._held_memo.clear()
         seq.admitted = True
-        bs = seq.block_size
-        prompt = -(-seq.tokens // bs) * bs if bs > 0 else seq.tokens
         # the leading blocks a running request holds were not free: only the rest leaves the free room
-        self.kv_taken += max(0, prompt - self._shared(seq, self._running_hashes(seq)) * bs)
+        shared = self._shared(seq, self._live_hashes(seq, running=True))
+        self.kv_taken += max(0, self._prompt_tokens(seq) - shared * seq.block_size)
 
     def prefilling(self, now: float):
         """The requests counted as prefilling at ``now`` (those at the gateway's prefill gate too), in arrival
