@@ -137,7 +137,8 @@ def summarize_rounds(rounds: list[list[dict]]) -> list[dict]:
     for t in labels:
         rs = [r for rows in rounds for r in rows if r["target"] == t]
         row = {"target": t, "label": rs[0]["label"], "rounds": len(rs)}
-        for k in ("cached_share", "ttft_mean_s", "ttft_p90_s", "total_s", "router_cpu_s"):
+        for k in ("cached_share", "ttft_mean_s", "ttft_p90_s", "total_s", "router_cpu_s", "server_api_cpu_s",
+                  "server_engine_cpu_s"):
             row[k] = _median([r.get(k) for r in rs])
         for key in ("vs_sglang", "vs_round_robin"):
             per = [r[key] for r in rs if r.get(key)]
@@ -164,8 +165,9 @@ def _f(v: float | None, fmt: str = "{:.2f}") -> str:
 def table(rows: list[dict]) -> str:
     lines = [
         "| target | hit rate (usage) | mean TTFT | p90 TTFT | total | mean TTFT vs sglang | vs round_robin "
-        "| hit rate vs sglang | obs/pred TTFT median | p90 | predicted cached == delivered | router CPU |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| hit rate vs sglang | obs/pred TTFT median | p90 | predicted cached == delivered | router CPU "
+        "| vLLM API servers' CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         vs, rr, pr = r.get("vs_sglang") or {}, r.get("vs_round_robin") or {}, r.get("prediction") or {}
@@ -174,7 +176,7 @@ def table(rows: list[dict]) -> str:
             f"| {r['total_s']:.1f} s | {_x(vs.get('ttft_mean'))} | {_x(rr.get('ttft_mean'))} "
             f"| {_f(vs.get('hit_rate_points'), '{:+.1f} pts')} | {_f(pr.get('ttft_ratio_p50'))} "
             f"| {_f(pr.get('ttft_ratio_p90'))} | {_f(pr.get('cached_exact_share'), '{:.0%}')} "
-            f"| {_f(r.get('router_cpu_s'), '{:.1f} s')} |"
+            f"| {_f(r.get('router_cpu_s'), '{:.1f} s')} | {_f(r.get('server_api_cpu_s'), '{:.1f} s')} |"
         )
     return "\n".join(lines)
 
@@ -201,12 +203,17 @@ def run_target(target: str, servers, model_dir: str, clients: list[mw.Client], a
         check_alive(servers)  # a server that died since its last request fails the target, not hangs it
         before = [scrape_prefix_cache(s.url) for s in servers]
         g4_before = [s.g4_stats() for s in servers] if args.g4 else []
+        srv0 = [server_cpu_s(s) for s in servers]
         cpu0, t0 = tree_cpu_s(pid), time.perf_counter()
         res = asyncio.run(run_clients(url, MODEL, [c.sessions for c in clients], max_tokens=args.max_tokens,
                                       stagger_s=args.stagger))
         total = time.perf_counter() - t0
         # the router's own CPU: on a 2-core machine it is taken from the vLLM servers
         extra["router_cpu_s"] = tree_cpu_s(pid) - cpu0
+        # the servers' own: the API server (HTTP, tokenizing, /metrics) shares the cores with the engines
+        srv1 = [server_cpu_s(s) for s in servers]
+        extra["server_api_cpu_s"] = sum(b[0] - a[0] for a, b in zip(srv0, srv1))
+        extra["server_engine_cpu_s"] = sum(b[1] - a[1] for a, b in zip(srv0, srv1))
         if args.g4:  # what the connectors did during this target (counter deltas per server)
             extra["g4_stats"] = [{k: v - b.get(k, 0) for k, v in s.g4_stats().items() if isinstance(v, int)}
                                  for s, b in zip(servers, g4_before)]
@@ -252,6 +259,24 @@ def run_target(target: str, servers, model_dir: str, clients: list[mw.Client], a
         (workdir / f"decisions-{target}-round{rnd + 1}.json").write_text(json.dumps(decisions))
     return {"target": target, "label": label, **summarize(results, total, before, after),
             "by_kind": by_kind(results, kind_of_session), **extra}
+
+
+def server_cpu_s(server) -> tuple[float, float]:
+    """CPU seconds of a vLLM server's API process and of its engine processes (all its descendants)."""
+    from bench.bench_gateway import cpu_s
+    from bench.sim.procs import children
+
+    if server.proc is None:
+        return 0.0, 0.0
+    api, engine, todo = cpu_s(server.proc.pid), 0.0, children(server.proc.pid)
+    while todo:
+        pid = todo.pop()
+        try:
+            engine += cpu_s(pid)
+        except OSError:  # gone meanwhile
+            continue
+        todo.extend(children(pid))
+    return api, engine
 
 
 def check_alive(servers) -> None:

@@ -255,3 +255,31 @@ def test_a_targets_summary_counts_vllms_preemptions_per_server():
     row = summarize(turns, 2.0, before, after)
     assert row["requests_per_server"] == [2, 1] and row["preemptions_per_server"] == [3, 0]
     assert row["cached_share"] == pytest.approx(96 / 300) and row["vllm_prefix_cache_hit_rate"] == 96 / 300
+
+
+def test_a_servers_cpu_is_split_between_its_api_process_and_its_engine_descendants():
+    """The API server shares the cores with the engines: the bench reports the two apart. A real process
+    (the "API server", idle) whose grandchild (the "engine worker") burns CPU."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from types import SimpleNamespace
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(30)"
+    child = f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {burn!r}])\ntime.sleep(30)"
+    api = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time\n"
+                            f"subprocess.Popen([sys.executable, '-c', {child!r}])\ntime.sleep(30)"],
+                           start_new_session=True)
+    try:
+        server = SimpleNamespace(proc=api)
+        deadline = time.monotonic() + 20
+        while cb.server_cpu_s(server)[1] < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        api_s, engine_s = cb.server_cpu_s(server)
+        assert engine_s >= 0.3 and api_s < 0.3
+        assert cb.server_cpu_s(SimpleNamespace(proc=None)) == (0.0, 0.0)
+    finally:
+        os.killpg(api.pid, signal.SIGKILL)
+        api.wait(30)
