@@ -66,6 +66,15 @@ def prediction_stats(decisions: list[dict], kind_of: dict[str, str] | None = Non
     return out
 
 
+def added_ttft_ms(results: list[TurnResult], decisions: list[dict]) -> float | None:
+    """The mean of the client's TTFT less the gateway's observed one (the decision record's
+    ``observed_ttft_ms``: from its send to vLLM, the prefill gate's wait included, to vLLM's first byte):
+    what the gateway's own work before the send and the hops between the client and vLLM add."""
+    seen = {d.get("request_id"): d.get("observed_ttft_ms") for d in decisions}
+    gaps = [r.ttft_s * 1000.0 - seen[r.request_id] for r in results if seen.get(r.request_id) is not None]
+    return statistics.mean(gaps) if gaps else None
+
+
 def by_kind(results: list[TurnResult], kind_of_session: dict[str, str]) -> dict:
     out: dict[str, dict] = {}
     for k in sorted(set(kind_of_session.values())):
@@ -219,18 +228,18 @@ def run_target(target: str, servers, model_dir: str, clients: list[mw.Client], a
                                  for s, b in zip(servers, g4_before)]
         return res, total, before, [scrape_prefix_cache(s.url) for s in servers]
 
-    if target == PEER:
+    if target.partition("[")[0] == PEER:  # sglang-router[round_robin]: another of its policies
         from bench.sim import procs
         from bench.sim.harness import Target, start_peer
 
         port = procs.free_port()
-        peer = start_peer(Target("sglang-router cache_aware", PEER, "cache_aware", text=True), workdir,
+        label, policy = peer_of(target)
+        peer = start_peer(Target(label, PEER, policy, text=True), workdir,
                           [s.url for s in servers], port, {})
         try:
             results, total, before, after = drive(f"http://127.0.0.1:{port}", peer.p.pid)
         finally:
             peer.stop()
-        label = "sglang-router cache_aware"
     else:
         policy, routing = variant_of(target)
         routing["decisions_kept"] = max(1000, 2 * requests)
@@ -243,6 +252,7 @@ def run_target(target: str, servers, model_dir: str, clients: list[mw.Client], a
         kind_of_request = {r.request_id: kind_of_session.get(r.session, "?") for r in results if r.request_id}
         mine = [d for d in decisions["decisions"] if d.get("request_id") in kind_of_request]
         extra["prediction"] = prediction_stats(mine, kind_of_request)
+        extra["added_ttft_ms"] = added_ttft_ms(results, mine)
         if args.event_log:  # when vLLM evicted what over-predicted decisions expected (bench/eviction_timing.py)
             extra["eviction_timing"] = attribute(log.events, mine, [sv.name for sv in servers])
             et = extra["eviction_timing"]
@@ -289,6 +299,13 @@ def check_alive(servers) -> None:
                                f"{s.log_tail()}")
 
 
+def peer_of(target: str) -> tuple[str, str]:
+    """``sglang-router`` -> its ``cache_aware`` policy; ``sglang-router[round_robin]`` -> that one (the
+    label and the policy)."""
+    policy = target.partition("[")[2].rstrip("]") or "cache_aware"
+    return f"sglang-router {policy}", policy
+
+
 def variant_of(target: str) -> tuple[str, dict]:
     """``kv[future_turns=5,stay_margin=0.5]`` (``--kv-variant``): the kv policy with those routing settings
     beside the default one, on the same servers and in the same rounds; a plain name has no overrides."""
@@ -327,6 +344,9 @@ def add_arguments(ap) -> None:
                           "(index lag) or while it waited (bench/eviction_timing.py)")
     cap.add_argument("--g4", action="store_true",
                      help="both servers run kvgate's connector on one shared G4 directory (emptied before each target)")
+    cap.add_argument("--g4-config", action="append", default=[], metavar="KEY=VALUE",
+                     help="with --g4: a kv_connector_extra_config key of kvgate's connector, e.g. "
+                          "load_async=false (repeatable)")
     for f in dataclasses.fields(mw.MixSpec):
         if f.name not in CHAT_ARGS:
             cap.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default, help=HELP.get(f.name))
@@ -381,6 +401,19 @@ def fresh_servers(servers, model_dir: str, prompt_tokens: int, max_tokens: int) 
     warm_up(servers, model_dir, prompt_tokens, max_tokens)
 
 
+def g4_config(pairs: list[str]) -> dict | None:
+    """``["load_async=false", "read_threads=2"]`` -> ``{"load_async": False, "read_threads": 2}`` (JSON
+    values; anything else is a string)."""
+    out = {}
+    for kv in pairs:
+        key, _, value = kv.partition("=")
+        try:
+            out[key.strip()] = json.loads(value)
+        except ValueError:
+            out[key.strip()] = value
+    return out or None
+
+
 def clear_g4(servers, g4_dir: str) -> None:
     """Empty the shared G4 directory between targets (its namespace files stay, the servers keep running):
     wait for the connectors' planned saves, delete every block file, then wait out the scheduler side's
@@ -418,7 +451,8 @@ def run(args, model_dir: str) -> int:
     servers = [
         VllmServer(model_dir, name=f"vllm-{i}", served_model_name=MODEL, omp_threads_bind=bind,
                    block_size=args.block_size, max_model_len=ws["max_model_len"],
-                   num_gpu_blocks=ws["num_gpu_blocks"], g4_path=args.g4_dir)
+                   num_gpu_blocks=ws["num_gpu_blocks"], g4_path=args.g4_dir,
+                   g4_config=g4_config(args.g4_config))
         for i, bind in enumerate(one_core_each(2))
     ]
     print(f"starting two vLLM servers ({args.size}); logs under {workdir} and "

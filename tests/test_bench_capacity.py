@@ -283,3 +283,11 @@ def test_a_servers_cpu_is_split_between_its_api_process_and_its_engine_descendan
     finally:
         os.killpg(api.pid, signal.SIGKILL)
         api.wait(30)
+
+
+def test_peer_policies_and_connector_settings_from_the_command_line():
+    assert cb.peer_of("sglang-router") == ("sglang-router cache_aware", "cache_aware")
+    assert cb.peer_of("sglang-router[round_robin]") == ("sglang-router round_robin", "round_robin")
+    assert cb.g4_config(["load_async=false", "read_threads=2", "kv_layout=nhd"]) == {
+        "load_async": False, "read_threads": 2, "kv_layout": "nhd"}
+    assert cb.g4_config([]) is None
