@@ -142,6 +142,11 @@ class RoutingConfig(BaseModel):
     # come; a cache that holds only a few (capacity-bound) leaves the margin at stay_margin.
     stay_margin_roomy: float = Field(1.2, ge=0.0, le=10.0, allow_inf_nan=False)
     roomy_prompts: float = Field(8.0, gt=0.0, allow_inf_nan=False)
+    # ... and for the part of the holder's lead this worker would load from G4 instead of computing, this
+    # share of the holder's predicted TTFT. Capacity-bound real vLLM with G4 (docs/BENCHMARKS.md, session
+    # 26): 1.0 halved the G4 loads (to sglang-router's count) at an equal mean TTFT; 0 moved conversations
+    # for any shorter queue and loaded their prefix again on the other worker.
+    stay_margin_g4: float = Field(1.0, ge=0.0, le=10.0, allow_inf_nan=False)
     # kv policy: a share of the prompt below which a worker's cached prefix is not meaningful; when no
     # worker holds that much, the prompt goes where it evicts the least recently used cache: it pays
     # footprint_weight x its prefill time x how much more of the worker's free KV it and the queue take than

@@ -149,18 +149,20 @@ class ContinuityScorer(Scorer):
     holder's predicted TTFT, ``routing.stay_margin``, and ``routing.stay_margin_ms``), so a transient
     queue on the holder does not split the conversation over two workers. The share grows by up to
     ``routing.stay_margin_roomy`` with the holder's cache room for the prompt (:func:`roominess`): where
-    the prefix outlives the next turns, leaving loses them all. The margin counts only for the
-    part of the holder's lead this worker would compute: a lead it can load from G4 splits nothing (the
-    blocks it loads are its own the next turn), and with G4 on both servers of the capacity-bound run the
-    full margin kept conversations on busy holders (35 / 24 requests, 1.19x round_robin's mean TTFT)."""
+    the prefix outlives the next turns, leaving loses them all. That margin counts for the part of the
+    holder's lead this worker would compute. The part it would load from G4 splits nothing (the blocks it
+    loads are its own the next turn) but is not free either: vLLM parks the request a step for the load,
+    and the prefix then takes room in two workers' caches, so more of it is loaded again later. That part
+    pays ``routing.stay_margin_g4`` x the holder's TTFT instead (with G4 on both capacity-bound servers:
+    half the G4 loads of no margin, at the same mean TTFT)."""
 
     name = "continuity"
 
     def __init__(self, future_turns: float, margin: float, margin_ms: float, roomy: float = 0.0,
-                 roomy_prompts: float = 8.0) -> None:
+                 roomy_prompts: float = 8.0, g4: float = 0.0) -> None:
         super().__init__(1.0)
         self.future_turns, self.margin, self.margin_ms = future_turns, margin, margin_ms
-        self.roomy, self.roomy_prompts = roomy, roomy_prompts
+        self.roomy, self.roomy_prompts, self.g4 = roomy, roomy_prompts, g4
 
     def term(self, c: Candidate, fleet: Fleet) -> float:
         h = fleet.holder
@@ -168,9 +170,10 @@ class ContinuityScorer(Scorer):
             return 0.0
         split = self.future_turns * work_ms(c, c.prefill_work - h.prefill_work)
         lead = h.local_blocks - c.local_blocks
-        computed = 1.0 - min(1.0, max(0, c.g4_blocks) / lead)
+        loaded = min(1.0, max(0, c.g4_blocks) / lead)
         margin = self.margin + self.roomy * roominess(h, self.roomy_prompts)
-        return split + computed * (margin * h.predicted_ttft_ms + self.margin_ms)
+        return split + (1.0 - loaded) * (margin * h.predicted_ttft_ms + self.margin_ms) \
+            + loaded * self.g4 * h.predicted_ttft_ms
 
 
 def roominess(c: Candidate, prompts: float) -> float:

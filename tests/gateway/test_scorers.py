@@ -100,6 +100,22 @@ def test_no_margin_for_a_lead_the_candidate_loads_from_g4():
     assert s.ms(loads_half, Fleet.of([h, loads_half], 0.1)) == pytest.approx(2 * 40.0 + 0.5 * (30.0 + 5.0))
 
 
+def test_a_lead_loaded_from_g4_pays_the_g4_margin():
+    """``stay_margin_g4``: loading the holder's lead from G4 costs the load, parks the request a step, and
+    keeps the prefix on two workers' caches: the part of the lead loaded pays that share of the holder's TTFT."""
+    h = cand("h", cached=800, uncached=200, ttft=300.0)
+    s = ContinuityScorer(future_turns=2.0, margin=0.1, margin_ms=5.0, g4=1.0)
+    loads_all = cand("g", cached=800, uncached=200, blocks=0, g4_blocks=50)
+    assert s.ms(loads_all, Fleet.of([h, loads_all], 0.1)) == pytest.approx(300.0)
+    loads_half = cand("g", cached=400, uncached=600, blocks=0, g4_blocks=25)
+    assert s.ms(loads_half, Fleet.of([h, loads_half], 0.1)) == pytest.approx(
+        2 * 40.0 + 0.5 * (30.0 + 5.0) + 0.5 * 300.0)
+    # a worker 200 ms faster that would load it all stays behind the holder
+    fast = cand("g", cached=800, uncached=200, blocks=0, g4_blocks=50, ttft=100.0)
+    assert first(RoutingConfig(stay_margin_g4=1.0), h, fast) == "h"
+    assert first(RoutingConfig(stay_margin_g4=0.0), h, fast) == "g"
+
+
 def test_a_conversation_stays_under_a_small_queue_and_leaves_under_a_large_one():
     """The holder has 800 of 1000 tokens; an idle worker would compute all 1000 (80 ms more). One queued
     request on the holder (+100 ms) sends the turn away without hysteresis; with it, it stays; a queue of
