@@ -55,7 +55,8 @@ class KvgateMetadata(KVConnectorMetadata):
 
     loads: dict[str, list[BlockOp]] = field(default_factory=dict)
     saves: dict[str, list[BlockOp]] = field(default_factory=dict)
-    load_async: bool = False  # the loads are reported through get_finished, not done in start_load_kv
+    # the requests whose loads are reported through get_finished; the others' are done in start_load_kv
+    async_reqs: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -70,6 +71,9 @@ class KvgateWorkerMeta(KVConnectorWorkerMetadata):
     evicted: list[int] = field(default_factory=list)
     failed_loads: list[str] = field(default_factory=list)
     lost: list[int] = field(default_factory=list)
+    # loads finished since the last report: blocks and their wall time (the scheduler's load rate)
+    load_blocks: int = 0
+    load_seconds: float = 0.0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KvgateWorkerMeta):
@@ -79,6 +83,8 @@ class KvgateWorkerMeta(KVConnectorWorkerMetadata):
                 self.evicted + other.evicted,
                 self.failed_loads + other.failed_loads,
                 self.lost + other.lost,
+                self.load_blocks + other.load_blocks,
+                self.load_seconds + other.load_seconds,
             )
         return self
 
@@ -95,7 +101,11 @@ class ConnectorConfig:
     writer_queue_blocks: int = 4096
     writer_queue_bytes: int = 512 * 1024 * 1024
     read_threads: int = 4
-    load_async: bool = True
+    # True: every load in the background (its request waits a step); False: in the step (every request of
+    # the step waits for it); "auto": in the step when the measured load rate says it takes at most
+    # sync_load_max_s, else in the background (and in the background until a load was measured)
+    load_async: bool | str = "auto"
+    sync_load_max_s: float = 0.02
     read_bytes_per_s: float | None = None
     prefetch_host: str = "127.0.0.1"
     prefetch_port: int | None = None
@@ -122,7 +132,9 @@ class ConnectorConfig:
             cfg.capacity_bytes = int(cfg.capacity_bytes)
         if cfg.read_bytes_per_s is not None:
             cfg.read_bytes_per_s = float(cfg.read_bytes_per_s)
-        cfg.load_async = _as_bool(cfg.load_async)
+        auto = isinstance(cfg.load_async, str) and cfg.load_async.strip().lower() == "auto"
+        cfg.load_async = "auto" if auto else _as_bool(cfg.load_async)
+        cfg.sync_load_max_s = float(cfg.sync_load_max_s)
         return cfg
 
 
@@ -228,7 +240,11 @@ class KvgateConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if isinstance(meta, KvgateMetadata) and meta.loads:
-            self._worker.load(meta.loads, meta.load_async)
+            background = {r: ops for r, ops in meta.loads.items() if r in meta.async_reqs}
+            if background:
+                self._worker.load(background, True)
+            if len(background) < len(meta.loads):
+                self._worker.load({r: ops for r, ops in meta.loads.items() if r not in meta.async_reqs})
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # sync loads complete in start_load_kv; async ones before their request is scheduled

@@ -1,8 +1,9 @@
 """The scheduler half of kvgate's connector (engine-core process): which G4 blocks to load, which to save.
 
 It never touches KV bytes. Per request it computes kvgate's sequence hashes incrementally, answers
-``get_num_new_matched_tokens`` with the consecutive G4 blocks after the local prefix hit (asynchronous
-by default, so vLLM parks the request in ``WAITING_FOR_REMOTE_KVS`` and keeps stepping the others),
+``get_num_new_matched_tokens`` with the consecutive G4 blocks after the local prefix hit (a long load
+asynchronous, so vLLM parks the request in ``WAITING_FOR_REMOTE_KVS`` and keeps stepping the others; a
+short one in the step, by the workers' measured load rate: ``load_async``),
 plans loads into the blocks vLLM allocated and saves of blocks that become full, and turns the workers'
 confirmations (``KvgateWorkerMeta``) into ``BlockStored/BlockRemoved(medium="STORAGE")`` events.
 """
@@ -39,6 +40,7 @@ class _ReqState:
     hashes: list[int] = field(default_factory=list)  # kvgate sequence hashes of full blocks seen so far
     saved_upto: int = 0  # blocks [0, saved_upto) are known to be on G4 or planned for saving
     plan: tuple[int, int] = (0, 0)  # (first block, count) of the last G4 match
+    load_async: bool = False  # how that match is loaded (reported through get_finished, or in the step)
     eligible: bool = True  # False: the KV depends on more than the token ids (multimodal, embeddings)
     load_failed: bool = False  # a G4 load of this request failed: recompute, never offer G4 again
 
@@ -66,6 +68,8 @@ class SchedulerSide:
         # kvgate hash -> [engine hash, engine parent, token ids, confirmations, deadline, lora name, extra keys]
         self.pending: dict[int, list] = {}
         self.events: list = []
+        self.async_reqs: set[str] = set()  # of this step's loads, the ones in the background
+        self.load_blocks, self.load_seconds = 0, 0.0  # the workers' finished loads (the load rate)
 
     # -- request tracking --
     def track(self, request) -> _ReqState:
@@ -112,7 +116,20 @@ class SchedulerSide:
                 break
             n += 1
         st.plan = (i0, n)
-        return n * B, self.cfg.load_async and n > 0
+        st.load_async = n > 0 and self.in_background(n)
+        return n * B, st.load_async
+
+    def in_background(self, n_blocks: int) -> bool:
+        """Whether a load of ``n_blocks`` runs in the background (``load_async``). In the background the
+        request waits for the end of a step after the load, up to a whole step; in the step every
+        request of the step waits for the load. ``auto`` takes the step when the workers' measured rate
+        says the load is short (``sync_load_max_s``), the background while no load was measured."""
+        mode = self.cfg.load_async
+        if mode != "auto":
+            return bool(mode)
+        if self.load_blocks <= 0 or self.load_seconds <= 0:
+            return True
+        return n_blocks * self.load_seconds / self.load_blocks > self.cfg.sync_load_max_s
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         st = self.track(request)
@@ -134,13 +151,15 @@ class SchedulerSide:
                 )
             )
         self.loads[request.request_id] = ops
+        if st.load_async:
+            self.async_reqs.add(request.request_id)
         # loaded blocks are on G4 already: never save them again
         st.saved_upto = max(st.saved_upto, i0 + n)
 
     # -- per step --
     def build_meta(self, so, kv_cache_manager) -> KvgateMetadata:
-        meta = KvgateMetadata(loads=self.loads, load_async=self.cfg.load_async)
-        self.loads = {}
+        meta = KvgateMetadata(loads=self.loads, async_reqs=self.async_reqs)
+        self.loads, self.async_reqs = {}, set()
         B = self.block_size
         items: list[tuple[str, int]] = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
         cached = so.scheduled_cached_reqs
@@ -193,6 +212,8 @@ class SchedulerSide:
         wm = getattr(out, "kv_connector_worker_meta", None)
         if not isinstance(wm, KvgateWorkerMeta):
             return
+        self.load_blocks += wm.load_blocks
+        self.load_seconds += wm.load_seconds
         stored = []
         for h in wm.saved:
             p = self.pending.get(h)

@@ -1,12 +1,12 @@
 """The worker half of kvgate's connector (one per TP rank): moves KV bytes between vLLM's paged tensors
 and the G4 store, serves prefetch orders and counters.
 
-Loads run on a bounded thread pool (``read_threads``). Asynchronous loads (``load_async``, the default)
-are started after the step's forward pass and reported through ``get_finished`` when every block of the
-request is in place, so a long G4 read never stalls the step of the other requests; a block that fails
-to load is reported through ``get_block_ids_with_load_errors`` no later than its request's completion,
-and vLLM recomputes from it. Synchronous loads (``load_async: false``) finish in ``start_load_kv``
-before the forward pass. Saves are copied out of the paged KV to host memory after the forward pass (the
+Loads run on a bounded thread pool (``read_threads``). Asynchronous loads (the scheduler's choice per
+request, ``load_async``) are reported through ``get_finished`` when every block of the request is in
+place, so a long G4 read never stalls the step of the other requests; a block that fails to load is
+reported through ``get_block_ids_with_load_errors`` no later than its request's completion, and vLLM
+recomputes from it. Synchronous loads finish in ``start_load_kv`` before the forward pass. The blocks
+loaded and their time go to the scheduler with each step's output: its load rate. Saves are copied out of the paged KV to host memory after the forward pass (the
 blocks may be reused next step) and written by one background thread; the writer's queue is bounded in
 blocks and bytes, and a save that does not fit is dropped before it is copied, never waited for.
 
@@ -92,6 +92,7 @@ class WorkerSide:
         self.failed_loads: list[str] = []  # requests with a failed block, for the scheduler
         self.loaded_reqs: set[str] = set()  # async loads finished since the last get_finished
         self._failed_this_step: set[str] = set()  # sync loads that failed in this step: no saves
+        self._reported = (0, 0.0)  # the load counters as of the last worker meta (blocks, seconds)
         self.counters = {
             "loads": 0,
             "load_failures": 0,
@@ -346,10 +347,14 @@ class WorkerSide:
 
     def take_worker_meta(self) -> KvgateWorkerMeta | None:
         with self.lock:
-            if not (self.saved or self.dropped or self.evicted or self.failed_loads or self.lost):
+            blocks = self.counters["loads"] - self._reported[0]
+            seconds = self.counters["load_seconds"] - self._reported[1]
+            if not (self.saved or self.dropped or self.evicted or self.failed_loads or self.lost or blocks):
                 return None
-            m = KvgateWorkerMeta(self.saved, self.dropped, self.evicted, self.failed_loads, self.lost)
+            m = KvgateWorkerMeta(self.saved, self.dropped, self.evicted, self.failed_loads, self.lost,
+                                 blocks, seconds)
             self.saved, self.dropped, self.evicted, self.failed_loads, self.lost = [], [], [], [], []
+            self._reported = (self.counters["loads"], self.counters["load_seconds"])
         self._maybe_write_stats()
         return m
 

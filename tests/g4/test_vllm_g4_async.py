@@ -1,6 +1,6 @@
 """G4 loads on a real vLLM CPU server, as a user sees them, in both load modes, and bad G4 state.
 
-One server per mode (``load_async`` true, then false) on its own G4 directory, with the store's read
+One server per mode (``load_async`` true, then false; and one in ``auto``) on its own G4 directory, with the store's read
 throttle (``read_bytes_per_s``) standing in for a slow shared filesystem so that a load lasts long enough
 to overlap other requests. A prompt's blocks reach G4 by serving it once; ``POST /reset_prefix_cache``
 then empties vLLM's own cache so the next request that extends it loads them from G4. The reference for
@@ -144,6 +144,35 @@ def test_a_short_request_is_served_while_a_long_load_is_in_flight(srv):
     got = result["resp"]
     assert cached(got) == 64 * BLOCK, got["usage"]
     assert_same_output(got, ref)
+
+
+@pytest.fixture(scope="module")
+def auto_srv(model, tmp_path_factory):
+    """``load_async: auto`` behind the same read throttle (about 0.13 s a block), with loads of up to 0.5 s
+    in the step: 2 blocks are, 20 are not."""
+    g4 = str(tmp_path_factory.mktemp("g4-auto") / "g4")
+    s = g4_server(model, g4, "g4-auto", g4_config={
+        "load_async": "auto", "sync_load_max_s": 0.5, "read_bytes_per_s": READ_BYTES_PER_S})
+    with s:
+        yield s, g4
+
+
+def test_auto_mode_loads_short_reads_in_the_step_and_long_ones_in_the_background(auto_srv):
+    """Each load's mode shows in the connector's ``async_loads`` counter: the first load runs in the
+    background (no load rate measured yet), then a 2-block load in the step and a 20-block one in the
+    background, each with its G4 hit in ``cached_tokens`` and the reference's output."""
+    s, g4 = auto_srv
+    for seed, blocks, background in ((21, 6, True), (22, 2, False), (23, 20, True)):
+        p = prompt(seed, blocks * BLOCK + 7)
+        put_on_g4_only(s, g4, p)
+        ref = complete(s, p + QUESTION, max_tokens=8, cache_salt=f"no-g4-reference-{seed}")
+        before = s.g4_stats()
+        got = complete(s, p + QUESTION, max_tokens=8)
+        after = s.g4_stats()
+        assert cached(got) == blocks * BLOCK, (blocks, got["usage"])
+        assert_same_output(got, ref)
+        assert after["loads"] - before["loads"] == blocks
+        assert after["async_loads"] - before["async_loads"] == (1 if background else 0), (blocks, after)
 
 
 def make_foreign(s: VllmServer, g4: str, h: int, token_ids: list[int], parent) -> None:
