@@ -194,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--policies", default=None,
                     help="kvgate policies (default kv,round_robin,least_loaded); with --capacity-bound also "
-                    "'sglang-router' (the default there: kv,round_robin,least_loaded,sglang-router), or another of its "
-                    "policies as e.g. 'sglang-router[round_robin]'")
+                    "'sglang-router' (the default there: kv,round_robin,least_loaded,sglang-router), or another "
+                    "of its policies as e.g. 'sglang-router[round_robin]'")
     ap.add_argument("--sessions", type=int, default=8, help="chat sessions")
     ap.add_argument("--turns", type=int, default=5, help="turns per chat session")
     ap.add_argument("--first-tokens", type=int, default=1500)

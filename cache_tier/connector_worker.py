@@ -6,9 +6,10 @@ request, ``load_async``) are reported through ``get_finished`` when every block 
 place, so a long G4 read never stalls the step of the other requests; a block that fails to load is
 reported through ``get_block_ids_with_load_errors`` no later than its request's completion, and vLLM
 recomputes from it. Synchronous loads finish in ``start_load_kv`` before the forward pass. The blocks
-loaded and their time go to the scheduler with each step's output: its load rate. Saves are copied out of the paged KV to host memory after the forward pass (the
-blocks may be reused next step) and written by one background thread; the writer's queue is bounded in
-blocks and bytes, and a save that does not fit is dropped before it is copied, never waited for.
+loaded and their time go to the scheduler with each step's output: its load rate. Saves are copied out
+of the paged KV to host memory after the forward pass (the blocks may be reused next step) and written
+by one background thread; the writer's queue is bounded in blocks and bytes, and a save that does not
+fit is dropped before it is copied, never waited for.
 
 Bad G4 state never yields a wrong token: a block that is missing, truncated, corrupt, of another
 namespace or unreadable is reported to vLLM (which recomputes it), counted by reason, removed when the

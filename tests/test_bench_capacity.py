@@ -268,7 +268,8 @@ def test_a_servers_cpu_is_split_between_its_api_process_and_its_engine_descendan
     from types import SimpleNamespace
 
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(30)"
-    child = f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {burn!r}])\ntime.sleep(30)"
+    child = (f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {burn!r}])\n"
+             "time.sleep(30)")
     api = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time\n"
                             f"subprocess.Popen([sys.executable, '-c', {child!r}])\ntime.sleep(30)"],
                            start_new_session=True)

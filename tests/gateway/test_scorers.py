@@ -102,7 +102,8 @@ def test_no_margin_for_a_lead_the_candidate_loads_from_g4():
 
 def test_a_lead_loaded_from_g4_pays_the_g4_margin():
     """``stay_margin_g4``: loading the holder's lead from G4 costs the load, parks the request a step, and
-    keeps the prefix on two workers' caches: the part of the lead loaded pays that share of the holder's TTFT."""
+    keeps the prefix on two workers' caches: the part of the lead loaded pays that share of the holder's
+    TTFT."""
     h = cand("h", cached=800, uncached=200, ttft=300.0)
     s = ContinuityScorer(future_turns=2.0, margin=0.1, margin_ms=5.0, g4=1.0)
     loads_all = cand("g", cached=800, uncached=200, blocks=0, g4_blocks=50)
