@@ -333,7 +333,8 @@ class SimEngine:
                 self.stats.prompt_tokens += len(r.tokens)
                 self.stats.cached_tokens += a.hit_blocks * self.block_size
                 self.stats.external_tokens += g4
-            if g4 and t.g4_async_load:  # loads outside the step; joins once its blocks are in
+            # loads outside the step (a short one in it, g4_sync_load_max_s); joins once its blocks are in
+            if g4 and t.g4_async_load and t.g4_load_s(g4) > t.g4_sync_load_max_s:
                 begin = max(start, self._g4_free_at)
                 r.load_done = self._g4_free_at = begin + t.wall(t.g4_load_s(g4))
                 self._loading.append(r)

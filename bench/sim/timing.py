@@ -51,6 +51,9 @@ class TimingModel:
     # once they are in; False: the load runs inside the step that starts the prefill, stalling that step
     # (a synchronous ``start_load_kv``).
     g4_async_load: bool = True
+    # ... except a load no longer than this, which runs in the step (kvgate's connector, ``load_async:
+    # auto`` with its ``sync_load_max_s``; 0: every load outside the step)
+    g4_sync_load_max_s: float = 0.0
 
     def prefill_s(self, uncached: int, cached: int = 0, g4_tokens: int = 0) -> float:
         """Compute time of a prefill as one piece (no step overhead): its start cost plus one chunk."""

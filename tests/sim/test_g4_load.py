@@ -64,6 +64,21 @@ async def test_a_synchronous_load_stalls_its_step():
     assert cold.first_token_clock - cold.scheduled_clock >= e.timing.g4_load_s(g4_tokens)
 
 
+async def test_a_load_within_the_sync_limit_runs_in_the_step_a_longer_one_outside():
+    """kvgate's connector in ``load_async: auto``: a short load stalls its step, a long one does not."""
+    for limit, in_step in ((60.0, True), (0.01, False)):
+        store = SharedG4Store()
+        big = prompt(100_000, 1)
+        g4_tokens = on_g4(store, big)
+        async with engine(store, g4_sync_load_max_s=limit) as e:
+            loaded = e.submit(big, 1)
+            cold = e.submit(prompt(200, 2), 1)
+            await drain(loaded, cold)
+        load_s = e.timing.g4_load_s(g4_tokens)
+        assert 0.01 < load_s < 60.0 and loaded.cached_tokens == g4_tokens
+        assert (cold.first_token_clock - cold.scheduled_clock >= load_s) is in_step, (limit, load_s)
+
+
 async def test_g4_loads_on_one_worker_share_its_bandwidth():
     store = SharedG4Store()
     p1, p2 = prompt(50_000, 3), prompt(50_000, 4)
