@@ -240,11 +240,14 @@ class KvgateConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if isinstance(meta, KvgateMetadata) and meta.loads:
-            background = {r: ops for r, ops in meta.loads.items() if r in meta.async_reqs}
+            background: dict[str, list[BlockOp]] = {}
+            in_step: dict[str, list[BlockOp]] = {}
+            for req_id, ops in meta.loads.items():
+                (background if req_id in meta.async_reqs else in_step)[req_id] = ops
             if background:
                 self._worker.load(background, True)
-            if len(background) < len(meta.loads):
-                self._worker.load({r: ops for r, ops in meta.loads.items() if r not in meta.async_reqs})
+            if in_step:
+                self._worker.load(in_step)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # sync loads complete in start_load_kv; async ones before their request is scheduled

@@ -2,8 +2,9 @@
 
 One server per mode (``load_async`` true, then false; and one in ``auto``) on its own G4 directory, with
 the store's read throttle (``read_bytes_per_s``) standing in for a slow shared filesystem so that a load
-lasts long enough to overlap other requests. A prompt's blocks reach G4 by serving it once; ``POST /reset_prefix_cache``
-then empties vLLM's own cache so the next request that extends it loads them from G4. The reference for
+lasts long enough to overlap other requests. A prompt's blocks reach G4 by serving it once;
+``POST /reset_prefix_cache`` then empties vLLM's own cache so the next request that extends it loads them
+from G4. The reference for
 every output is the same prompt under a ``cache_salt`` (no block in common with anything stored).
 No timing thresholds: the assertions are on outputs, ``cached_tokens`` and the connector's counters
 (``/metrics``, parsed from Prometheus' text format).

@@ -33,14 +33,21 @@ def engine(store: SharedG4Store, **timing):
     return sched.engine(scale=SCALE, g4=store, **timing)
 
 
-async def test_a_g4_load_does_not_stall_the_requests_beside_it():
+async def load_beside_a_cold_prompt(**timing):
+    """A 100K-token prompt whose blocks are on G4, submitted with a short cold one beside it; the engine
+    (its timing), the two requests and the tokens the first can load."""
     store = SharedG4Store()
     big = prompt(100_000, 1)
     g4_tokens = on_g4(store, big)
-    async with engine(store) as e:
+    async with engine(store, **timing) as e:
         loaded = e.submit(big, 1)
         cold = e.submit(prompt(200, 2), 1)
         await drain(loaded, cold)
+    return e, loaded, cold, g4_tokens
+
+
+async def test_a_g4_load_does_not_stall_the_requests_beside_it():
+    e, loaded, cold, g4_tokens = await load_beside_a_cold_prompt()
     t = e.timing
     load_s = t.g4_load_s(g4_tokens)
     assert loaded.cached_tokens == g4_tokens and load_s > 0.3
@@ -53,13 +60,7 @@ async def test_a_g4_load_does_not_stall_the_requests_beside_it():
 
 
 async def test_a_synchronous_load_stalls_its_step():
-    store = SharedG4Store()
-    big = prompt(100_000, 1)
-    g4_tokens = on_g4(store, big)
-    async with engine(store, g4_async_load=False) as e:
-        loaded = e.submit(big, 1)
-        cold = e.submit(prompt(200, 2), 1)
-        await drain(loaded, cold)
+    e, loaded, cold, g4_tokens = await load_beside_a_cold_prompt(g4_async_load=False)
     # batched with the load: its first token waits for the whole step
     assert cold.first_token_clock - cold.scheduled_clock >= e.timing.g4_load_s(g4_tokens)
 
@@ -67,13 +68,7 @@ async def test_a_synchronous_load_stalls_its_step():
 async def test_a_load_within_the_sync_limit_runs_in_the_step_a_longer_one_outside():
     """kvgate's connector in ``load_async: auto``: a short load stalls its step, a long one does not."""
     for limit, in_step in ((60.0, True), (0.01, False)):
-        store = SharedG4Store()
-        big = prompt(100_000, 1)
-        g4_tokens = on_g4(store, big)
-        async with engine(store, g4_sync_load_max_s=limit) as e:
-            loaded = e.submit(big, 1)
-            cold = e.submit(prompt(200, 2), 1)
-            await drain(loaded, cold)
+        e, loaded, cold, g4_tokens = await load_beside_a_cold_prompt(g4_sync_load_max_s=limit)
         load_s = e.timing.g4_load_s(g4_tokens)
         assert 0.01 < load_s < 60.0 and loaded.cached_tokens == g4_tokens
         assert (cold.first_token_clock - cold.scheduled_clock >= load_s) is in_step, (limit, load_s)
