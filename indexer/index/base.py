@@ -114,16 +114,17 @@ class BlockIndex(abc.ABC):
     # -- handle maps, leases, sweep (single-process defaults; RedisIndex shares them between gateways) -----
     async def save_handles(self, model: str, worker: str, upserts: dict[HandleKey, Handle],
                            deletes: Collection[HandleKey], seq: int | None, *, replace: bool = False) -> None:
-        """Update a worker's handle map (upserts win over deletes of the same key) and its last sequence;
-        ``replace``: the map becomes exactly ``upserts``, in one step (a new writer pushing its state: a
-        gateway adopting the map meanwhile never sees it half written)."""
-        hm, _ = self._handles.setdefault((model, worker), ({}, None))
+        """Update a worker's handle map (upserts win over deletes of the same key) and its last sequence
+        (``seq`` None: an update keeps the stored one); ``replace``: the map becomes exactly ``upserts``, in
+        one step (a new writer pushing its state: a gateway adopting the map meanwhile never sees it half
+        written), and its sequence ``seq`` (None: none, the old one no longer describes the map)."""
+        hm, old = self._handles.setdefault((model, worker), ({}, None))
         if replace:
             hm = {}
         for k in deletes:
             hm.pop(k, None)
         hm.update(upserts)
-        self._handles[(model, worker)] = (hm, seq)
+        self._handles[(model, worker)] = (hm, seq if seq is not None or replace else old)
 
     async def load_handles(self, model: str, worker: str) -> tuple[dict[HandleKey, Handle], int | None]:
         """The map and its sequence as one snapshot (what a gateway subscribing to the worker starts from)."""

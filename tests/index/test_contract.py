@@ -280,6 +280,16 @@ async def test_a_replaced_handle_map_holds_only_the_new_entries(index):
     assert await index.load_handles(M, "w1") == ({(0, 3): (H[2], 0, 1)}, 9)
 
 
+async def test_an_update_without_a_sequence_keeps_the_last_one_and_a_replace_drops_it(index):
+    """Both backends alike: an update that knows no sequence leaves the stored one; a replace without one
+    leaves none (the old sequence no longer describes the map: a gateway adopting it replays from scratch)."""
+    await index.save_handles(M, "w1", {(0, 1): (H[0], 1, 0)}, [], seq=5)
+    await index.save_handles(M, "w1", {(0, 2): (H[1], 1, 0)}, [], seq=None)
+    assert await index.load_handles(M, "w1") == ({(0, 1): (H[0], 1, 0), (0, 2): (H[1], 1, 0)}, 5)
+    await index.save_handles(M, "w1", {(0, 3): (H[2], 0, 1)}, [], seq=None, replace=True)
+    assert await index.load_handles(M, "w1") == ({(0, 3): (H[2], 0, 1)}, None)
+
+
 async def test_lease_is_exclusive_renewable_and_released(index):
     assert await index.acquire_lease(M, "w1", "gw-a", ttl_s=30)
     assert await index.acquire_lease(M, "w1", "gw-a", ttl_s=30)  # renewal
