@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--g4", action="store_true", help="share a simulated G4 store between the workers")
     p.add_argument("--g4-capacity-blocks", type=int, default=1_000_000)
     for name in ("overhead_s", "a_s_per_token", "b_s_per_token2", "d_s_per_cached_token", "decode_s",
-                 "decode_s_per_seq", "g4_read_bytes_per_s"):
+                 "decode_s_per_seq", "g4_read_bytes_per_s", "g4_sync_load_max_s"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=None,
                        help=f"timing model (default {getattr(DEFAULT_TIMING, name):.4g})")
     p.add_argument("--kv-bytes-per-token", type=int, default=None)

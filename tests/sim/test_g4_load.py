@@ -6,11 +6,13 @@ Checked on the engine's own clock (model seconds of steps run), on lower bounds 
 never ends early), and on the virtual clock of ``bench.sim.virtual``; never on wall-time upper bounds."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 
 import numpy as np
 
 from bench.replay_workloads import WorkItem
+from bench.sim import cli as sim_cli
 from bench.sim import virtual
 from bench.sim.cache import PrefixCache, SharedG4Store
 from tests.sim import test_scheduler as sched
@@ -72,6 +74,14 @@ async def test_a_load_within_the_sync_limit_runs_in_the_step_a_longer_one_outsid
         load_s = e.timing.g4_load_s(g4_tokens)
         assert 0.01 < load_s < 60.0 and loaded.cached_tokens == g4_tokens
         assert (cold.first_token_clock - cold.scheduled_clock >= load_s) is in_step, (limit, load_s)
+
+
+def test_kvgate_sim_takes_the_sync_load_limit_from_its_command_line():
+    p = argparse.ArgumentParser()
+    sim_cli.add_arguments(p)
+    assert sim_cli.timing_from_args(p.parse_args([])).g4_sync_load_max_s == 0.0
+    args = p.parse_args(["--g4", "--g4-sync-load-max-s", "0.02"])
+    assert sim_cli.fleet_config_from_args(args).timing.g4_sync_load_max_s == 0.02
 
 
 async def test_g4_loads_on_one_worker_share_its_bandwidth():
