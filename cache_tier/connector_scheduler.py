@@ -23,6 +23,7 @@ from cache_tier.connector import (
     KvgateWorkerMeta,
     namespace_for,
 )
+from cache_tier.load_rate import LoadRate
 from cache_tier.store import G4Store, PresenceCache
 from indexer import hashing
 
@@ -69,7 +70,7 @@ class SchedulerSide:
         self.pending: dict[int, list] = {}
         self.events: list = []
         self.async_reqs: set[str] = set()  # of this step's loads, the ones in the background
-        self.load_blocks, self.load_seconds = 0, 0.0  # the workers' finished loads (the load rate)
+        self.load_rate = LoadRate()  # the workers' finished loads, recent ones weighing most
 
     # -- request tracking --
     def track(self, request) -> _ReqState:
@@ -127,9 +128,8 @@ class SchedulerSide:
         mode = self.cfg.load_async
         if mode != "auto":
             return bool(mode)
-        if self.load_blocks <= 0 or self.load_seconds <= 0:
-            return True
-        return n_blocks * self.load_seconds / self.load_blocks > self.cfg.sync_load_max_s
+        expected = self.load_rate.seconds_for(n_blocks)
+        return expected is None or expected > self.cfg.sync_load_max_s
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         st = self.track(request)
@@ -212,8 +212,7 @@ class SchedulerSide:
         wm = getattr(out, "kv_connector_worker_meta", None)
         if not isinstance(wm, KvgateWorkerMeta):
             return
-        self.load_blocks += wm.load_blocks
-        self.load_seconds += wm.load_seconds
+        self.load_rate.observe(wm.load_blocks, wm.load_seconds)
         stored = []
         for h in wm.saved:
             p = self.pending.get(h)
