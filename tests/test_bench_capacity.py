@@ -142,6 +142,27 @@ def test_rounds_summarize_as_medians_of_per_round_ratios():
     g = cb.goals(s)
     assert g["kv_hit_rate_vs_sglang_ge_plus_5_points"] and not g["kv_mean_ttft_vs_sglang_le_0.8x"]
     assert "| kv |" in cb.table(s)
+    # over rounds the goals also hold over the median's interval (3 rounds: the range, a 75% interval)
+    lo, hi, cov = kv["vs_sglang_interval"]["ttft_mean"]
+    assert (lo, hi, cov) == (pytest.approx(0.6), pytest.approx(1.5 / 0.9), pytest.approx(0.75))
+    assert kv["vs_sglang_faster_rounds"] == 1
+    assert g["kv_hit_rate_vs_sglang_ge_plus_5_points_over_the_interval"]
+    assert not g["kv_mean_ttft_vs_sglang_le_0.8x_over_the_interval"]
+    lines = cb.interval_lines(s)  # every target but the peer
+    assert len(lines) == 2 and lines[1].startswith("round_robin vs sglang-router over 3 rounds")
+    line = lines[0]
+    assert "kv vs sglang-router over 3 rounds: mean TTFT 1.00x (0.60-1.67x, a 75% interval" in line
+    assert "faster in 1 rounds" in line and "hit rate +5.0 points (+5.0 to +5.0)" in line
+
+
+def test_the_median_of_a_few_rounds_comes_with_an_interval_that_covers_it():
+    """The k-th smallest and k-th largest of n per-round ratios, k as large as keeps 90% coverage."""
+    assert cb.median_interval([1.0]) is None and cb.median_interval([None, 2.0]) is None
+    assert cb.median_interval([1.7, 0.5, 1.1]) == (0.5, 1.7, pytest.approx(0.75))
+    lo, hi, cov = cb.median_interval([0.52, 0.59, 1.08, 1.10, 1.10, 1.30, 1.75, 0.9])
+    assert (lo, hi) == (0.59, 1.30) and cov == pytest.approx(1 - 2 * 9 / 256)
+    lo, hi, cov = cb.median_interval(list(range(15)))
+    assert (lo, hi) == (3, 11) and 0.9 <= cov < 0.97
 
 
 def test_a_kv_variant_runs_beside_kv_but_is_not_one_of_its_policies():
