@@ -21,7 +21,9 @@ class LoadRate:
     def observe(self, blocks: int, seconds: float) -> None:
         """One report: ``blocks`` loaded in ``seconds`` (a report without blocks, or with a malformed time,
         says nothing and changes nothing)."""
-        if not blocks > 0 or not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
+        if not blocks > 0 or not isinstance(seconds, (int, float)):
+            return
+        if not (math.isfinite(seconds) and seconds >= 0):
             return
         self.blocks = self.blocks * self.decay + blocks
         self.seconds = self.seconds * self.decay + seconds

@@ -1,9 +1,9 @@
 -- include: locals owner
 -- KEYS[1] = the worker's handle map, KEYS[2] = last sequence per worker, KEYS[3] = map version per worker;
--- ARGV = key base, name, token, seq ("" = none: an update keeps the last one, a replace drops it), deletes (12-byte keys), upserts (12-byte key + 16-byte value
--- each), mode: "" update, "replace" (the map becomes exactly the upserts), "drop" (map and sequence gone,
--- unfenced: a clear). -2 when fenced. Every call bumps the version, so a reader that scans the map in chunks
--- (load_handles) can tell that it changed under it.
+-- ARGV = key base, name, token, seq ("" = none: an update keeps the last one, a replace drops it), deletes
+-- (12-byte keys), upserts (12-byte key + 16-byte value each), mode: "" update, "replace" (the map becomes
+-- exactly the upserts), "drop" (map and sequence gone, unfenced: a clear). -2 when fenced. Every call bumps
+-- the version, so a reader that scans the map in chunks (load_handles) can tell that it changed under it.
 local base, name, token, seq, dels, ups, mode = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
 if mode ~= 'drop' and not fence_ok(base, name, token) then return -2 end
 call('HINCRBY', KEYS[3], name, 1)
@@ -26,5 +26,9 @@ for start = 1, #ups, 28000 do
   end
   call('HSET', KEYS[1], unpack(f))
 end
-if seq ~= '' then call('HSET', KEYS[2], name, seq) elseif mode == 'replace' then call('HDEL', KEYS[2], name) end
+if seq ~= '' then
+  call('HSET', KEYS[2], name, seq)
+elseif mode == 'replace' then
+  call('HDEL', KEYS[2], name)
+end
 return 0
