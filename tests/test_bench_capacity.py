@@ -148,9 +148,15 @@ def test_rounds_summarize_as_medians_of_per_round_ratios():
     assert kv["vs_sglang_faster_rounds"] == 1
     assert g["kv_hit_rate_vs_sglang_ge_plus_5_points_over_the_interval"]
     assert not g["kv_mean_ttft_vs_sglang_le_0.8x_over_the_interval"]
-    lines = cb.interval_lines(s)  # every target but the peer
-    assert len(lines) == 2 and lines[1].startswith("round_robin vs sglang-router over 3 rounds")
+    lines = cb.interval_lines(s)  # every target against the peer, then against round_robin
+    assert [x.split(" over ")[0] for x in lines] == ["kv vs sglang-router", "round_robin vs sglang-router",
+                                                      "kv vs round_robin", "sglang-router vs round_robin"]
     line = lines[0]
+    # with G4 the goals are on mean TTFT, over the interval too: kv is 0.45-0.75x round_robin's every round
+    g4 = cb.goals(s, g4=True)
+    assert g4["g4_kv_mean_ttft_vs_round_robin_le_0.85x"]
+    assert g4["g4_kv_mean_ttft_vs_round_robin_le_0.85x_over_the_interval"]
+    assert not g4["g4_kv_mean_ttft_vs_sglang_le_0.8x_over_the_interval"]
     assert "kv vs sglang-router over 3 rounds: mean TTFT 1.00x (0.60-1.67x, a 75% interval" in line
     assert "faster in 1 rounds" in line and "hit rate +5.0 points (+5.0 to +5.0)" in line
 
