@@ -106,6 +106,23 @@ def add_ratios(rows: list[dict]) -> None:
             }
 
 
+def _ratio_goal(out: dict, name: str, kv: dict, key: str, metric: str, bound: float,
+                at_most: bool = True) -> None:
+    """Goal ``name``: kv's ``metric`` against a baseline (``key``: ``vs_sglang``, ``vs_round_robin``) at
+    most (or at least) ``bound``; over rounds also ``name``_over_the_interval, by the far end of the
+    median's interval (:func:`median_interval`) rather than the median."""
+    if not kv.get(key):
+        return
+
+    def ok(v) -> bool:
+        return v is not None and (v <= bound if at_most else v >= bound)
+
+    out[name] = ok(kv[key].get(metric))
+    iv = (kv.get(key + "_interval") or {}).get(metric)
+    if iv:
+        out[name + "_over_the_interval"] = ok(iv[1] if at_most else iv[0])
+
+
 def goals(rows: list[dict], g4: bool = False) -> dict:
     """Issue #11's goals, checked on this run's rows (None where a target did not run). With G4 on both
     servers the hit rate no longer depends on placement, so there the goals are on mean TTFT alone."""
@@ -113,22 +130,13 @@ def goals(rows: list[dict], g4: bool = False) -> dict:
     out: dict = {}
     if kv is None:
         return out
-    vs = kv.get("vs_sglang")
     if g4:
-        for key, base, bound in (("vs_round_robin", "round_robin", 0.85), ("vs_sglang", "sglang", 0.8)):
-            ratio = (kv.get(key) or {}).get("ttft_mean")
-            if kv.get(key):
-                out[f"g4_kv_mean_ttft_vs_{base}_le_{bound}x"] = ratio is not None and ratio <= bound
-            iv = (kv.get(key + "_interval") or {}).get("ttft_mean")
-            if iv:  # over rounds: the whole interval, not the median
-                out[f"g4_kv_mean_ttft_vs_{base}_le_{bound}x_over_the_interval"] = iv[1] <= bound
-    elif vs:
-        out["kv_hit_rate_vs_sglang_ge_plus_5_points"] = vs["hit_rate_points"] >= 5.0
-        out["kv_mean_ttft_vs_sglang_le_0.8x"] = vs["ttft_mean"] is not None and vs["ttft_mean"] <= 0.8
-        iv = kv.get("vs_sglang_interval") or {}
-        if "hit_rate_points" in iv and "ttft_mean" in iv:  # over rounds: the whole interval, not the median
-            out["kv_hit_rate_vs_sglang_ge_plus_5_points_over_the_interval"] = iv["hit_rate_points"][0] >= 5.0
-            out["kv_mean_ttft_vs_sglang_le_0.8x_over_the_interval"] = iv["ttft_mean"][1] <= 0.8
+        _ratio_goal(out, "g4_kv_mean_ttft_vs_round_robin_le_0.85x", kv, "vs_round_robin", "ttft_mean", 0.85)
+        _ratio_goal(out, "g4_kv_mean_ttft_vs_sglang_le_0.8x", kv, "vs_sglang", "ttft_mean", 0.8)
+    elif kv.get("vs_sglang"):
+        _ratio_goal(out, "kv_hit_rate_vs_sglang_ge_plus_5_points", kv, "vs_sglang", "hit_rate_points", 5.0,
+                    at_most=False)
+        _ratio_goal(out, "kv_mean_ttft_vs_sglang_le_0.8x", kv, "vs_sglang", "ttft_mean", 0.8)
     mine = [r for r in rows if r["target"] != PEER and "[" not in r["target"]]  # variants are not policies
     out["kv_lowest_mean_ttft_of_kvgate_policies"] = min(mine, key=lambda r: r["ttft_mean_s"]) is kv
     pr = kv.get("prediction") or {}
