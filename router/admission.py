@@ -43,10 +43,13 @@ def gate_budget(routing, max_batched: int) -> int:
 
 
 class PrefillGate:
-    """One worker's held requests (bounded by the requests in flight), shortest uncached prompt first."""
+    """One worker's held requests (bounded by the requests in flight), shortest uncached prompt first; a
+    request whose predicted prefix is a held request's prompt (``Sequence.after``) right after that one."""
 
     def __init__(self, clock=time.monotonic) -> None:
-        self._held: list[tuple[int, int, Sequence, asyncio.Future]] = []  # heap: (uncached, arrival, ...)
+        # heap of (uncached, arrival, 0, uncached, seq, future); a request held after another takes that
+        # one's (uncached, arrival) and its own arrival third: it sorts right behind it
+        self._held: list[tuple[int, int, int, int, Sequence, asyncio.Future]] = []
         self._order = count()
         self._clock = clock
         self._timer: asyncio.TimerHandle | None = None
@@ -77,7 +80,7 @@ class PrefillGate:
             return 0.0
         t0 = self._clock()
         fut = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._held, (seq.uncached, next(self._order), seq, fut))
+        heapq.heappush(self._held, self._key(seq) + (seq.uncached, seq, fut))
         self.wake()
         try:
             if not fut.done():
@@ -87,12 +90,26 @@ class PrefillGate:
         finally:
             if seq.gated:
                 seq.gated = False
-                self._held = [e for e in self._held if e[2] is not seq]
+                self._held = [e for e in self._held if e[4] is not seq]
                 heapq.heapify(self._held)
         waited = self._clock() - t0
         if seq.deadline != float("inf"):
             seq.deadline += waited  # a response with no first token: its prefill starts now
         return waited
+
+    def _key(self, seq: Sequence) -> tuple[int, int, int]:
+        """Its place: shortest uncached prompt first, equal ones in arrival order. A request planned on the
+        blocks a held one will compute (router/pending.py: the same document, a turn sent before the last
+        one's prefill) goes right behind it: sent before it, it would compute them itself (it is the
+        shorter, so the gate would send it first) and the held one would find them instead, both predictions
+        wrong and nothing saved."""
+        order = next(self._order)
+        after = seq.after
+        if after is not None and after.gated:
+            for e in self._held:
+                if e[4] is after:
+                    return e[0], e[1], order
+        return seq.uncached, order, 0
 
     def wake(self) -> None:
         """A prefill on the worker ended (a first token, a request done) or a request joined: send the held
@@ -100,8 +117,8 @@ class PrefillGate:
         active = self._active
         if active is None:
             return
-        while self._held and self._fits(active, self._held[0][0], self._budget):
-            _, _, seq, fut = heapq.heappop(self._held)
+        while self._held and self._fits(active, self._held[0][3], self._budget):
+            seq, fut = heapq.heappop(self._held)[4:]
             seq.gated = False  # counted as outstanding from now on, before its task runs
             if not fut.done():
                 fut.set_result(None)
@@ -111,7 +128,7 @@ class PrefillGate:
         """The worker failed, drains or left: every held request goes now (the proxy sends it to its next
         candidate instead, router/proxy.py), not when a prefill there ends or its wait runs out."""
         held, self._held = self._held, []
-        for _, _, seq, fut in held:
+        for *_, seq, fut in held:
             seq.gated = False
             if not fut.done():
                 fut.set_result(None)

@@ -167,10 +167,11 @@ class CostModel:
         return getattr(worker.config, "max_num_batched_tokens", None) or self.cfg.max_num_batched_tokens
 
     def score(self, worker, match: WorkerMatch, g4: int, num_tokens: int, block_size: int,
-              pending_blocks: int = 0, hashes=None) -> Candidate:
+              pending_blocks: int = 0, hashes=None, after=None) -> Candidate:
         """``pending_blocks``: the last of ``match.local`` are blocks the gateway sent the worker whose
         events are not indexed yet (router/pending.py): being computed or just computed, not evictable.
-        ``hashes``: the prompt's routable blocks (where the worker's releases place its prefix).
+        ``hashes``: the prompt's routable blocks (where the worker's releases place its prefix). ``after``:
+        the request held at the worker's prefill gate that those pending blocks are from (it goes first).
         Runs for every candidate of every request: one load view, one Candidate, no intermediate dicts."""
         cfg = self.cfg
         tps = self.prefill_speed(worker)
@@ -246,7 +247,7 @@ class CostModel:
         queue_work = v.queue_work
         queue_requests = v.queue_requests
         if v.gated:  # the prefill gate sends the shorter ones first: the longer ones it holds are behind
-            n, t, w = v.gated_behind(uncached)
+            n, t, w = v.gated_behind(uncached, after)
             queue_requests, queue_tokens, queue_work = queue_requests - n, queue_tokens - t, queue_work - w
         budget = self.budget(worker)
         decodes = min(v.decodes, budget - 1)

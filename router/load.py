@@ -54,6 +54,8 @@ class Sequence:
     admitted: bool = False  # vLLM runs it (its KV allocated): seen at a scrape or in its blocks' events
     admit_keys: tuple = ()  # the hashes of its first uncached blocks: their BlockStored says vLLM runs it
     gated: bool = False  # waiting at the gateway's prefill gate, not sent yet (router/admission.py)
+    # the held request whose blocks its predicted prefix counts (router/pending.py): it goes after it
+    after: Sequence | None = None
 
     def kv_release(self, step_s: float) -> tuple[float, int]:
         """When a decoding sequence is expected to end (``max_tokens`` steps after its first token, or its
@@ -98,9 +100,12 @@ class LoadView:
     def queue_tokens(self) -> float:
         return self.prefill_tokens + self.unknown_waiting * self.mean_tokens
 
-    def gated_behind(self, uncached: int) -> tuple[int, int, float]:
+    def gated_behind(self, uncached: int, after: Sequence | None = None) -> tuple[int, int, float]:
         """The requests at the prefill gate that a request of ``uncached`` tokens would go before (the gate
-        sends the shortest first; equal ones in arrival order): their count, uncached tokens and work."""
+        sends the shortest first; equal ones in arrival order; one held ``after`` another goes where that
+        one does): their count, uncached tokens and work."""
+        if after is not None and after.gated:
+            uncached = max(uncached, after.uncached)
         n = tokens = 0
         work = 0.0
         for s in self.gated or ():
@@ -377,6 +382,18 @@ class ActiveSequences:
                 seen.append(s.hashes)
         self._held_memo[running_only] = held
         return held
+
+    def gated_sender(self, hashes, n: int) -> Sequence | None:
+        """The first request in flight whose prompt has block ``n - 1`` of ``hashes`` (so all before it:
+        chained hashes), if it is held at the prefill gate (router/admission.py); None when none has it or
+        the first is sent already (vLLM computes it before anything sent later)."""
+        if n <= 0 or not hashes:
+            return None
+        h = hashes[n - 1]
+        for s in self._live.values():
+            if s.hashes and len(s.hashes) >= n and s.hashes[n - 1] == h:
+                return s if s.gated else None
+        return None
 
     def held_blocks(self, hashes, n: int) -> int:
         """Leading blocks, of the first ``n`` of ``hashes``, that one of the last ``LIVE_PROBES`` requests in

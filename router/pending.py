@@ -37,10 +37,10 @@ class _Sent:
     """A deferred prompt's text sent to ``worker``: ``key`` is what else decides its blocks (LoRA, salt,
     the ids a tokenizer puts before the text)."""
 
-    __slots__ = ("worker", "key", "data", "expiry")
+    __slots__ = ("worker", "key", "data", "expiry", "owner")
 
-    def __init__(self, worker: str, key: tuple, data: bytes, expiry: float) -> None:
-        self.worker, self.key, self.data, self.expiry = worker, key, data, expiry
+    def __init__(self, worker: str, key: tuple, data: bytes, expiry: float, owner=None) -> None:
+        self.worker, self.key, self.data, self.expiry, self.owner = worker, key, data, expiry, owner
 
 
 class PendingBlocks:
@@ -56,15 +56,16 @@ class PendingBlocks:
         self.text_bytes = 0
 
     def record(self, namespace: str, hashes: Sequence[int], worker: str, start: int = 0,
-               now: float | None = None, text: tuple[tuple, bytes] | None = None) -> None:
+               now: float | None = None, text: tuple[tuple, bytes] | None = None, owner=None) -> None:
         """``worker`` was sent a prompt whose routable blocks are ``hashes``, of which it was known to hold
         the first ``start`` (index or earlier record): only the rest is recorded. ``text``: (key, UTF-8
-        text) of a prompt whose ``hashes`` cover only its start (the tail was not encoded)."""
+        text) of a prompt whose ``hashes`` cover only its start (the tail was not encoded); ``owner``: its
+        request (:meth:`text_owner`)."""
         if self.ttl_s <= 0:
             return
         now = time.monotonic() if now is None else now
         if text is not None:
-            self._add_text(namespace, worker, text, now)
+            self._add_text(namespace, worker, text, now, owner)
         if len(hashes) <= start:
             return
         d = self._w.get((namespace, worker))
@@ -86,7 +87,7 @@ class PendingBlocks:
             oldest.popitem(last=False)
             self._n -= 1
 
-    def _add_text(self, namespace: str, worker: str, text: tuple[tuple, bytes], now: float) -> None:
+    def _add_text(self, namespace: str, worker: str, text: tuple[tuple, bytes], now: float, owner) -> None:
         key, data = text
         if len(data) > self.max_text_bytes:
             return
@@ -96,7 +97,7 @@ class PendingBlocks:
         old = d.pop(id(data), None)
         if old is not None:
             self.text_bytes -= len(old.data)
-        d[id(data)] = _Sent(worker, key, data, now + self.ttl_s)
+        d[id(data)] = _Sent(worker, key, data, now + self.ttl_s, owner)
         self.text_bytes += len(data)
         while self.text_bytes > self.max_text_bytes:  # over the bound: the oldest text of any model goes
             oldest = next(x for x in self._texts.values() if x)
@@ -118,6 +119,12 @@ class PendingBlocks:
             elif e.key == key and (n := common_prefix(data, e.data, 0, 256)) > out.get(e.worker, (0,))[0]:
                 out[e.worker] = (n, e.data)
         return out
+
+    def text_owner(self, namespace: str, data: bytes):
+        """The request (``record``'s ``owner``) that sent the deferred prompt ``data`` (a text
+        :meth:`shares` returned), or None."""
+        e = self._texts.get(namespace, {}).get(id(data))
+        return e.owner if e is not None and e.data is data else None
 
     def settle(self, namespace: str, hashes: Sequence[int], worker: str, start: int = 0,
                now: float | None = None, text: tuple[tuple, bytes] | None = None) -> None:

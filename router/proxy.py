@@ -262,6 +262,7 @@ class Forwarder:
         self.method, self.query, self.headers = method, query, headers
         self.hashes = d.hashes
         self.sent_text = d.sent_text  # the decision log drops it too
+        self.after = d.after  # and this
         self.hooks = hooks  # router/apis/hooks.py: another API's usage, error events and response ids
         self._finished = False
 
@@ -338,13 +339,15 @@ class Forwarder:
             d.attempts.append(w.name)
             self._prefetch(w, cand)
             lease = _Lease(st.metrics, w, cand, d.stream, d.max_tokens, self.hashes, d.block_size)
+            lease.seq.after = self.after.get(w.name)
             if cand.clamped:
                 st.metrics.child(st.metrics.prediction_clamped, w.name).inc()
             # Recorded as sent before it is: vLLM answers a non-streaming request only when it is done, and a
             # request that arrives meanwhile should know what this one will have left there.
             recorded = bool(self.hashes) and not w.blind_for(kind_of(self.path))
             if recorded:
-                st.pending.record(d.namespace, self.hashes, w.name, cand.local_blocks, text=self.sent_text)
+                st.pending.record(d.namespace, self.hashes, w.name, cand.local_blocks, text=self.sent_text,
+                                  owner=lease.seq)
             t_send = time.perf_counter()  # TTFT counts the wait at the gateway's prefill gate too
             resp = None
             try:

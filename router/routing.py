@@ -59,6 +59,9 @@ class Decision:
     delivered_cached_tokens: int | None = None
     # (key, UTF-8 text) of a prompt planned on its start only: the pending record keeps it while in flight
     sent_text: tuple | None = field(default=None, repr=False)
+    # per worker, the request held at its prefill gate whose blocks the prediction counts (router/load.py
+    # Sequence.after): this one is held behind it there
+    after: dict = field(default_factory=dict, repr=False)
 
     @property
     def best(self) -> Candidate | None:
@@ -119,7 +122,7 @@ class DecisionLog:
         self._d: deque[Decision] = deque(maxlen=max(1, maxlen))
 
     def add(self, d: Decision) -> None:
-        d.hashes, d.sent_text = [], None
+        d.hashes, d.sent_text, d.after = [], None, {}
         self._d.append(d)
 
     def recent(self, limit: int | None = None) -> list[Decision]:
@@ -219,10 +222,16 @@ class Router:
             probed[:] = [hashes, r]
             return max([r.g4, *(r.match(n).local for n in names)])
 
+        texts: dict[str, bytes] = {}  # the deferred prompt each candidate was sent that shares this one's start
+
         def sent(data: bytes, pre: tuple) -> dict[str, tuple[int, bytes]]:
             """The deferred prompt in flight on each candidate that shares the prompt's start."""
             shares = pending.shares(ns, (lora, salt, pre), data)
-            return {w.name: shares[w.name] for w in workers if w.name in shares} if shares else shares
+            if not shares:
+                return shares
+            out = {w.name: shares[w.name] for w in workers if w.name in shares}
+            texts.update((k, v[1]) for k, v in out.items())
+            return out
 
         if kind != "other":
             # a worker's /tokenize only when no local tokenizer serves the model: the least busy one
@@ -273,13 +282,18 @@ class Router:
                 return WorkerMatch(), 0
             m = result.match(w.name)
             if d.hashes:
-                n = max(pending.leading(ns, d.hashes, w.name, m.local), shared.get(w.name, 0))
+                by_text = shared.get(w.name, 0)
+                n = max(pending.leading(ns, d.hashes, w.name, m.local), by_text)
                 if n > m.local:  # sent there, events not indexed yet
+                    owner = (pending.text_owner(ns, texts[w.name]) if n == by_text and w.name in texts
+                             else w.active.gated_sender(d.hashes, n))
+                    if owner is not None and owner.gated:  # still held at the gateway: go after it
+                        d.after[w.name] = owner
                     return WorkerMatch(gpu=max(m.gpu, n), cpu=m.cpu, local=n), n - m.local
             return m, 0
 
         score = self.cost.score
-        scored = [score(w, m, g4, d.num_tokens, bs, pending_blocks=p, hashes=d.hashes)
+        scored = [score(w, m, g4, d.num_tokens, bs, pending_blocks=p, hashes=d.hashes, after=d.after.get(w.name))
                   for w, g4 in zip(workers, g4_runs) for m, p in (match(w),)]
         d.candidates = policy.order(RouteRequest(model, path, headers), scored)
         d.chosen = d.candidates[0].worker if d.candidates else None

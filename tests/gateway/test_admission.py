@@ -253,3 +253,83 @@ async def test_a_request_held_for_the_only_worker_that_drains_gets_a_503(fleet, 
     err = r.json()["error"]
     assert "left while the request was held" in err["message"] and err["code"] == "upstream_error"
     assert len(a.requests) == 1 and gw.state.decisions.get("held").outcome == "failed"
+
+
+async def test_a_request_planned_on_a_held_prompts_blocks_goes_right_after_it():
+    """The gate sends the shortest prompt first, but a prompt whose predicted prefix is the blocks of a
+    held one (a second question over a document the first is still to compute) must not pass it: it would
+    compute the document itself and the first would find it. It takes the held one's place, just behind
+    it; an unrelated short prompt still goes first, and the cost model prices the held one as ahead."""
+    a, g = ActiveSequences(), PrefillGate()
+    running = a.add(uncached=900, work=900.0, predicted_s=1.0, streamed=True)
+    await g.admit(a, running, 1000, 5.0)
+    order: list[str] = []
+    seqs = {}
+
+    async def client(name: str, uncached: int, after=None):
+        seqs[name] = seq = a.add(uncached=uncached, work=float(uncached), predicted_s=1.0, streamed=True)
+        seq.after = after
+        await g.admit(a, seq, 1000, 5.0)
+        order.append(name)
+
+    doc = asyncio.create_task(client("doc", 950))
+    await held(g, 1)
+    other = asyncio.create_task(client("other", 300))
+    await held(g, 2)
+    assert a.view().gated_behind(40) == (2, 1250, 1250.0)  # a short prompt goes before both
+    assert a.view().gated_behind(40, seqs["doc"]) == (0, 0, 0.0)  # one after "doc" goes after both
+    follow = asyncio.create_task(client("follow", 40, after=seqs["doc"]))
+    await held(g, 3)
+    a.finish(running)
+    g.wake()  # "other" (300) goes; "doc" does not fit beside it, and "follow" waits behind "doc"
+    await asyncio.wait_for(other, 1.0)
+    await asyncio.sleep(0.01)
+    assert order == ["other"] and len(g) == 2
+    a.first_token(seqs["other"])
+    g.wake()  # "doc" goes, and "follow" right behind it (950 + 40 fit one step)
+    await asyncio.wait_for(asyncio.gather(doc, follow), 1.0)
+    assert order == ["other", "doc", "follow"]
+
+
+def test_the_held_sender_of_a_prompts_blocks_is_found_only_while_held():
+    a = ActiveSequences()
+    first = a.add(uncached=64, work=64.0, predicted_s=1.0, streamed=True, hashes=[1, 2, 3, 4], block_size=16)
+    first.gated = True
+    assert a.gated_sender([1, 2, 3, 9], 3) is first  # blocks 0-2 are "first"'s
+    assert a.gated_sender([1, 2, 3, 9], 4) is None  # block 3 is not
+    first.gated = False  # sent: vLLM computes it before anything sent later
+    assert a.gated_sender([1, 2, 3, 9], 3) is None
+
+
+async def test_a_second_question_over_a_held_document_reaches_the_worker_after_the_first(fleet, start_gateway):
+    """Through a real gateway: the worker (fake, each first token after 0.8 s, a prefix cache of what it
+    was sent) prefills a first prompt; a question over a new document is held at the gate; a second
+    question over it, sent after, is planned on the first's blocks (the pending record) and is the shorter
+    prefill. It reaches the worker after the first question, and both are delivered the cached tokens the
+    gateway predicted (the second the document, the first none)."""
+    from tests.gateway.test_tokenize import _document
+
+    st = fleet.add("a", first_token_delay_s=0.8)
+    gw = start_gateway(fleet, routing=RoutingConfig(max_num_batched_tokens=16, parity_check=False), pending=True)
+    doc = _document(7, 3_000)
+    got: dict[str, httpx.Response] = {}
+
+    async def send(c: httpx.AsyncClient, name: str, prompt: str) -> None:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "stream": True,
+                "stream_options": {"include_usage": True}}
+        async with c.stream("POST", gw.url + "/v1/completions", json=body, headers={"x-request-id": name}) as r:
+            chunks = [x async for x in r.aiter_lines() if x.startswith("data: {")]
+            got[name] = json.loads(chunks[-1][6:])["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    async with httpx.AsyncClient(timeout=30) as c:
+        first = asyncio.create_task(send(c, "first", _document(8, 200)))
+        await wait_until(lambda: len(st.requests) == 1)
+        q1 = asyncio.create_task(send(c, "q1", doc + "\nQuestion: what is kept?"))
+        await wait_until(lambda: len(gw.state.registry.get("a").gate) == 1)
+        q2 = asyncio.create_task(send(c, "q2", doc + "\nQuestion: which tier?"))
+        await wait_until(lambda: len(gw.state.registry.get("a").gate) == 2)
+        await asyncio.gather(first, q1, q2)
+    assert [r["headers"]["x-request-id"] for r in st.requests] == ["first", "q1", "q2"]
+    d1, d2 = gw.state.decisions.get("q1"), gw.state.decisions.get("q2")
+    assert d2.predicted_cached_tokens > len(doc) / 8  # planned on q1's blocks
+    assert got == {"first": 0, "q1": d1.predicted_cached_tokens, "q2": d2.predicted_cached_tokens}
