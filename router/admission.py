@@ -18,6 +18,9 @@ prefill speed, a few dozen tokens on a CPU server) is shortest first exactly and
 but lost on real vLLM (docs/BENCHMARKS.md, session 22): each hand-over then waits for the first byte to
 reach the gateway and the next prompt to reach the engine, time the engine's prefill stands still.
 
+It stands aside where it cannot order (:func:`gate_orders`): where one step's budget of prefill outlasts
+``max_wait_s`` at the worker's calibrated speed (slow CPU servers), every request goes at once.
+
 It is not a rate limit: a worker with none of the gateway's prompts prefilling takes the next one at once
 whatever its size, a request held ``max_wait_s`` goes whatever the queue, and only prompts from this
 gateway count (vLLM's waiting gauge still prices the others, router/load.py). Held requests are in the
@@ -40,6 +43,17 @@ def gate_budget(routing, max_batched: int) -> int:
     """How many uncached prompt tokens of this gateway's a worker may be prefilling for another request to
     join them: ``routing.prefill_gate_tokens``, else one step's ``max_batched``; at most that, at least 1."""
     return max(1, min(max_batched, routing.prefill_gate_tokens or max_batched))
+
+
+def gate_orders(budget: int, tokens_per_s: float, max_wait_s: float) -> bool:
+    """Whether holding can order anything on a worker: one step's ``budget`` of prefill, at its calibrated
+    speed, ends within the longest wait. On slower prefill a held request's wait runs out before the
+    prefill it waits for ends; the gate would order little and add a hand-over to every request. Measured
+    (docs/BENCHMARKS.md, session 28): at ~134 tokens/s (a CPU server without AMX; 2,048 tokens take 15 s
+    against 5 s) kv had 0.87x sglang-router's mean TTFT with the gate and 0.75x without, +2.4 and +9.3
+    points of hits; at ~1,500 tokens/s (sessions 22-27) the gate wins. The virtual clock agrees at every
+    step time: the prefill speed separates them."""
+    return tokens_per_s > 0 and budget / tokens_per_s <= max_wait_s
 
 
 class PrefillGate:

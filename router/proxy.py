@@ -29,7 +29,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from router import eviction
-from router.admission import gate_budget
+from router.admission import gate_budget, gate_orders
 from router.apis.routes import add_routes as add_api_routes
 from router.errors import APIError, error_body, error_response, sse_error_event
 from router.metrics import CONTENT_TYPE
@@ -236,11 +236,14 @@ class _Lease:
         self.worker.active.first_token(self.seq)
         self.worker.gate.wake()  # its prefill is done: the next held one may go (router/admission.py)
 
-    async def admit(self, routing, max_batched: int) -> float:
-        """Wait at the worker's prefill gate (router/admission.py); the seconds waited."""
+    async def admit(self, routing, max_batched: int, tokens_per_s: float) -> float:
+        """Wait at the worker's prefill gate (router/admission.py); the seconds waited. ``tokens_per_s``: the
+        worker's calibrated prefill speed (the gate stands aside where a step's prefill outlasts its wait)."""
         if not routing.prefill_gate:
             return 0.0
         budget = gate_budget(routing, max_batched)
+        if not gate_orders(budget, tokens_per_s, routing.prefill_gate_max_wait_s):
+            return 0.0
         waited = await self.worker.gate.admit(self.worker.active, self.seq, budget, routing.prefill_gate_max_wait_s)
         self.metrics.child(self.metrics.gate_wait, self.worker.name).observe(waited)
         return waited
@@ -351,7 +354,8 @@ class Forwarder:
             t_send = time.perf_counter()  # TTFT counts the wait at the gateway's prefill gate too
             resp = None
             try:
-                waited = await lease.admit(st.routing, st.router.cost.budget(w))
+                cost = st.router.cost
+                waited = await lease.admit(st.routing, cost.budget(w), cost.prefill_speed(w))
                 d.gate_wait_ms = round(d.gate_wait_ms + waited * 1000.0, 3)  # every attempt's
                 if waited > 0 and not w.routable:  # it failed, drains or left while the request was held
                     self._withdraw(w, cand, recorded)

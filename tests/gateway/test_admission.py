@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from router.admission import PrefillGate, gate_budget
+from router.admission import PrefillGate, gate_budget, gate_orders
 from router.config import RoutingConfig
 from router.load import ActiveSequences
 from tests.gateway.conftest import MODEL
@@ -29,6 +29,13 @@ def test_the_budget_is_one_step_unless_set():
     assert gate_budget(RoutingConfig(), 2048) == 2048
     assert gate_budget(RoutingConfig(prefill_gate_tokens=700), 2048) == 700
     assert gate_budget(RoutingConfig(prefill_gate_tokens=5000), 2048) == 2048  # never past one step
+
+
+def test_the_gate_holds_only_where_a_steps_prefill_ends_within_its_wait():
+    assert gate_orders(2048, 1500.0, 5.0)  # 1.4 s: the AMX CPU servers of sessions 22-27
+    assert not gate_orders(2048, 134.0, 5.0)  # 15 s: session 28's AVX2 host, where the gate cost kv its lead
+    assert gate_orders(2048, 134.0, 30.0)  # a longer wait keeps it
+    assert not gate_orders(2048, 0.0, 5.0)
 
 
 async def test_a_worker_prefilling_nothing_admits_at_once_and_a_full_step_holds():
@@ -124,13 +131,16 @@ def _stream_body(words: int) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": text}], "stream": True, "max_tokens": 4}
 
 
-@pytest.mark.parametrize("gate", [True, False])
+@pytest.mark.parametrize("gate", [True, False, "slow"])
 async def test_the_worker_gets_the_short_prompt_before_a_long_one_sent_earlier(fleet, start_gateway, gate):
     """Three streamed prompts while the worker prefills a first one (the fake worker holds each first token
     0.8 s): with the gate a short prompt sent last reaches the worker before a long one sent before it, and
-    its TTFT is the shorter; without it (``prefill_gate: false``) the worker gets them as they came."""
+    its TTFT is the shorter; without it (``prefill_gate: false``), or where a step's prefill at the worker's
+    speed outlasts the gate's wait (``slow``: 16 tokens at 1 token/s against 5 s), the worker gets them as
+    they came."""
     st = fleet.add("a", first_token_delay_s=0.8)
-    routing = RoutingConfig(max_num_batched_tokens=16, pending_ttl_s=0, parity_check=False, prefill_gate=gate)
+    routing = RoutingConfig(max_num_batched_tokens=16, pending_ttl_s=0, parity_check=False,
+                            prefill_gate=bool(gate), prefill_tokens_per_s=1.0 if gate == "slow" else 10_000.0)
     gw = start_gateway(fleet, routing=routing)
     ttft: dict[str, float] = {}
 
@@ -149,7 +159,7 @@ async def test_the_worker_gets_the_short_prompt_before_a_long_one_sent_earlier(f
         await wait_until(lambda: gw.state.decisions.get("long") is not None)
         await asyncio.sleep(0.05)
         short = asyncio.create_task(send(c, "short", 5))
-        if gate:  # both wait at the gate while "first" prefills, and the admin API says so
+        if gate is True:  # both wait at the gate while "first" prefills, and the admin API says so
             for _ in range(100):
                 load = (await c.get(gw.url + "/admin/workers")).json()["workers"][0]["load"]
                 if load["gated_requests"] == 2:
@@ -158,7 +168,7 @@ async def test_the_worker_gets_the_short_prompt_before_a_long_one_sent_earlier(f
             assert load["gated_requests"] == 2 and load["pending_requests"] == 3
         await asyncio.gather(first, long, short)
     got = [r["headers"]["x-request-id"] for r in st.requests]
-    if gate:
+    if gate is True:
         assert got == ["first", "short", "long"]
         assert ttft["short"] < ttft["long"]
         assert gw.state.decisions.get("long").gate_wait_ms > 700  # behind "first" and "short"
