@@ -43,7 +43,7 @@ from indexer.index.base import WorkerMatch
 from router.config import RoutingConfig, WorkerConfig
 from router.cost import Candidate, CostModel
 from router.eviction import observe_delivery
-from router.admission import PrefillGate, gate_budget
+from router.admission import PrefillGate, gate_budget, gate_orders
 from router.kv_room import kv_room
 from router.load import ActiveSequences, Sequence, shared_blocks
 from router.registry import Worker, WorkerLoad
@@ -123,6 +123,8 @@ async def closed_loop(clients, place, *, workers: int, num_blocks: int, block_si
     routing = getattr(place, "gate", None)  # the placement's RoutingConfig when it gates
     gates = [PrefillGate(clock=loop.time) for _ in engines] if view is not None and routing is not None else None
     budget = gate_budget(routing, timing.max_num_batched_tokens) if gates else 0
+    if gates and not gate_orders(budget, routing.prefill_tokens_per_s, routing.prefill_gate_max_wait_s):
+        gates = None  # as the gateway's: it stands aside where a step's prefill outlasts its wait
 
     async def client(i: int, kind: str, sessions) -> None:
         await asyncio.sleep(i * stagger_s)
@@ -132,7 +134,7 @@ async def closed_loop(clients, place, *, workers: int, num_blocks: int, block_si
                 t0 = loop.time()
                 seq = view.sent(w, engines[w], tokens, max_tokens) if view else None
                 if gates:
-                    await gates[w].admit(view.tracker(w), seq, budget, GATE_MAX_WAIT_S)
+                    await gates[w].admit(view.tracker(w), seq, budget, routing.prefill_gate_max_wait_s)
                 r = engines[w].submit(list(tokens), max_tokens)
                 first = None
                 while (chunk := await r.out.get()) is not None:
@@ -206,8 +208,6 @@ def prediction_table(results: dict[str, list[dict]], seeds: list[int]) -> str:
         lines.append(f"| {name} | " + " | ".join(cols) + " |")
     return "\n".join(lines)
 
-
-GATE_MAX_WAIT_S = RoutingConfig().prefill_gate_max_wait_s
 
 VARIANTS = {
     "kv defaults": {},
