@@ -12,7 +12,8 @@ waiting beyond them at the worker's mean size) while ``D`` requests decode:
   (at least one step for the request itself);
 - each step costs ``step + D * per_decode`` (router/calibrate.py: a line through vLLM's inter-token
   latency at its running count), plus the prefill work of the tokens it batches at the prefill speed;
-- the request pays a fixed overhead once (vLLM's TTFT minus its queue and prefill times).
+- the request pays a fixed overhead once (the floor of what vLLM's histograms leave outside its queue and
+  engine times: router/calibrate.py).
 
 Requests held at the gateway's prefill gate (router/admission.py) are queue too, but the gate sends the
 shortest first: the held ones longer than this request are behind it, not ahead.
@@ -339,7 +340,7 @@ class CostModel:
             if itl is not None:
                 cal.observe_steps(sample.running, itl)
             if sample.overhead_s is not None:
-                cal.observe_request_overhead(sample.overhead_s, self.cfg.calibration_alpha)
+                cal.observe_request_overhead(sample.overhead_s)
 
     def observe_engine_prefill(self, worker, tokens: float, seconds: float, requests: float,
                                prompt_tokens: float = 0.0) -> None:

@@ -304,7 +304,8 @@ class CandidateOut(_Open):
                                       "(max_num_batched_tokens less the decodes per step)")
     step_ms: float = Field(0, description="one step's fixed and decode cost")
     overhead_ms: float = Field(0, description="the per-request overhead: vLLM's time outside the engine "
-                               "(e2e less queue and inference time of finished requests)")
+                               "(e2e less queue and inference time of finished requests), its floor over "
+                               "recent scrapes (the rest is the wait for the step in progress: queue)")
     calibration: str = Field("defaults", description="where step and overhead figures come from: defaults "
                                                      "(the worker's metrics gave no samples yet), partial, "
                                                      "vllm-metrics")

@@ -8,9 +8,12 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.calibrate import EngineCalibration, PredictionErrors
+from indexer.index.base import WorkerMatch
+from router.calibrate import OVERHEAD_WINDOW, EngineCalibration, PredictionErrors
+from router.config import RoutingConfig, WorkerConfig
+from router.cost import CostModel
 from router.load import ActiveSequences
-from router.registry import WorkerLoad
+from router.registry import EngineSample, Worker, WorkerLoad
 from tests.gateway.conftest import MODEL
 
 
@@ -123,8 +126,8 @@ def test_bad_samples_are_clamped_and_counted_never_zero_or_infinite():
     cal.observe_steps(2, float("inf"))
     cal.observe_steps(2, -1.0)  # ignored
     cal.observe_steps(-3, 0.01)  # ignored
-    cal.observe_request_overhead(float("nan"), 0.2)  # ignored
-    cal.observe_request_overhead(1e9, 0.2)
+    cal.observe_request_overhead(float("nan"))  # ignored
+    cal.observe_request_overhead(1e9)
     assert cal.clamped == 2 and 0 < cal.step_s <= 5.0 and 0 <= cal.request_s <= 10.0
     assert math.isfinite(cal.step_time_s(1000))
 
@@ -156,6 +159,24 @@ def test_overhead_from_one_set_of_finished_requests_and_prefill_per_step():
     e = after.engine_since(before)
     assert e.overhead_s == pytest.approx((30.0 - 1.0 - 28.9) / 5)  # 20 ms, not TTFT's (30-1-4.5)/5 s
     assert e.prefill_tokens_per_step == pytest.approx(100.0)
+
+
+def test_the_overhead_is_the_floor_not_the_wait_for_the_step_in_progress():
+    """vLLM's queue time starts when the engine core takes a request, between steps: the time outside the
+    engine also holds the wait for the step in progress, which the queue model prices as the work in
+    flight. Interval means from capacity-bound CPU vLLM (session 29): 0.01 s while the server was idle,
+    1.4-8 s under load; a small prefill on an idle worker took 0.6 s. Priced at their mean it was 3.8 s."""
+    cm = CostModel(RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0, ttft_fit=False))
+    w = Worker(name="a", url="http://a", config=WorkerConfig(url="http://a"), healthy=True)
+    for overhead in (0.01, 4.5, 1.72, 2.48, 6.38, 1.61, 1.79, 1.63, 2.82, 6.63, 7.93, 5.9, 0.01, 1.83):
+        cm.observe_engine(w, EngineSample(None, 0.0, overhead))
+    assert w.engine.request_s == pytest.approx(0.01) and cm.fleet_engine.request_s == pytest.approx(0.01)
+    c = cm.score(w, WorkerMatch(), 0, 100, 16)  # idle: 100 ms of compute, a step and the overhead
+    assert c.overhead_ms == pytest.approx(10.0) and c.predicted_ttft_ms < 200.0
+    # the floor follows the last OVERHEAD_WINDOW intervals: a slower API server moves it
+    for _ in range(OVERHEAD_WINDOW):
+        cm.observe_engine(w, EngineSample(None, 0.0, 0.3))
+    assert w.engine.request_s == pytest.approx(0.3)
 
 
 def test_prediction_errors_summary():
