@@ -206,8 +206,8 @@ class ActiveSequences:
             seq.first_at = self._clock()
             if id(seq) in self._live:
                 # admitted at a scrape: its prompt is in that usage already, only its generation is new
-                self.kv_taken += seq.max_tokens if seq.admitted else self._kv_tokens(
-                    seq, self._shared(seq, self._live_hashes(seq)))
+                self.kv_taken += self._kv_tokens(seq, 0) - self._prompt_tokens(seq) if seq.admitted else \
+                    self._kv_tokens(seq, self._shared(seq, self._live_hashes(seq)))
 
     def finish(self, seq: Sequence) -> None:
         self.first_token(seq)
@@ -242,11 +242,15 @@ class ActiveSequences:
         return -(-seq.tokens // bs) * bs if bs > 0 else seq.tokens
 
     @staticmethod
-    def _kv_tokens(seq: Sequence, shared: int) -> int:
-        """The KV tokens ``seq`` holds (prompt and generation) less ``shared`` leading blocks; the prompt in
-        whole blocks (the generation grows into its last one)."""
-        prompt = ActiveSequences._prompt_tokens(seq)
-        return max(0, max(prompt, seq.tokens + seq.max_tokens) - shared * seq.block_size)
+    def _kv_tokens(seq: Sequence, shared: int, generation: bool = True) -> int:
+        """The KV tokens ``seq`` holds less ``shared`` leading blocks: its prompt and (``generation``) all it
+        may generate, in whole blocks (the generation grows into the prompt's last one). The last token
+        generated is never fed back, so its KV is never written: ``max_tokens - 1`` of them."""
+        bs = seq.block_size
+        held = seq.tokens + (max(0, seq.max_tokens - 1) if generation else 0)
+        if bs > 0:
+            held = -(-held // bs) * bs
+        return max(0, held - shared * bs)
 
     def mark_scrape(self, waiting: float | None = None) -> None:
         """vLLM's KV usage was just scraped: it includes what the gateway's requests took and freed so far,
@@ -355,15 +359,16 @@ class ActiveSequences:
         return lost
 
     def running_tokens(self) -> float:
-        """KV tokens the gateway's requests that vLLM runs now hold (a first token seen, or admitted at the
-        last scrape): prompt and generation, the leading blocks one shares with an earlier one counted
-        once. No free room can exceed the capacity less this (router/kv_room.py)."""
+        """KV tokens the gateway's requests that vLLM runs now hold (a first token seen: prompt and
+        generation; or admitted at the last scrape: prompt), the leading blocks one shares with an earlier
+        one counted once. No free room can exceed the capacity less this (router/kv_room.py)."""
         return self._held(True)
 
     def inflight_tokens(self) -> float:
-        """KV tokens all the gateway's requests in flight here hold once vLLM runs them (counted as
-        :meth:`running_tokens`): a request sent now is scheduled after them all, and what its cached prefix
-        needs beyond the capacity left beside them is taken from the free queue first (router/cost.py)."""
+        """KV tokens all the gateway's requests in flight here hold when a request sent now is admitted
+        (counted as :meth:`running_tokens`; those not decoding yet, their prompt): it is scheduled after
+        them all, and what its cached prefix needs beyond the capacity left beside them is taken from the
+        free queue first (router/cost.py)."""
         return self._held(False)
 
     def _held(self, running_only: bool) -> float:
@@ -377,7 +382,9 @@ class ActiveSequences:
             if running_only and s.first_at is None and not s.admitted:
                 continue
             shared = _most_shared(s.hashes, seen[-LIVE_PROBES:]) if s.block_size else 0
-            held += self._kv_tokens(s, shared)
+            # one that has not started decoding holds its prompt when a request sent now is admitted: its
+            # generation takes blocks after that, which cannot evict that request's prefix any more
+            held += self._kv_tokens(s, shared, generation=s.first_at is not None)
             if s.hashes:
                 seen.append(s.hashes)
         self._held_memo[running_only] = held

@@ -73,9 +73,9 @@ def test_the_free_kv_room_follows_the_gateways_requests_between_two_scrapes():
     assert a.kv_since_scrape() == 0  # sent, not scheduled: the queue's demand, not the room
     a.first_token(second)  # takes 816 tokens, 30 blocks of them held by the first already
     assert a.kv_since_scrape() == -(816 - 30 * 16)
-    a.finish(first)  # frees its 716 less the 30 blocks the second still holds
-    assert a.kv_since_scrape() == (716 - 480) - 336
-    assert kv_room(load, 16, a.kv_since_scrape()) == pytest.approx(((1600 - 100) / 3200, 1500.0))
+    a.finish(first)  # frees its 715 tokens' 45 blocks less the 30 blocks the second still holds
+    assert a.kv_since_scrape() == (720 - 480) - 336
+    assert kv_room(load, 16, a.kv_since_scrape()) == pytest.approx(((1600 - 96) / 3200, 1504.0))
     a.mark_scrape()  # the next scrape includes all that
     assert a.kv_since_scrape() == 0
     a.finish(second)
@@ -227,8 +227,8 @@ def test_a_request_running_at_a_scrape_takes_only_its_generation_at_its_first_to
     assert slow.admitted and not queued.admitted
     a.first_token(slow)
     assert a.kv_since_scrape() == -16
-    a.first_token(queued)  # not seen running at a scrape: its prompt and generation are new
-    assert a.kv_since_scrape() == -16 - 316
+    a.first_token(queued)  # not seen running at a scrape: its prompt and generation are new (315: 20 blocks)
+    assert a.kv_since_scrape() == -16 - 320
 
 
 def test_a_request_whose_first_new_blocks_vllm_stored_is_running_before_the_next_scrape():
@@ -253,7 +253,7 @@ def test_a_request_whose_first_new_blocks_vllm_stored_is_running_before_the_next
     assert sent.admitted and not held.admitted
     assert a.view().unadmitted_tokens == 160  # only the held one is demand
     assert a.kv_since_scrape() == -800  # its prompt (the cached prefix touched, the new blocks allocated)
-    assert a.running_tokens() == 816
+    assert a.running_tokens() == 800  # its prompt: it generates nothing before its prefill ends
     a.first_token(sent)
     assert a.kv_since_scrape() == -816  # then its generation only
     held.gated = False  # the gate lets it go: its own blocks admit it
@@ -277,15 +277,15 @@ def test_the_free_room_never_exceeds_the_capacity_less_what_running_requests_hol
     load = WorkerLoad(kv_usage=0.5, num_gpu_blocks=201, updated_at=1.0)  # 1,600 of 3,200 free (+ null block)
     a.mark_scrape(waiting=1)  # vLLM runs the first two; the third waits
     assert r1.admitted and r2.admitted and not queued.admitted
-    held = 716 + (716 - 40 * 16)  # the document once
+    held = 704 + (704 - 40 * 16)  # their prompts (44 blocks each; no generation yet), the document once
     assert a.running_tokens() == held
     # frees since the scrape would lift the room to the whole capacity; the running two still hold theirs
     assert kv_room(load, 16, 3000.0, a.running_tokens()) == pytest.approx(((3200 - held) / 3200, 3200 - held))
     assert kv_room(load, 16, 0.0, a.running_tokens()) == (0.5, 1600.0)  # the scrape is tighter: it stands
     a.first_token(queued)
-    assert a.running_tokens() == held + 916  # memo refreshed when a request starts
+    assert a.running_tokens() == held + 928  # memo refreshed when a request starts (915 tokens: 58 blocks)
     a.finish(r1)
-    assert a.running_tokens() == 716 + 916  # and when one ends
+    assert a.running_tokens() == 704 + 928  # and when one ends
 
 
 def test_a_prompt_holds_whole_blocks_and_its_generation_grows_into_the_last():
@@ -297,4 +297,13 @@ def test_a_prompt_holds_whole_blocks_and_its_generation_grows_into_the_last():
     assert a.inflight_tokens() == 608  # 38 blocks
     b = ActiveSequences(clock=Clock())
     b.first_token(b.add(0, 0.0, 1.0, streamed=True, tokens=600, max_tokens=16, hashes=[1] * 38, block_size=16))
-    assert b.inflight_tokens() == 616  # 8 of the 16 in the prompt's last block, 8 in one more
+    # 15 of the 16 are written (the last one is never fed back): 8 in the prompt's last block, 7 in one more
+    assert b.inflight_tokens() == 624
+    # a generation that crosses into a new block takes it whole (1,035 tokens: 33 blocks, not 1,036 tokens)
+    c = ActiveSequences(clock=Clock())
+    crossing = c.add(0, 0.0, 1.0, streamed=True, tokens=1020, max_tokens=16, hashes=[2] * 32, block_size=32)
+    # not decoding yet: a request sent now is admitted before it generates (the prefill gate's pair, session
+    # 28: the occupancy model priced a generation not yet written and lost a block of the prefix it kept)
+    assert c.inflight_tokens() == 1024
+    c.first_token(crossing)
+    assert c.inflight_tokens() == 1056
