@@ -138,7 +138,8 @@ def goals(rows: list[dict], g4: bool = False) -> dict:
                     at_most=False)
         _ratio_goal(out, "kv_mean_ttft_vs_sglang_le_0.8x", kv, "vs_sglang", "ttft_mean", 0.8)
     mine = [r for r in rows if r["target"] != PEER and "[" not in r["target"]]  # variants are not policies
-    out["kv_lowest_mean_ttft_of_kvgate_policies"] = min(mine, key=lambda r: r["ttft_mean_s"]) is kv
+    if len(mine) > 1:  # kv alone is not "the lowest of kvgate's policies": not measured, not met
+        out["kv_lowest_mean_ttft_of_kvgate_policies"] = min(mine, key=lambda r: r["ttft_mean_s"]) is kv
     pr = kv.get("prediction") or {}
     med, p90 = pr.get("ttft_ratio_p50"), pr.get("ttft_ratio_p90")
     out["kv_observed_over_predicted_median_in_0.8_1.25"] = med is not None and 0.8 <= med <= 1.25

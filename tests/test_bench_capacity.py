@@ -182,6 +182,8 @@ def test_a_kv_variant_runs_beside_kv_but_is_not_one_of_its_policies():
     assert cb.goals(rows)["kv_lowest_mean_ttft_of_kvgate_policies"]
     rows[2]["ttft_mean_s"] = 0.65
     assert not cb.goals(rows)["kv_lowest_mean_ttft_of_kvgate_policies"]
+    # a run of kv (and its variants) beside the peer alone does not measure it: no line, not a "met"
+    assert "kv_lowest_mean_ttft_of_kvgate_policies" not in cb.goals([rows[0], rows[1], rows[3]])
 
 
 def test_eviction_timing_tells_index_lag_from_eviction_while_waiting():
