@@ -238,8 +238,7 @@ class ActiveSequences:
     @staticmethod
     def _prompt_tokens(seq: Sequence) -> int:
         """The KV tokens ``seq``'s prompt holds: whole blocks (vLLM allocates its last, partial block whole)."""
-        bs = seq.block_size
-        return -(-seq.tokens // bs) * bs if bs > 0 else seq.tokens
+        return ActiveSequences._kv_tokens(seq, 0, generation=False)
 
     @staticmethod
     def _kv_tokens(seq: Sequence, shared: int, generation: bool = True) -> int:

@@ -302,8 +302,8 @@ def test_a_prompt_holds_whole_blocks_and_its_generation_grows_into_the_last():
     # a generation that crosses into a new block takes it whole (1,035 tokens: 33 blocks, not 1,036 tokens)
     c = ActiveSequences(clock=Clock())
     crossing = c.add(0, 0.0, 1.0, streamed=True, tokens=1020, max_tokens=16, hashes=[2] * 32, block_size=32)
-    # not decoding yet: a request sent now is admitted before it generates (the prefill gate's pair, session
-    # 28: the occupancy model priced a generation not yet written and lost a block of the prefix it kept)
+    # not decoding yet: a request sent now is admitted before it generates, so the occupancy model counts
+    # its prompt only (it counted the whole generation)
     assert c.inflight_tokens() == 1024
     c.first_token(crossing)
     assert c.inflight_tokens() == 1056
