@@ -425,6 +425,27 @@ class Forwarder:
             m.child(m.ttft_ratio, w.name).observe(ratio)
         self.st.router.cost.observe_ttft(w, ttft, cand)
 
+    def _done_at_last_event(self, resp: UpstreamResponse, lease, tail: bytearray) -> None:
+        """The response is complete once its last event passes (the OpenAI stream's ``[DONE]``, the other
+        APIs' final events in their hooks): vLLM freed the request's KV when it sent it, and the client may
+        send its next turn before the worker's end of stream reaches the gateway. So the request leaves the
+        worker's load tracker (and its outcome is recorded) before that event goes on: the next turn must
+        not find it in flight, as load or as a holder of its prefix (capacity-bound real vLLM: prefixes
+        priced held and delivered 0)."""
+        if self._finished:
+            return
+        hooks = self.hooks
+        if hooks is not None:
+            if not hooks.complete:
+                return
+            usage = hooks.usage
+        elif bytes(tail[-32:]).rstrip().endswith(b"data: [DONE]"):
+            usage = usage_from_sse_tail(bytes(tail))
+        else:
+            return
+        self.finish("ok", resp.status, usage)
+        lease.release()
+
     async def _stream(self, send, resp: UpstreamResponse, lease, w, cand, t_send: float,
                       recorded: bool = False) -> None:
         """Pass an SSE response through chunk by chunk. A failure before the first chunk is the worker's
@@ -447,6 +468,7 @@ class Forwarder:
         if first:
             if hooks is not None:
                 await hooks.on_chunk(first)
+            self._done_at_last_event(resp, lease, tail)
             await send({"type": "http.response.body", "body": first, "more_body": True})
         try:
             async for chunk in it:
@@ -455,6 +477,7 @@ class Forwarder:
                 tail += chunk
                 if len(tail) > 2 * _TAIL_KEEP:
                     del tail[:-_TAIL_KEEP]
+                self._done_at_last_event(resp, lease, tail)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except UpstreamError as e:
             outcome = "upstream_error_mid_stream"

@@ -297,6 +297,30 @@ async def test_a_client_that_closes_at_done_had_a_complete_response(fleet, start
     assert ('outcome="client_disconnected"' in text) == mid_stream
 
 
+async def test_the_next_turn_does_not_find_the_last_one_in_flight(fleet, start_gateway):
+    """vLLM frees a request's KV when it sends the last event, and a client sends its next turn as soon as
+    it has [DONE]; the worker's end of stream can reach the gateway later. The next turn must not find its
+    previous turn still in flight on the worker (counted as load and as holding its prefix), and the
+    previous turn's outcome is recorded by then."""
+    st = fleet.add("a", done_delay_s=5.0, words=4)
+    gw = start_gateway(fleet)
+    body = chat_body("Hello the gateway " * 20, stream=True, stream_options={"include_usage": True})
+    async with httpx.AsyncClient(timeout=30) as c:
+        async with c.stream("POST", gw.url + "/v1/chat/completions", json=body,
+                            headers={"x-request-id": "turn1"}) as r:
+            async for line in r.aiter_lines():
+                if line.strip() == "data: [DONE]":
+                    break  # the connection stays open: the worker holds it 5 s more
+            first = gw.state.decisions.get("turn1")
+            assert st.active == 1  # the worker's stream has not ended, the response is complete
+            assert (first.outcome, first.delivered_cached_tokens is not None) == ("ok", True)
+            nxt = await c.post(gw.url + "/v1/chat/completions", headers={"x-request-id": "turn2"},
+                               json=chat_body("Hello the gateway " * 20 + "and once more"))
+            assert nxt.status_code == 200
+    cand = gw.state.decisions.get("turn2").candidate("a")
+    assert (cand.inflight, cand.pending_requests, cand.decodes) == (0, 0, 0)
+
+
 @pytest.mark.parametrize("case", ["invalid_json", "not_object", "missing_model", "unknown_model",
                                   "too_large_declared", "too_large_streamed", "no_healthy", "lone_surrogate",
                                   "template_raises"])
