@@ -18,6 +18,12 @@ least prefill time ahead (``bench.sim.virtual``'s own). The engines' timing is a
 ``--g4``: the engines share one G4 store, as the real run's ``--g4`` (kvgate's connector on both servers):
 every prompt's full blocks are written after its prefill, a local miss loads them (asynchronously, one load
 at a time per engine at ``--g4-gbps``), and the gateway's candidates price that load.
+``--jitter J``: each seed also runs with the prefill speed and the step time ``J`` slower and faster (nine
+timings). On real vLLM kv's rounds of one seed fall into two basins, set by which prefill finished a tenth
+of a second first; here the timings stand in for that: at ``--jitter 0.13`` kv's defaults on seed 0 (slow
+host figures, ``--gateway --prefill-tps 150 --step-ms 1000 --batched-tokens 2048``) reach 61% hits at
+six of nine timings and 49-57% at the others, so a placement meant to pick the good basin can be told
+from one that got lucky.
 """
 from __future__ import annotations
 
@@ -171,7 +177,7 @@ def summary(turns: list[Turn]) -> dict:
 PEER = "sglang-router cache_aware (emulated)"
 
 
-def table(results: dict[str, list[dict]], seeds: list[int]) -> str:
+def table(results: dict[str, list[dict]], seeds: list) -> str:
     """Medians over the seeds, with ranges; against the peer, the median of the per-seed differences (the
     seeds are paired: the same workload and timing), with the worst seed's."""
     def rng(xs, fmt):
@@ -193,7 +199,7 @@ def table(results: dict[str, list[dict]], seeds: list[int]) -> str:
     return "\n".join(lines)
 
 
-def prediction_table(results: dict[str, list[dict]], seeds: list[int]) -> str:
+def prediction_table(results: dict[str, list[dict]], seeds: list) -> str:
     """Per predictor, medians (ranges) over the seeds of the shares of requests whose predicted cached
     tokens were equal to, above and below what the engine delivered."""
     lines = [f"| eviction model | cached == delivered, seeds {','.join(map(str, seeds))} | over | under | "
@@ -432,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-tps", type=float, default=1500.0, help="prefill tokens per second per engine")
     p.add_argument("--step-ms", type=float, default=30.0, help="a decode step's base time")
     p.add_argument("--batched-tokens", type=int, default=4096, help="max_num_batched_tokens")
+    p.add_argument("--jitter", type=float, default=0.0,
+                   help="also run each seed with the prefill speed and the step time this share slower and "
+                        "faster (9 timings): how much a placement depends on timing")
     p.add_argument("--g4", action="store_true", help="both engines share a G4 store (the --g4 real run)")
     p.add_argument("--g4-gbps", type=float, default=1.0, help="G4 read bandwidth per engine, GB/s")
     p.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE,...",
@@ -466,18 +475,23 @@ def main(argv: list[str] | None = None) -> int:
                       doc_tokens=args.doc_tokens, agents=args.agents, agent_turns=args.agent_turns,
                       chats=args.sessions, chat_turns=args.turns, first_tokens=args.first_tokens,
                       turn_tokens=args.turn_tokens)
-    timing = cpu_timing(args.prefill_tps, args.step_ms, args.batched_tokens, args.g4_gbps)
     variants = dict(VARIANTS)
     for v in args.variant:
         variants[f"kv {v}"] = overrides(v)
-    if args.predict:
-        runs = {k: (lambda c=c: predicting_placer(calibrated(timing, args.block_size), args.scrape_s or 1.0, c))
-                for k, c in PREDICTORS.items()}
-    else:
-        runs = {k: f for k, f in placements(variants, args.scrape_s, not args.stale,
+    j = args.jitter
+    scales = [(a, b) for a in (1.0 - j, 1.0, 1.0 + j) for b in (1.0 - j, 1.0, 1.0 + j)] if j else [(1.0, 1.0)]
+    timings = [(f"prefill x{a:g}, step x{b:g}", cpu_timing(args.prefill_tps * a, args.step_ms * b,
+                                                            args.batched_tokens, args.g4_gbps)) for a, b in scales]
+
+    def runs_for(timing):
+        if args.predict:
+            return {k: (lambda c=c: predicting_placer(calibrated(timing, args.block_size), args.scrape_s or 1.0,
+                                                      c)) for k, c in PREDICTORS.items()}
+        return {k: f for k, f in placements(variants, args.scrape_s, not args.stale,
                                             timing if args.gateway else None, args.block_size).items()
                 if args.only in k}
-    results: dict[str, list[dict]] = {k: [] for k in runs}
+
+    results: dict[str, list[dict]] = {k: [] for k in runs_for(timings[0][1])}
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     with tempfile.TemporaryDirectory(prefix="kvgate-capvirt-") as tokdir:
         build_tokenizer(Path(tokdir))
@@ -489,21 +503,27 @@ def main(argv: list[str] | None = None) -> int:
         blocks = mw.kv_blocks_for(ws, args.kv_ratio, args.block_size, longest)
         print(f"seed {seed}: {len(prompts)} requests, working set {ws} blocks, "
               f"{blocks} per engine", flush=True)
-        for name, make in runs.items():
-            place = make()
-            turns = vt.run(closed_loop(clients, place or vt._place, workers=2, num_blocks=blocks,
-                                       block_size=args.block_size, timing=timing, max_tokens=args.max_tokens,
-                                       stagger_s=args.stagger, g4=args.g4))
-            s = summary(turns)
-            if args.predict or hasattr(place, "view") and hasattr(place.view, "outcomes"):
-                s["prediction"] = prediction_summary(place.view.outcomes, place.view.ttft_ratios)
-                pr = s["prediction"]
-                print(f"  {name}: " + "  ".join(f"{k} {pr[k]:.1%}" for k in ("exact", "over", "under"))
-                      + (f"  obs/pred TTFT median {pr['ttft_ratio_median']:.2f} p90 {pr['ttft_ratio_p90']:.2f}"
-                         if pr["ttft_ratio_median"] is not None else ""), flush=True)
-            results[name].append(s)
-            print(f"  {name}: hit {s['hit_rate']:.1%}  mean TTFT {s['ttft_mean_s']:.2f} s  "
-                  + " ".join(f"{k} {v:.0%}" for k, v in s["by_kind"].items()), flush=True)
+        for label, timing in timings:
+            if j:
+                print(f" {label}", flush=True)
+            for name, make in runs_for(timing).items():
+                place = make()
+                turns = vt.run(closed_loop(clients, place or vt._place, workers=2, num_blocks=blocks,
+                                           block_size=args.block_size, timing=timing, max_tokens=args.max_tokens,
+                                           stagger_s=args.stagger, g4=args.g4))
+                s = summary(turns)
+                if args.predict or hasattr(place, "view") and hasattr(place.view, "outcomes"):
+                    s["prediction"] = prediction_summary(place.view.outcomes, place.view.ttft_ratios)
+                    pr = s["prediction"]
+                    print(f"  {name}: " + "  ".join(f"{k} {pr[k]:.1%}" for k in ("exact", "over", "under"))
+                          + (f"  obs/pred TTFT median {pr['ttft_ratio_median']:.2f} "
+                             f"p90 {pr['ttft_ratio_p90']:.2f}" if pr["ttft_ratio_median"] is not None else ""),
+                          flush=True)
+                results[name].append(s)
+                print(f"  {name}: hit {s['hit_rate']:.1%}  mean TTFT {s['ttft_mean_s']:.2f} s  "
+                      + " ".join(f"{k} {v:.0%}" for k, v in s["by_kind"].items()), flush=True)
+    if j:
+        seeds = [f"{','.join(map(str, seeds))} x {len(timings)} timings"]
     print("\n" + (prediction_table(results, seeds) if args.predict else table(results, seeds)))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2) + "\n")

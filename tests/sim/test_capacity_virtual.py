@@ -135,3 +135,22 @@ def test_with_g4_every_placement_finds_what_any_engine_computed(clients):
     outcomes = place.view.outcomes
     assert sum(p == d for _, p, d in outcomes) >= 0.8 * len(outcomes)
     assert sum(p for _, p, _ in outcomes) > sum(i for i, _, _ in outcomes)  # G4 blocks past the local prefix
+
+
+def test_jitter_runs_each_seed_at_nine_timings(tmp_path):
+    """``--jitter``: each seed also runs with the engines' prefill speed and step time that share slower and
+    faster (kv's placements fall into basins set by a tenth of a second on real vLLM; the jitter shows how
+    often a placement lands in each). One result per seed and timing, and the timings differ."""
+    import json
+
+    small = ["--sessions", "1", "--turns", "2", "--agents", "1", "--agent-turns", "2", "--rag-docs", "1",
+             "--rag-users", "1", "--rag-questions", "2", "--doc-tokens", "200", "--first-tokens", "200",
+             "--turn-tokens", "60", "--only", "round_robin", "--seeds", "0"]
+    out = {}
+    for jitter in ("0", "0.2"):
+        path = tmp_path / f"{jitter}.json"
+        assert cv.main(small + ["--jitter", jitter, "--json", str(path)]) == 0
+        out[jitter] = json.loads(path.read_text())["results"]["round_robin"]
+    assert len(out["0"]) == 1 and len(out["0.2"]) == 9
+    ttfts = [r["ttft_mean_s"] for r in out["0.2"]]
+    assert len(set(ttfts)) > 1 and min(ttfts) < out["0"][0]["ttft_mean_s"] < max(ttfts)
