@@ -488,14 +488,9 @@ class Forwarder:
                         "body": sep + (hooks.stream_error(msg) if hooks is not None else sse_error_event(msg))})
         except asyncio.CancelledError:
             # Clients close once they have the last event (the OpenAI SDKs stop reading at [DONE]), often
-            # before the worker's end of stream reaches the gateway: that response was complete (the
-            # OpenAI stream's [DONE]; the Responses and Messages streams' final events, in their hooks).
-            if hooks is not None and hooks.complete:
-                self.finish("ok", resp.status, hooks.usage)
-            elif hooks is None and (end := bytes(tail)).rstrip().endswith(b"data: [DONE]"):
-                self.finish("ok", resp.status, usage_from_sse_tail(end))
-            else:
-                self.finish("client_disconnected", 499)
+            # before the worker's end of stream reaches the gateway: that response was recorded complete
+            # when its last event passed (_done_at_last_event); one that leaves before it disconnected.
+            self.finish("client_disconnected", 499)
             raise
         # recorded before the last byte: a client that has the whole stream finds the outcome in place
         usage = (hooks.usage if hooks is not None else usage_from_sse_tail(bytes(tail))) if outcome == "ok" else None
