@@ -435,16 +435,15 @@ class Forwarder:
         if self._finished:
             return
         hooks = self.hooks
-        if hooks is not None:
-            if not hooks.complete:
-                return
-            usage = hooks.usage
-        elif bytes(tail[-32:]).rstrip().endswith(b"data: [DONE]"):
-            usage = usage_from_sse_tail(bytes(tail))
-        else:
-            return
-        self.finish("ok", resp.status, usage)
-        lease.release()
+        done = hooks.complete if hooks is not None else tail[-32:].rstrip().endswith(b"data: [DONE]")
+        if done:
+            self.finish("ok", resp.status, self._stream_usage(tail))
+            lease.release()
+
+    def _stream_usage(self, tail: bytearray) -> dict | None:
+        """The usage a stream reported: its API hooks' (which read it from their events), or the OpenAI
+        stream's last chunk with one."""
+        return self.hooks.usage if self.hooks is not None else usage_from_sse_tail(bytes(tail))
 
     async def _stream(self, send, resp: UpstreamResponse, lease, w, cand, t_send: float,
                       recorded: bool = False) -> None:
@@ -493,7 +492,7 @@ class Forwarder:
             self.finish("client_disconnected", 499)
             raise
         # recorded before the last byte: a client that has the whole stream finds the outcome in place
-        usage = (hooks.usage if hooks is not None else usage_from_sse_tail(bytes(tail))) if outcome == "ok" else None
+        usage = self._stream_usage(tail) if outcome == "ok" else None
         self.finish(outcome, resp.status, usage)
         await send({"type": "http.response.body", "body": b""})
 

@@ -2,6 +2,7 @@
 HTTP: simulated engines, deterministic)."""
 from __future__ import annotations
 
+import json
 from itertools import pairwise
 
 import pytest
@@ -141,8 +142,6 @@ def test_jitter_runs_each_seed_at_nine_timings(tmp_path):
     """``--jitter``: each seed also runs with the engines' prefill speed and step time that share slower and
     faster (kv's placements fall into basins set by a tenth of a second on real vLLM; the jitter shows how
     often a placement lands in each). One result per seed and timing, and the timings differ."""
-    import json
-
     small = ["--sessions", "1", "--turns", "2", "--agents", "1", "--agent-turns", "2", "--rag-docs", "1",
              "--rag-users", "1", "--rag-questions", "2", "--doc-tokens", "200", "--first-tokens", "200",
              "--turn-tokens", "60", "--only", "round_robin", "--seeds", "0"]
