@@ -317,6 +317,8 @@ def run_target(target: str, servers, model_dir: str, clients: list[mw.Client], a
         if args.event_log:  # when vLLM evicted what over-predicted decisions expected (bench/eviction_timing.py)
             extra["eviction_timing"] = attribute(log.events, mine, [sv.name for sv in servers])
             et = extra["eviction_timing"]
+            # the raw stream too: per request ground truth for the eviction model (what vLLM removed when)
+            (workdir / f"events-{target}-round{rnd + 1}.json").write_text(json.dumps(log.events))
             print(f"  over-predicted {et['over_predicted']}, matched {et['matched']}: blocks removed before "
                   f"the decision {et['blocks_removed_before_decision']}, after it "
                   f"{et['blocks_removed_after_decision']} (median {et['removal_delay_s_median']} s)", flush=True)
@@ -402,7 +404,8 @@ def add_arguments(ap) -> None:
     cap.add_argument("--event-log", action="store_true",
                      help="subscribe to the servers' KV events beside the gateway and report, for each "
                           "over-predicted decision, whether vLLM evicted its blocks before the decision "
-                          "(index lag) or while it waited (bench/eviction_timing.py)")
+                          "(index lag) or while it waited (bench/eviction_timing.py); the events go to "
+                          "events-<target>-round<N>.json beside the decision records")
     cap.add_argument("--g4", action="store_true",
                      help="both servers run kvgate's connector on one shared G4 directory (emptied before each target)")
     cap.add_argument("--g4-config", action="append", default=[], metavar="KEY=VALUE",
