@@ -220,31 +220,29 @@ def test_3_both_restarted_p_still_served_from_g4(servers):
 
 
 def test_5_store_over_capacity_evicts_oldest_and_index_forgets(servers, model, tmp_path):
+    # capacity for 12 blocks of this model: the same model's block file size on the module's servers
+    block_bytes = servers["a"].g4_stats()["block_bytes"]
     for s in (servers["a"], servers["b"]):  # the last test of the module: at most two servers at once
         s.stop()
     g4 = str(tmp_path / "g4-small")
-    probe = g4_server(model, g4, "g4-probe", g4_config={"capacity_bytes": 8 * 2**20})
-    # capacity for 12 blocks of this model: computed from the block file size after the first save
-    with probe:
-        tap = EventTap(probe.events_port, probe.topic)
+    cap = 12 * block_bytes
+    srv = g4_server(model, g4, "g4-c", g4_config={"capacity_bytes": cap})
+    with srv:
+        tap = EventTap(srv.events_port, srv.topic)
         time.sleep(1.0)
         first = prompt(6, 8 * BLOCK + 1)
-        complete(probe, first, max_tokens=1)
+        complete(srv, first, max_tokens=1)
         st = store_of(g4)
         hs_first = sequence_hashes(first, BLOCK)[:8]
         assert wait_for(lambda: all(st.contains(h) for h in hs_first))
-        block_bytes = probe.g4_stats()["block_bytes"]
-    tap.close()
-    cap = 12 * block_bytes
-    srv = g4_server(model, g4, "g4-c", g4_config={"capacity_bytes": cap})
-    idx = IndexThread()
-    with srv:
-        tap = EventTap(srv.events_port, srv.topic)
+        assert srv.g4_stats()["block_bytes"] == block_bytes
+        # an index that starts now (its events missed the first prompt) learns its blocks from the inventory
+        idx = IndexThread()
         idx.add("c", MODEL, srv.events_port, BLOCK, srv.topic)
         time.sleep(1.0)
-        # the index learned the first prompt's G4 blocks from the inventory before the restart
         from cache_tier.inventory import rebuild_index
 
+        assert idx.g4(MODEL, hs_first) == 0
         assert idx.call(rebuild_index(idx.index, MODEL, g4)) == 8
         assert idx.g4(MODEL, hs_first) == 8
         second = prompt(7, 8 * BLOCK + 1)  # 8 more blocks: 16 > 12 -> the oldest go first
