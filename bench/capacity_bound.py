@@ -34,7 +34,7 @@ import httpx
 from bench import mixed_workload as mw
 from bench import prediction
 from bench.chat_workload import TurnResult, run_clients
-from bench.eviction_timing import EventLog, attribute
+from bench.eviction_timing import EventLog, attribute, summarize_window, window_removals
 
 PEER = "sglang-router"
 TARGETS = f"kv,round_robin,least_loaded,{PEER}"
@@ -317,7 +317,10 @@ def run_target(target: str, servers, model_dir: str, clients: list[mw.Client], a
         if args.event_log:  # when vLLM evicted what over-predicted decisions expected (bench/eviction_timing.py)
             extra["eviction_timing"] = attribute(log.events, mine, [sv.name for sv in servers])
             et = extra["eviction_timing"]
-            # the raw stream too: per request ground truth for the eviction model (what vLLM removed when)
+            # per eviction model, what vLLM evicted while its requests waited; the raw stream too
+            # (``python -m bench.eviction_timing DIR`` reads it again)
+            extra["eviction_window"] = summarize_window(window_removals(log.events, mine,
+                                                                        [sv.name for sv in servers]))
             (workdir / f"events-{target}-round{rnd + 1}.json").write_text(json.dumps(log.events))
             print(f"  over-predicted {et['over_predicted']}, matched {et['matched']}: blocks removed before "
                   f"the decision {et['blocks_removed_before_decision']}, after it "

@@ -13,6 +13,10 @@ which cause it was. Only engine hashes are needed (the stream's own), nothing of
 Session 20's capacity-bound runs (7-12 over-predicted decisions per kv target): 83-100% of the matched
 blocks were removed after their decision (0.5-1.0 s, median per target), the rest before it: mostly
 evicted while the request waited, a little missed by an index about a step behind.
+
+Every decision, over-predicted or not: the blocks its server evicted between the decision and its first
+token (:func:`window_removals`), by eviction model and error sign. The bench writes the raw events beside
+the decision records; ``python -m bench.eviction_timing DIR`` summarizes a run's work directory again.
 """
 from __future__ import annotations
 
@@ -127,3 +131,71 @@ def attribute(events, decisions: list[dict], server_names: list[str]) -> dict:
                                    if matched else None),
         "decisions": rows,
     }
+
+
+def window_removals(events, decisions: list[dict], server_names: list[str]) -> list[dict]:
+    """Per decision with an outcome: the blocks its server removed (evicted) between the decision and its
+    first token, all prompts' together: the demand that really hit the free queue's head while the request
+    waited, against what the eviction model priced (``evicted_blocks``, ``kv_demand_tokens``, its cached
+    tokens against the delivered). One row each, in the order given."""
+    removed: dict[int, list[tuple[float, int]]] = defaultdict(list)
+    for t, i, kind, hashes in events:
+        if kind == REMOVED:
+            removed[i].append((t, len(hashes)))
+    for v in removed.values():
+        v.sort()
+    rows = []
+    for d in decisions:
+        got, ttft = d.get("delivered_cached_tokens"), d.get("observed_ttft_ms")
+        if got is None or ttft is None or d.get("chosen") not in server_names:
+            continue
+        i, t0 = server_names.index(d["chosen"]), d["ts"]
+        t1 = t0 + ttft / 1000.0
+        c = next((c for c in d.get("candidates") or () if c.get("worker") == d["chosen"]), {})
+        bs = d.get("block_size") or 1
+        rows.append({"ts": t0, "worker": d["chosen"], "model": c.get("eviction_model") or "none",
+                     "error_blocks": ((d.get("predicted_cached_tokens") or 0) - got) // bs,
+                     "predicted_evicted_blocks": c.get("evicted_blocks", 0),
+                     "predicted_demand_blocks": (c.get("kv_demand_tokens") or 0.0) / bs,
+                     "removed_while_waiting": sum(n for t, n in removed[i] if t0 <= t <= t1)})
+    return rows
+
+
+def summarize_window(rows: list[dict]) -> dict:
+    """Rows of :func:`window_removals` by eviction model and by the prediction's error (over, exact,
+    under): how many, and the median removals while waiting."""
+    out: dict[str, dict] = {}
+    for r in rows:
+        e = r["error_blocks"]
+        key = f"{r['model']} {'over' if e > 0 else 'under' if e < 0 else 'exact'}"
+        out.setdefault(key, []).append(r["removed_while_waiting"])
+    return {k: {"n": len(v), "removed_while_waiting_median": statistics.median(v)} for k, v in sorted(out.items())}
+
+
+def main(argv=None) -> int:
+    """``python -m bench.eviction_timing DIR``: a capacity-bound run's work directory (``--event-log``):
+    each round's decision records with the raw events beside them, summarized per eviction model."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(prog="python -m bench.eviction_timing", description=main.__doc__.split("\n")[0])
+    p.add_argument("dir", type=Path)
+    p.add_argument("--servers", default="vllm-0,vllm-1", help="the servers' names, in the event log's order")
+    args = p.parse_args(argv)
+    rows = []
+    for ev in sorted(args.dir.glob("events-*-round*.json")):
+        dec = args.dir / ev.name.replace("events-", "decisions-", 1)
+        if dec.exists():
+            rows += window_removals(json.loads(ev.read_text()), json.loads(dec.read_text())["decisions"],
+                                    args.servers.split(","))
+    if not rows:
+        print(f"no events-*-round*.json with decision records beside them under {args.dir}")
+        return 1
+    for k, v in summarize_window(rows).items():
+        print(f"{k:20s} {v['n']:4d} requests, blocks removed while waiting (median) {v['removed_while_waiting_median']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

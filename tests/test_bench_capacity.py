@@ -219,6 +219,42 @@ def test_eviction_timing_tells_index_lag_from_eviction_while_waiting():
     assert third["restored_blocks"] == 0
 
 
+def test_window_removals_count_what_the_server_evicted_while_each_request_waited(tmp_path, capsys):
+    """The raw event log beside the decision records (``--event-log``): per request, the blocks its server
+    removed between the decision and the first token, by what priced it and how the prediction erred."""
+    import json
+
+    from bench.eviction_timing import REMOVED, STORED, main, summarize_window, window_removals
+
+    events = [
+        (0.0, 0, STORED, [1, 2, 3, 4]),
+        (10.2, 0, REMOVED, [1, 2]),  # while the first request waited (10-11 s) on server 0
+        (10.4, 1, REMOVED, [9]),  # another server: not counted for it
+        (10.8, 0, REMOVED, [3]),
+        (12.0, 0, REMOVED, [4]),  # after its first token
+    ]
+    cand = {"worker": "a", "eviction_model": "occupancy", "evicted_blocks": 1, "kv_demand_tokens": 64.0}
+    decisions = [
+        {"ts": 10.0, "chosen": "a", "block_size": 32, "predicted_cached_tokens": 96,
+         "delivered_cached_tokens": 32, "observed_ttft_ms": 1000.0, "candidates": [cand]},
+        {"ts": 11.5, "chosen": "a", "block_size": 32, "predicted_cached_tokens": 32,
+         "delivered_cached_tokens": 32, "observed_ttft_ms": 1000.0, "candidates": []},
+        {"ts": 13.0, "chosen": "a", "outcome": "error", "delivered_cached_tokens": None},  # no outcome
+    ]
+    rows = window_removals(events, decisions, ["a", "b"])
+    assert [(r["model"], r["error_blocks"], r["removed_while_waiting"]) for r in rows] == [
+        ("occupancy", 2, 3), ("none", 0, 1)]
+    assert rows[0]["predicted_evicted_blocks"] == 1 and rows[0]["predicted_demand_blocks"] == 2.0
+    assert summarize_window(rows) == {"none exact": {"n": 1, "removed_while_waiting_median": 1},
+                                      "occupancy over": {"n": 1, "removed_while_waiting_median": 3}}
+    # offline, on a run's work directory
+    (tmp_path / "events-kv-round1.json").write_text(json.dumps(events))
+    (tmp_path / "decisions-kv-round1.json").write_text(json.dumps({"decisions": decisions}))
+    assert main([str(tmp_path), "--servers", "a,b"]) == 0
+    assert "occupancy over" in capsys.readouterr().out
+    assert main([str(tmp_path / "none")]) == 1
+
+
 def test_the_event_log_records_a_servers_kv_events():
     """The side subscriber decodes vLLM's frames from a real ZMQ PUB socket (the server's publisher)."""
     import time
