@@ -315,12 +315,11 @@ def run_target(target: str, servers, model_dir: str, clients: list[mw.Client], a
         extra["prediction"] = prediction_stats(mine, kind_of_request)
         extra["added_ttft_ms"] = added_ttft_ms(results, mine)
         if args.event_log:  # when vLLM evicted what over-predicted decisions expected (bench/eviction_timing.py)
-            extra["eviction_timing"] = attribute(log.events, mine, [sv.name for sv in servers])
-            et = extra["eviction_timing"]
+            names = [sv.name for sv in servers]
+            extra["eviction_timing"] = et = attribute(log.events, mine, names)
             # per eviction model, what vLLM evicted while its requests waited; the raw stream too
             # (``python -m bench.eviction_timing DIR`` reads it again)
-            extra["eviction_window"] = summarize_window(window_removals(log.events, mine,
-                                                                        [sv.name for sv in servers]))
+            extra["eviction_window"] = summarize_window(window_removals(log.events, mine, names))
             (workdir / f"events-{target}-round{rnd + 1}.json").write_text(json.dumps(log.events))
             print(f"  over-predicted {et['over_predicted']}, matched {et['matched']}: blocks removed before "
                   f"the decision {et['blocks_removed_before_decision']}, after it "

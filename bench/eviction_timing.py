@@ -23,6 +23,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from bisect import bisect_left, bisect_right
 from collections import defaultdict
 
 STORED, REMOVED = "S", "R"
@@ -86,6 +87,16 @@ class EventLog:
             t.join(timeout=5.0)
 
 
+def _served(decisions: list[dict], server_names: list[str]):
+    """``(decision, server index, decision time, first-token time)`` for each decision with delivered
+    cached tokens and an observed TTFT on one of ``server_names``."""
+    for d in decisions:
+        ttft = d.get("observed_ttft_ms")
+        if d.get("delivered_cached_tokens") is None or ttft is None or d.get("chosen") not in server_names:
+            continue
+        yield d, server_names.index(d["chosen"]), d["ts"], d["ts"] + ttft / 1000.0
+
+
 def attribute(events, decisions: list[dict], server_names: list[str]) -> dict:
     """For each decision with predicted cached tokens above the delivered: the removal times (seconds after
     the decision; negative: before it) of the blocks its server stored again at its first token. A summary
@@ -100,13 +111,10 @@ def attribute(events, decisions: list[dict], server_names: list[str]) -> dict:
     for v in history.values():
         v.sort()
     rows = []
-    for d in decisions:
-        pred, got = d.get("predicted_cached_tokens") or 0, d.get("delivered_cached_tokens")
-        ttft = d.get("observed_ttft_ms")
-        if got is None or pred <= got or ttft is None or d.get("chosen") not in server_names:
+    for d, i, t0, first in _served(decisions, server_names):
+        pred, got = d.get("predicted_cached_tokens") or 0, d["delivered_cached_tokens"]
+        if pred <= got:
             continue
-        i, t0 = server_names.index(d["chosen"]), d["ts"]
-        first = t0 + ttft / 1000.0
         removed = []
         for t, j, hashes in stored:
             if j != i or not first - WINDOW_BEFORE_S <= t <= first + WINDOW_AFTER_S:
@@ -138,26 +146,23 @@ def window_removals(events, decisions: list[dict], server_names: list[str]) -> l
     first token, all prompts' together: the demand that really hit the free queue's head while the request
     waited, against what the eviction model priced (``evicted_blocks``, ``kv_demand_tokens``, its cached
     tokens against the delivered). One row each, in the order given."""
-    removed: dict[int, list[tuple[float, int]]] = defaultdict(list)
-    for t, i, kind, hashes in events:
-        if kind == REMOVED:
-            removed[i].append((t, len(hashes)))
-    for v in removed.values():
-        v.sort()
+    times: dict[int, list[float]] = defaultdict(list)
+    counts: dict[int, list[int]] = defaultdict(list)
+    for t, i, _, hashes in sorted((e for e in events if e[2] == REMOVED), key=lambda e: e[0]):
+        times[i].append(t)
+        counts[i].append((counts[i][-1] if counts[i] else 0) + len(hashes))  # running total
     rows = []
-    for d in decisions:
-        got, ttft = d.get("delivered_cached_tokens"), d.get("observed_ttft_ms")
-        if got is None or ttft is None or d.get("chosen") not in server_names:
-            continue
-        i, t0 = server_names.index(d["chosen"]), d["ts"]
-        t1 = t0 + ttft / 1000.0
+    for d, i, t0, t1 in _served(decisions, server_names):
+        lo, hi = bisect_left(times[i], t0), bisect_right(times[i], t1)
         c = next((c for c in d.get("candidates") or () if c.get("worker") == d["chosen"]), {})
         bs = d.get("block_size") or 1
+        error = (d.get("predicted_cached_tokens") or 0) - d["delivered_cached_tokens"]
+        total = counts[i]
         rows.append({"ts": t0, "worker": d["chosen"], "model": c.get("eviction_model") or "none",
-                     "error_blocks": ((d.get("predicted_cached_tokens") or 0) - got) // bs,
+                     "error_blocks": error // bs,
                      "predicted_evicted_blocks": c.get("evicted_blocks", 0),
                      "predicted_demand_blocks": (c.get("kv_demand_tokens") or 0.0) / bs,
-                     "removed_while_waiting": sum(n for t, n in removed[i] if t0 <= t <= t1)})
+                     "removed_while_waiting": (total[hi - 1] if hi else 0) - (total[lo - 1] if lo else 0)})
     return rows
 
 
@@ -169,7 +174,8 @@ def summarize_window(rows: list[dict]) -> dict:
         e = r["error_blocks"]
         key = f"{r['model']} {'over' if e > 0 else 'under' if e < 0 else 'exact'}"
         out.setdefault(key, []).append(r["removed_while_waiting"])
-    return {k: {"n": len(v), "removed_while_waiting_median": statistics.median(v)} for k, v in sorted(out.items())}
+    return {k: {"n": len(v), "removed_while_waiting_median": statistics.median(v)}
+            for k, v in sorted(out.items())}
 
 
 def main(argv=None) -> int:
@@ -179,7 +185,8 @@ def main(argv=None) -> int:
     import json
     from pathlib import Path
 
-    p = argparse.ArgumentParser(prog="python -m bench.eviction_timing", description=main.__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.eviction_timing",
+                                description=main.__doc__.split("\n")[0])
     p.add_argument("dir", type=Path)
     p.add_argument("--servers", default="vllm-0,vllm-1", help="the servers' names, in the event log's order")
     args = p.parse_args(argv)
@@ -193,7 +200,8 @@ def main(argv=None) -> int:
         print(f"no events-*-round*.json with decision records beside them under {args.dir}")
         return 1
     for k, v in summarize_window(rows).items():
-        print(f"{k:20s} {v['n']:4d} requests, blocks removed while waiting (median) {v['removed_while_waiting_median']}")
+        print(f"{k:20s} {v['n']:4d} requests, blocks removed while waiting (median) "
+              f"{v['removed_while_waiting_median']}")
     return 0
 
 
