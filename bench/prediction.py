@@ -1,6 +1,7 @@
 """How far kvgate's predictions were from what happened, from its own decision records
 (``GET /admin/decisions``): observed / predicted TTFT (streamed responses) and the share of requests whose
-predicted cached tokens equal vLLM's delivered ``cached_tokens``."""
+predicted cached tokens equal vLLM's delivered ``cached_tokens``; and the gateway's own time per request
+(``timings_ms``: reading the body, tokenizing, and all it added before the client's first byte)."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,13 @@ def accuracy(decisions: list[dict]) -> dict:
     cached = [(d.get("predicted_cached_tokens"), d["delivered_cached_tokens"]) for d in decisions
               if d.get("outcome") == "ok" and d.get("delivered_cached_tokens") is not None]
     over = sum(1 for p, got in cached if (p or 0) > got)
+    stages = {}
+    for stage in ("read", "tokenize", "first_byte"):
+        ms = [t[stage] for d in decisions if isinstance(t := d.get("timings_ms"), dict)
+              and isinstance(t.get(stage), (int, float))]
+        stages[f"{stage}_ms_mean"] = float(np.mean(ms)) if ms else None
     return {
+        **stages,
         "ttft_ratio_samples": len(ratios),
         "ttft_ratio_p50": float(np.percentile(ratios, 50)) if ratios else None,
         "ttft_ratio_p90": float(np.percentile(ratios, 90)) if ratios else None,

@@ -93,7 +93,9 @@ class GatewayMetrics:
         self.requests = Counter("kvgate_requests", "Requests by model, worker, policy and outcome",
                                 ["model", "worker", "policy", "outcome"], registry=r)
         self.routing_overhead = Histogram("kvgate_routing_overhead_seconds",
-                                          "Gateway routing time per stage (tokenize, hash, lookup, decide, total)",
+                                          "Gateway time per request stage: reading the body (read); routing "
+                                          "(tokenize, hash, lookup, decide, total); its own time to the client's "
+                                          "first byte, the worker's and the prefill gate's excluded (first_byte)",
                                           ["stage"], buckets=_OVERHEAD_BUCKETS, registry=r)
         self.predicted_cached = Counter("kvgate_predicted_cached_tokens", "Cached prompt tokens predicted",
                                         ["model"], registry=r)

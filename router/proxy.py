@@ -362,6 +362,7 @@ class Forwarder:
                     last_error = f"unavailable: worker {w.name} left while the request was held"
                     last_status = 503
                     continue
+                t_open = time.perf_counter()
                 resp = await st.upstream.open(self.method, w.url + self.path, self.body, w.pin(headers),
                                               self.query)
                 if resp.status >= 500:
@@ -370,9 +371,10 @@ class Forwarder:
                     continue
                 self._tell_policy(w)
                 if resp.headers.get("content-type", "").startswith("text/event-stream"):
-                    await self._stream(send, resp, lease, w, cand, t_send, recorded)
+                    await self._stream(send, resp, lease, w, cand, t_send, t_open, recorded)
                     return
                 raw = await resp.read()
+                t_worker = time.perf_counter() - t_open
                 lease.release()
                 ok = resp.status < 400
                 if not ok:  # refused (a prompt too long, a bad parameter): nothing was computed
@@ -388,6 +390,7 @@ class Forwarder:
                 hdrs.append((b"content-length", str(len(raw)).encode()))
                 await send({"type": "http.response.start", "status": resp.status, "headers": hdrs})
                 await send({"type": "http.response.body", "body": raw})
+                self._first_byte(t_worker)
                 return
             except UpstreamError as e:
                 self._withdraw(w, cand, recorded)
@@ -445,7 +448,20 @@ class Forwarder:
         stream's last chunk with one."""
         return self.hooks.usage if self.hooks is not None else usage_from_sse_tail(bytes(tail))
 
-    async def _stream(self, send, resp: UpstreamResponse, lease, w, cand, t_send: float,
+    def _first_byte(self, worker_s: float) -> None:
+        """The client has the response's first byte: the gateway's own time since the request arrived,
+        without the ``worker_s`` the worker took to answer (its first chunk, or its whole body when not
+        streamed) and the prefill gate's wait, is the ``first_byte`` stage (a retried request counts its
+        failed attempts in it too)."""
+        d = self.d
+        if not d.received_at:
+            return
+        ms = max(0.0, (time.perf_counter() - d.received_at - worker_s) * 1e3 - d.gate_wait_ms)
+        d.timings_ms["first_byte"] = ms
+        m = self.st.metrics
+        m.child(m.routing_overhead, "first_byte").observe(ms / 1000.0)
+
+    async def _stream(self, send, resp: UpstreamResponse, lease, w, cand, t_send: float, t_open: float,
                       recorded: bool = False) -> None:
         """Pass an SSE response through chunk by chunk. A failure before the first chunk is the worker's
         (retried by :meth:`run`); after it, the stream ends with an error event. ``recorded``: the prompt's
@@ -455,6 +471,7 @@ class Forwarder:
             first = await it.__anext__()
         except StopAsyncIteration:
             first = b""
+        t_worker = time.perf_counter() - t_open
         lease.first_byte()
         if recorded:
             self.st.pending.settle(self.d.namespace, self.hashes, w.name, cand.local_blocks,
@@ -469,6 +486,7 @@ class Forwarder:
                 await hooks.on_chunk(first)
             self._done_at_last_event(resp, lease, tail)
             await send({"type": "http.response.body", "body": first, "more_body": True})
+        self._first_byte(t_worker)
         try:
             async for chunk in it:
                 if hooks is not None:
@@ -499,9 +517,11 @@ class Forwarder:
 
 async def handle(st: DataPath, scope, receive, send, path: str, need_model: bool) -> None:
     """One routed request over plain ASGI: read, plan, forward (the whole data path)."""
+    received = time.perf_counter()
     try:
         headers = client_headers(scope)
         raw = await read_body(headers, receive, st.max_body_bytes)
+        read_ms = (time.perf_counter() - received) * 1e3
         body: dict = {}
         model = None
         if need_model or raw:
@@ -514,6 +534,7 @@ async def handle(st: DataPath, scope, receive, send, path: str, need_model: bool
             model = (parse_qs(query).get("model") or [None])[0] or None
         rid = headers.get("x-request-id") or uuid.uuid4().hex
         d = await st.router.plan(model, body, headers, path, size=len(raw), request_id=rid)
+        arrived(d, received, read_ms)
         st.metrics.observe_stages(d.timings_ms)
         fwd = Forwarder(st, d, raw, path, method=scope["method"], query=query, headers=headers)
         st.decisions.add(d)  # drops the decision's hashes (the forwarder keeps its own reference)
@@ -527,6 +548,13 @@ async def handle(st: DataPath, scope, receive, send, path: str, need_model: bool
         await send_error(send, APIError(500, "internal gateway error", type_="api_error"))
         return
     await forward(fwd, receive, send, path)
+
+
+def arrived(d: Decision, received: float, read_ms: float) -> None:
+    """When ``d``'s request arrived (``time.perf_counter``) and how long its body took to read (the ``read``
+    stage: a slow client, or an event loop too busy to take the body's packets)."""
+    d.received_at = received
+    d.timings_ms["read"] = read_ms
 
 
 async def forward(fwd: Forwarder, receive, send, path: str, send_err=send_error) -> int | None:

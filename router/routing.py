@@ -55,6 +55,9 @@ class Decision:
     outcome: str | None = None
     observed_ttft_ms: float | None = None
     gate_wait_ms: float = 0.0  # held at prefill gates (router/admission.py), all attempts together
+    # When the request arrived (time.perf_counter; 0: not known), for timings_ms["first_byte"]: the
+    # gateway's own time on the way to the client's first response byte (router/proxy.py)
+    received_at: float = field(default=0.0, repr=False)
     prompt_tokens: int | None = None
     delivered_cached_tokens: int | None = None
     # (key, UTF-8 text) of a prompt planned on its start only: the pending record keeps it while in flight

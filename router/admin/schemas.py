@@ -363,7 +363,10 @@ class DecisionOut(_Open):
     candidates: list[CandidateOut] = Field(default_factory=list)
     chosen: str | None = None
     attempts: list[str] = Field(default_factory=list)
-    timings_ms: dict[str, float] = Field(default_factory=dict, description="tokenize, hash, lookup, decide")
+    timings_ms: dict[str, float] = Field(default_factory=dict, description=(
+        "milliseconds per stage: read (the request body); tokenize, hash, lookup, decide, total (routing); "
+        "first_byte (the gateway's own time to the client's first byte, the worker's and the prefill "
+        "gate's left out)"))
     predicted_cached_tokens: int = 0
     predicted_ttft_ms: float | None = None
     status: int | None = None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 
 from fastapi import APIRouter, Request
@@ -80,17 +81,20 @@ async def _serve(st, scope, receive, send, path: str, prepare, *, anthropic: boo
     """One request of these APIs over plain ASGI (as ``router.proxy.handle`` serves chat): read the body,
     ``prepare(headers, raw)`` -> (model, body, plan keywords, owner, hooks factory), plan, pin to the
     owner, forward. Errors go out in the API's shape; ``after(status)`` runs once the answer is sent."""
-    from router.proxy import ClientGone, Forwarder, client_headers, forward, read_body, send_error
+    from router.proxy import ClientGone, Forwarder, arrived, client_headers, forward, read_body, send_error
 
     send_err = _send_anthropic_error if anthropic else send_error
+    received = time.perf_counter()
     try:
         headers = client_headers(scope)
         raw = await read_body(headers, receive, st.settings.max_body_bytes)
+        read_ms = (time.perf_counter() - received) * 1e3
         model, body, plan_kw, owner, hooks = await prepare(headers, raw)
         rid = headers.get("x-request-id") or uuid.uuid4().hex
         d = await st.router.plan(model, body, headers, path, size=len(raw), request_id=rid, **plan_kw)
         if owner is not None:
             _pin(d, owner)
+        arrived(d, received, read_ms)
         st.metrics.observe_stages(d.timings_ms)
         fwd = Forwarder(st.datapath, d, raw, path, method=scope["method"], query=scope.get("query_string", b"").decode(
             "latin-1"), headers=headers, hooks=hooks(d) if hooks else None)

@@ -96,6 +96,36 @@ async def test_streaming_byte_exact_with_usage(fleet, start_gateway):
     assert d.observed_ttft_ms is not None
 
 
+@pytest.mark.parametrize("stream", [True, False])
+async def test_the_gateways_own_time_to_the_first_byte(fleet, start_gateway, stream):
+    """``timings_ms`` says how long the body took to read and what the gateway itself added before the
+    client's first byte: not the worker's time. The worker waits 0.6 s before its first token; the
+    client waits at least that, the gateway's own share is the rest (and shows on /metrics)."""
+    st = fleet.add("a")
+    st.first_token_delay_s = 0.6
+    gw = start_gateway(fleet)
+    body = chat_body(LONG, stream=stream)
+    async with httpx.AsyncClient(timeout=30) as c:
+        t0 = time.perf_counter()
+        async with c.stream("POST", gw.url + "/v1/chat/completions", json=body,
+                            headers={"x-request-id": f"fb-{stream}"}) as r:
+            client_ms = None
+            async for _ in r.aiter_raw():
+                if client_ms is None:
+                    client_ms = (time.perf_counter() - t0) * 1e3
+        text = (await c.get(gw.url + "/metrics")).text
+    d = gw.state.decisions.get(f"fb-{stream}")
+    assert d is not None and d.outcome == "ok"
+    t = d.to_dict()["timings_ms"]
+    assert t["read"] >= 0 and t["total"] >= 0
+    assert client_ms >= 600
+    # the worker's 0.6 s is not the gateway's: what it added is well under it, and no more than the client saw
+    assert 0 <= t["first_byte"] < client_ms - 450
+    assert t["first_byte"] >= t["total"]  # routing is on the way to the first byte
+    assert 'kvgate_routing_overhead_seconds_count{stage="first_byte"} 1.0' in text
+    assert 'kvgate_routing_overhead_seconds_count{stage="read"} 1.0' in text
+
+
 async def test_streaming_is_not_buffered(fleet, start_gateway):
     """The worker stops mid-stream; the chunks it already sent reach the client meanwhile."""
     st = fleet.add("a", pause_after=3)
