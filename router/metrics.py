@@ -92,11 +92,11 @@ class GatewayMetrics:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("kvgate_requests", "Requests by model, worker, policy and outcome",
                                 ["model", "worker", "policy", "outcome"], registry=r)
-        self.routing_overhead = Histogram("kvgate_routing_overhead_seconds",
-                                          "Gateway time per request stage: reading the body (read); routing "
-                                          "(tokenize, hash, lookup, decide, total); its own time to the client's "
-                                          "first byte, the worker's and the prefill gate's excluded (first_byte)",
-                                          ["stage"], buckets=_OVERHEAD_BUCKETS, registry=r)
+        self.routing_overhead = Histogram(
+            "kvgate_routing_overhead_seconds",
+            "Gateway time per request stage: reading the body (read); routing (tokenize, hash, lookup, decide, "
+            "total); its own time to the client's first byte, the worker's and the prefill gate's excluded "
+            "(first_byte)", ["stage"], buckets=_OVERHEAD_BUCKETS, registry=r)
         self.predicted_cached = Counter("kvgate_predicted_cached_tokens", "Cached prompt tokens predicted",
                                         ["model"], registry=r)
         self.delivered_cached = Counter("kvgate_delivered_cached_tokens",
