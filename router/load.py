@@ -11,8 +11,9 @@ reports waiting beyond the gateway's prefilling ones are queued work of the work
 running beyond the gateway's ones that must be prefilling are decodes.
 
 It also follows the KV its requests take and free between two scrapes of ``vllm:kv_cache_usage_perc``
-(:meth:`ActiveSequences.kv_since_scrape`): a request takes its prompt and generation at its first token and
-frees them when it ends, less the blocks another request in flight shares. A prefilling request vLLM was
+(:meth:`ActiveSequences.kv_since_scrape`): a request takes its prompt and generation (``max_tokens``) at its
+first token and frees them when it ends, at the length its response's usage gives when it gives one, less
+the blocks another request in flight shares. A prefilling request vLLM was
 running at a scrape (by its waiting gauge: it admits in arrival order) is *admitted*: its prompt is in that
 usage, so it is no demand on the room (``LoadView.kv_demand_tokens``) and takes only its generation at its
 first token. The free room a placement reads
@@ -47,11 +48,13 @@ class Sequence:
     first_at: float | None = None
     tokens: int = 0  # the whole prompt (the KV it holds once scheduled)
     max_tokens: int = 0  # the tokens it may generate (0: unknown)
+    completion_tokens: int | None = None  # the tokens it generated, once its response said (None: unknown)
     hashes: list | None = None  # its routable block hashes (a reference), for the LRU clock
     block_size: int = 0
     prefix_blocks: int = 0  # the cached prefix it was predicted to find (its local blocks)
     prefix_at: float | None = None  # where that prefix sat on the LRU clock when sent (None: held or unknown)
     admitted: bool = False  # vLLM runs it (its KV allocated): seen at a scrape or in its blocks' events
+    taken_at: int = -1  # the tracker's scrape count when its KV was taken (at its first token)
     admit_keys: tuple = ()  # the hashes of its first uncached blocks: their BlockStored says vLLM runs it
     gated: bool = False  # waiting at the gateway's prefill gate, not sent yet (router/admission.py)
     # the held request whose blocks its predicted prefix counts (router/pending.py): it goes after it
@@ -164,6 +167,7 @@ class ActiveSequences:
         self.kv_taken = 0.0
         self.kv_freed = 0.0
         self._kv_mark = (0.0, 0.0)
+        self._scrapes = 0  # scrapes marked so far: whether a request's KV was taken since the last one
         self._held_memo: dict[bool, float] = {}  # running_tokens / inflight_tokens until the requests change
         # a sent request's first uncached block hashes -> the requests in flight with them (identical
         # prompts share them: vLLM stores a block once)
@@ -208,8 +212,20 @@ class ActiveSequences:
                 # admitted at a scrape: its prompt is in that usage already, only its generation is new
                 self.kv_taken += self._kv_tokens(seq, 0) - self._prompt_tokens(seq) if seq.admitted else \
                     self._kv_tokens(seq, self._shared(seq, self._live_hashes(seq)))
+                seq.taken_at = self._scrapes
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: Sequence, completion_tokens: int | None = None) -> None:
+        """``seq`` ended; ``completion_tokens``: what it generated, when its response said (its usage). Its
+        KV is then counted at that length, not at ``max_tokens``: what it frees, and what the LRU clock
+        counts. Why: clients often ask for far more than they get (``max_tokens`` 4,096 for a 50-token
+        answer: 256 blocks of 16 counted free that vLLM never held) or give no limit (none counted)."""
+        if completion_tokens is not None and completion_tokens >= 0 and id(seq) in self._live:
+            if seq.first_at is not None and seq.taken_at == self._scrapes:
+                # taken since the last scrape at max_tokens: take it at the length it had (a take before
+                # that scrape is in the scrape's mark and its usage, which held no more than it had)
+                self.kv_taken -= self._kv_tokens(seq, 0) - self._kv_tokens(seq, 0,
+                                                                      completion=completion_tokens)
+            seq.completion_tokens = completion_tokens
         self.first_token(seq)
         if self._live.pop(id(seq), None) is None:
             return
@@ -241,12 +257,15 @@ class ActiveSequences:
         return ActiveSequences._kv_tokens(seq, 0, generation=False)
 
     @staticmethod
-    def _kv_tokens(seq: Sequence, shared: int, generation: bool = True) -> int:
+    def _kv_tokens(seq: Sequence, shared: int, generation: bool = True, completion: int | None = None) -> int:
         """The KV tokens ``seq`` holds less ``shared`` leading blocks: its prompt and (``generation``) all it
-        may generate, in whole blocks (the generation grows into the prompt's last one). The last token
-        generated is never fed back, so its KV is never written: ``max_tokens - 1`` of them."""
+        generates (``completion``, else what its response said, else ``max_tokens``), in whole blocks (the
+        generation grows into the prompt's last one). The last token generated is never fed back, so its KV
+        is never written: one less."""
         bs = seq.block_size
-        held = seq.tokens + (max(0, seq.max_tokens - 1) if generation else 0)
+        if completion is None:
+            completion = seq.completion_tokens if seq.completion_tokens is not None else seq.max_tokens
+        held = seq.tokens + (max(0, completion - 1) if generation else 0)
         if bs > 0:
             held = -(-held // bs) * bs
         return max(0, held - shared * bs)
@@ -257,6 +276,7 @@ class ActiveSequences:
         ``waiting`` of them (vLLM admits in arrival order), which are *admitted*: their KV is in the usage, so
         they are no demand on the room a placement reads (their prefill time still queues)."""
         self._kv_mark = (self.kv_taken, self.kv_freed)
+        self._scrapes += 1
         self._held_memo.clear()
         if waiting is None or not waiting == waiting:  # NaN: unknown
             return

@@ -161,6 +161,12 @@ def usage_from_body(body: bytes) -> dict | None:
     return _usage(body) if b'"usage"' in body else None
 
 
+def completion_of(usage: dict | None) -> int | None:
+    """The tokens a response generated, from its usage (chat form); None when it does not say."""
+    n = usage.get("completion_tokens") if usage else None
+    return n if type(n) is int and n >= 0 else None
+
+
 async def send_error(send, err: APIError) -> None:
     body = json.dumps(error_body(err.status, err.message, param=err.param, code=err.code, type_=err.type))
     await send({"type": "http.response.start", "status": err.status,
@@ -248,10 +254,11 @@ class _Lease:
         self.metrics.child(self.metrics.gate_wait, self.worker.name).observe(waited)
         return waited
 
-    def release(self) -> None:
+    def release(self, completion_tokens: int | None = None) -> None:
+        """It ended; ``completion_tokens``: what it generated, when its usage said (router/load.py)."""
         if self.active:
             self.active = False
-            self.worker.active.finish(self.seq)
+            self.worker.active.finish(self.seq, completion_tokens)
             self.worker.gate.wake()
             self.metrics.child(self.metrics.inflight, self.worker.name).set(self.worker.inflight)
 
@@ -375,8 +382,8 @@ class Forwarder:
                     return
                 raw = await resp.read()
                 t_worker = time.perf_counter() - t_open
-                lease.release()
                 ok = resp.status < 400
+                lease.release(completion_of(usage_from_body(raw)) if ok and self.hooks is None else None)
                 if not ok:  # refused (a prompt too long, a bad parameter): nothing was computed
                     self._withdraw(w, cand, recorded)
                 elif recorded:
@@ -440,8 +447,9 @@ class Forwarder:
         hooks = self.hooks
         done = hooks.complete if hooks is not None else tail[-32:].rstrip().endswith(b"data: [DONE]")
         if done:
-            self.finish("ok", resp.status, self._stream_usage(tail))
-            lease.release()
+            usage = self._stream_usage(tail)
+            self.finish("ok", resp.status, usage)
+            lease.release(completion_of(usage))
 
     def _stream_usage(self, tail: bytearray) -> dict | None:
         """The usage a stream reported: its API hooks' (which read it from their events), or the OpenAI

@@ -253,4 +253,7 @@ def usage_as_chat(usage: Any) -> dict | None:
         return None
     read = usage.get("cache_read_input_tokens") or 0
     prompt = (usage.get("input_tokens") or 0) + read + (usage.get("cache_creation_input_tokens") or 0)
-    return {"prompt_tokens": prompt, "prompt_tokens_details": {"cached_tokens": read}}
+    out = {"prompt_tokens": prompt, "prompt_tokens_details": {"cached_tokens": read}}
+    if isinstance(usage.get("output_tokens"), int):
+        out["completion_tokens"] = usage["output_tokens"]
+    return out

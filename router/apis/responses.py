@@ -222,12 +222,15 @@ def history_of(chain: list[dict]) -> list[dict] | None:
 
 
 def usage_as_chat(usage: Any) -> dict | None:
-    """Responses usage (``input_tokens``, ``input_tokens_details.cached_tokens``) in the chat form the
-    decision record reads (``prompt_tokens``, ``prompt_tokens_details.cached_tokens``)."""
+    """Responses usage (``input_tokens``, ``input_tokens_details.cached_tokens``, ``output_tokens``) in the
+    chat form the decision record and the load tracker read (``prompt_tokens``,
+    ``prompt_tokens_details.cached_tokens``, ``completion_tokens``)."""
     if not isinstance(usage, dict):
         return None
     details = usage.get("input_tokens_details")
     out: dict[str, Any] = {"prompt_tokens": usage.get("input_tokens")}
+    if isinstance(usage.get("output_tokens"), int):
+        out["completion_tokens"] = usage["output_tokens"]
     if isinstance(details, dict):
         out["prompt_tokens_details"] = {"cached_tokens": details.get("cached_tokens")}
     return out

@@ -64,7 +64,8 @@ async def test_messages_usage_and_error_shape():
     assert h.usage is None  # message_start carries no cache figures in vLLM 0.32
     await h.on_chunk(sse("message_delta", {"usage": {"input_tokens": 4, "cache_read_input_tokens": 96,
                                                      "cache_creation_input_tokens": 0, "output_tokens": 5}}))
-    assert h.usage == {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 96}}
+    assert h.usage == {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 96},
+                       "completion_tokens": 5}  # the load tracker counts what it generated
     assert not h.complete
     await h.on_chunk(sse("message_stop", {"type": "message_stop"}))
     assert h.complete

@@ -166,6 +166,36 @@ def test_the_workers_releases_place_a_prefix_in_the_lru_order():
     assert idle.eviction_model == "" and idle.evicted_blocks == 0  # no queue ahead: nothing to price
 
 
+def test_releases_count_what_a_request_generated_not_its_max_tokens():
+    """Clients ask for more than they get: two sessions of 40-block prompts with ``max_tokens`` 4,096 that
+    answer in 15 tokens. A's prefix sits behind B's release of 640 + 14 tokens (41 blocks), so the 720
+    older free tokens absorb the 300 queued ahead and it is priced whole; counted at ``max_tokens``, B's
+    release would be 4,735 tokens and A's prefix priced evicted. A response that does not say what it
+    generated is counted at ``max_tokens`` as before."""
+    cm = model(RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0))
+    w = worker("a")
+    w.load.kv_usage, w.load.num_gpu_blocks, w.load.updated_at = 0.0, 126, 1.0  # 2,000 free tokens
+    a_hashes, b_hashes = list(range(100, 140)), list(range(200, 240))
+    for hashes in (a_hashes, b_hashes):
+        seq = w.active.add(0, 0.0, 1.0, streamed=True, tokens=640, max_tokens=4096, hashes=hashes,
+                           block_size=16)
+        w.active.first_token(seq)
+        w.active.finish(seq, completion_tokens=15)
+    assert w.active.prefix_age(a_hashes, 40) == 41 * 16
+    w.active.add(300, 300.0, 1e6)  # 300 tokens ahead of the next request, prefilling
+    old = cm.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16, hashes=a_hashes)
+    assert old.eviction_model == "lru" and old.evicted_blocks == 0
+    assert old.lru_older_tokens == 2000 - 640 - 656
+    # the KV the gateway's requests took and freed since the last scrape: each at the length it had
+    assert w.active.kv_since_scrape() == 0
+    unknown = w.active.add(0, 0.0, 1.0, streamed=True, tokens=640, max_tokens=4096,
+                           hashes=list(range(300, 340)), block_size=16)
+    w.active.first_token(unknown)
+    w.active.finish(unknown)
+    assert w.active.prefix_age(a_hashes, 40) == 41 * 16 + 640 + 4095 + 1  # whole blocks: 297 x 16
+    assert w.active.kv_since_scrape() == 0
+
+
 def test_the_scale_learns_from_what_the_lru_model_priced():
     ev = EvictionCalibration()
     for _ in range(10):  # 300 tokens ahead, 160 older: the model cuts 9 blocks; vLLM evicted all 40

@@ -126,6 +126,26 @@ async def test_the_gateways_own_time_to_the_first_byte(fleet, start_gateway, str
     assert 'kvgate_routing_overhead_seconds_count{stage="read"} 1.0' in text
 
 
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_finished_request_frees_what_it_generated_not_max_tokens(fleet, start_gateway, stream):
+    """The worker answers a few words to a request that allowed 4,000 tokens: the gateway's load tracker
+    counts the KV it freed (and the LRU clock) at the length the response's usage gives."""
+    st = fleet.add("a")
+    gw = start_gateway(fleet)
+    body = chat_body(LONG, max_tokens=4000, stream=stream, **({"stream_options": {"include_usage": True}}
+                                                            if stream else {}))
+    w = gw.state.registry.get("a")
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(gw.url + "/v1/chat/completions", json=body, headers={"x-request-id": f"mt-{stream}"})
+        assert r.status_code == 200
+    d = gw.state.decisions.get(f"mt-{stream}")
+    assert d is not None and d.outcome == "ok" and d.max_tokens == 4000
+    prompt_blocks = -(-d.prompt_tokens // BLOCK)
+    held = -(-(d.prompt_tokens + st.words - 1) // BLOCK) * BLOCK
+    assert st.words < 100 and w.active.released_tokens == held
+    assert held < (prompt_blocks + 4000 // BLOCK) * BLOCK
+
+
 async def test_streaming_is_not_buffered(fleet, start_gateway):
     """The worker stops mid-stream; the chunks it already sent reach the client meanwhile."""
     st = fleet.add("a", pause_after=3)
