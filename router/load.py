@@ -11,9 +11,10 @@ reports waiting beyond the gateway's prefilling ones are queued work of the work
 running beyond the gateway's ones that must be prefilling are decodes.
 
 It also follows the KV its requests take and free between two scrapes of ``vllm:kv_cache_usage_perc``
-(:meth:`ActiveSequences.kv_since_scrape`): a request takes its prompt and generation (``max_tokens``) at its
-first token and frees them when it ends, at the length its response's usage gives when it gives one, less
-the blocks another request in flight shares. A prefilling request vLLM was
+(:meth:`ActiveSequences.kv_since_scrape`): a request takes its prompt and generation at its first token and
+frees them when it ends, less the blocks another request in flight shares. The generation is what its
+response's usage gives, and until then its expected length: ``max_tokens``, or the worker's average answer
+where answers stop short of theirs (clients often ask for 4,096 tokens and get 50). A prefilling request vLLM was
 running at a scrape (by its waiting gauge: it admits in arrival order) is *admitted*: its prompt is in that
 usage, so it is no demand on the room (``LoadView.kv_demand_tokens``) and takes only its generation at its
 first token. The free room a placement reads
@@ -30,6 +31,7 @@ chained, so equal hashes at one position mean equal prefixes).
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -49,6 +51,9 @@ class Sequence:
     tokens: int = 0  # the whole prompt (the KV it holds once scheduled)
     max_tokens: int = 0  # the tokens it may generate (0: unknown)
     completion_tokens: int | None = None  # the tokens it generated, once its response said (None: unknown)
+    # the tokens it is expected to generate: max_tokens, or fewer where this worker's answers end sooner
+    # (ActiveSequences.add); what its KV is priced at until its response says (-1: max_tokens)
+    expected: int = -1
     hashes: list | None = None  # its routable block hashes (a reference), for the LRU clock
     block_size: int = 0
     prefix_blocks: int = 0  # the cached prefix it was predicted to find (its local blocks)
@@ -60,11 +65,15 @@ class Sequence:
     # the held request whose blocks its predicted prefix counts (router/pending.py): it goes after it
     after: Sequence | None = None
 
+    def __post_init__(self) -> None:
+        if self.expected < 0:
+            self.expected = self.max_tokens
+
     def kv_release(self, step_s: float) -> tuple[float, int]:
-        """When a decoding sequence is expected to end (``max_tokens`` steps after its first token, or its
+        """When a decoding sequence is expected to end (``expected`` steps after its first token, or its
         deadline when none was seen) and the KV tokens it frees then."""
         first = self.first_at if self.first_at is not None else self.deadline
-        return first + self.max_tokens * step_s, self.tokens + self.max_tokens
+        return first + self.expected * step_s, self.tokens + self.expected
 
 
 @dataclass(slots=True)
@@ -168,6 +177,10 @@ class ActiveSequences:
         self.kv_freed = 0.0
         self._kv_mark = (0.0, 0.0)
         self._scrapes = 0  # scrapes marked so far: whether a request's KV was taken since the last one
+        # tokens this worker's responses generated (usage.completion_tokens), moving average; None: none said
+        self.mean_completion: float | None = None
+        # of its responses to requests with a max_tokens, the share that generated all of it (moving average)
+        self.full_share: float | None = None
         self._held_memo: dict[bool, float] = {}  # running_tokens / inflight_tokens until the requests change
         # a sent request's first uncached block hashes -> the requests in flight with them (identical
         # prompts share them: vLLM stores a block once)
@@ -187,7 +200,7 @@ class ActiveSequences:
         deadline = float("inf") if streamed else now + max(0.01, 2.0 * predicted_s)
         seq = Sequence(uncached=max(0, int(uncached)), work=max(0.0, float(work)), deadline=deadline,
                        tokens=max(0, int(tokens)), max_tokens=max(0, int(max_tokens)), hashes=hashes or None,
-                       block_size=block_size)
+                       block_size=block_size, expected=self._expected(max(0, int(max_tokens))))
         if prefix_blocks > 0 and block_size > 0 and hashes:
             age = self.prefix_age(hashes, prefix_blocks)
             if age is not None and age != HELD:
@@ -214,15 +227,32 @@ class ActiveSequences:
                     self._kv_tokens(seq, self._shared(seq, self._live_hashes(seq)))
                 seq.taken_at = self._scrapes
 
+    def _expected(self, max_tokens: int) -> int:
+        """The tokens a new request is expected to generate: its ``max_tokens`` while this worker's answers
+        mostly use all of theirs (a client that asks for what it wants, ``ignore_eos``, a trace replay) or
+        before any response said what it generated; else the worker's average answer, at most
+        ``max_tokens`` (0: no limit given)."""
+        m = self.mean_completion
+        if m is None or (max_tokens and (self.full_share is None or self.full_share >= 0.5)):
+            return max_tokens
+        m = math.ceil(m)
+        return min(max_tokens, m) if max_tokens else m
+
     def finish(self, seq: Sequence, completion_tokens: int | None = None) -> None:
         """``seq`` ended; ``completion_tokens``: what it generated, when its response said (its usage). Its
         KV is then counted at that length, not at ``max_tokens``: what it frees, and what the LRU clock
         counts. Why: clients often ask for far more than they get (``max_tokens`` 4,096 for a 50-token
         answer: 256 blocks of 16 counted free that vLLM never held) or give no limit (none counted)."""
         if completion_tokens is not None and completion_tokens >= 0 and id(seq) in self._live:
+            m = self.mean_completion
+            self.mean_completion = completion_tokens if m is None else 0.9 * m + 0.1 * completion_tokens
+            if seq.max_tokens:
+                full = 1.0 if completion_tokens >= seq.max_tokens else 0.0
+                f = self.full_share
+                self.full_share = full if f is None else 0.9 * f + 0.1 * full
             if seq.first_at is not None and seq.taken_at == self._scrapes:
-                # taken since the last scrape at max_tokens: take it at the length it had (a take before
-                # that scrape is in the scrape's mark and its usage, which held no more than it had)
+                # taken since the last scrape at its expected length: take it at the length it had (a take
+                # before that scrape is in the scrape's mark and its usage, which held no more than it had)
                 self.kv_taken -= self._kv_tokens(seq, 0) - self._kv_tokens(seq, 0,
                                                                       completion=completion_tokens)
             seq.completion_tokens = completion_tokens
@@ -259,12 +289,12 @@ class ActiveSequences:
     @staticmethod
     def _kv_tokens(seq: Sequence, shared: int, generation: bool = True, completion: int | None = None) -> int:
         """The KV tokens ``seq`` holds less ``shared`` leading blocks: its prompt and (``generation``) all it
-        generates (``completion``, else what its response said, else ``max_tokens``), in whole blocks (the
-        generation grows into the prompt's last one). The last token generated is never fed back, so its KV
-        is never written: one less."""
+        generates (``completion``, else what its response said, else what it is expected to), in whole blocks
+        (the generation grows into the prompt's last one). The last token generated is never fed back, so its
+        KV is never written: one less."""
         bs = seq.block_size
         if completion is None:
-            completion = seq.completion_tokens if seq.completion_tokens is not None else seq.max_tokens
+            completion = seq.completion_tokens if seq.completion_tokens is not None else seq.expected
         held = seq.tokens + (max(0, completion - 1) if generation else 0)
         if bs > 0:
             held = -(-held // bs) * bs
@@ -444,7 +474,7 @@ class ActiveSequences:
                 if not s.admitted:
                     v.unadmitted_tokens += s.uncached
                 v.prefill_work += s.work
-            elif s.max_tokens:
+            elif s.expected:
                 if v.decoding is None:
                     v.decoding = []
                 v.decoding.append(s)

@@ -171,7 +171,7 @@ def test_releases_count_what_a_request_generated_not_its_max_tokens():
     answer in 15 tokens. A's prefix sits behind B's release of 640 + 14 tokens (41 blocks), so the 720
     older free tokens absorb the 300 queued ahead and it is priced whole; counted at ``max_tokens``, B's
     release would be 4,735 tokens and A's prefix priced evicted. A response that does not say what it
-    generated is counted at ``max_tokens`` as before."""
+    generated is counted at the worker's average answer (at ``max_tokens`` before any response said)."""
     cm = model(RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0))
     w = worker("a")
     w.load.kv_usage, w.load.num_gpu_blocks, w.load.updated_at = 0.0, 126, 1.0  # 2,000 free tokens
@@ -192,8 +192,36 @@ def test_releases_count_what_a_request_generated_not_its_max_tokens():
                            hashes=list(range(300, 340)), block_size=16)
     w.active.first_token(unknown)
     w.active.finish(unknown)
-    assert w.active.prefix_age(a_hashes, 40) == 41 * 16 + 640 + 4095 + 1  # whole blocks: 297 x 16
+    assert w.active.prefix_age(a_hashes, 40) == 41 * 16 + 41 * 16
     assert w.active.kv_since_scrape() == 0
+
+
+def test_a_decode_in_flight_is_priced_at_the_workers_answers_not_max_tokens():
+    """A request decoding on a 2,000-token worker with ``max_tokens`` 4,096, where answers have been 15
+    tokens: beside its 41 blocks a 40-block cached prefix fits and the free room (1,344 tokens) takes the
+    300 queued ahead, so it is priced whole; counted at ``max_tokens`` the decode would hold all 2,000 and
+    the prefix would be priced evicted. Before any response said what it generated, ``max_tokens`` is all
+    there is, and where answers use all of theirs (``ignore_eos``, a replayed trace) it is what it says."""
+    cm = model(RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0))
+
+    def decoding_worker(answers: tuple[int, int] | None):
+        w = worker("a")
+        w.load.kv_usage, w.load.num_gpu_blocks, w.load.updated_at = 0.0, 126, 1.0
+        if answers:  # (max_tokens, completion_tokens) of an earlier request
+            done = w.active.add(0, 0.0, 1.0, streamed=True, tokens=64, max_tokens=answers[0], block_size=16)
+            w.active.first_token(done)
+            w.active.finish(done, completion_tokens=answers[1])
+        w.active.first_token(w.active.add(0, 0.0, 1.0, streamed=True, tokens=640, max_tokens=4096,
+                                          hashes=list(range(500, 540)), block_size=16))
+        w.active.add(300, 300.0, 1e6)  # queued ahead: there is a queue to price
+        return w
+
+    prefix = list(range(100, 140))
+    c = cm.score(decoding_worker((4096, 15)), WorkerMatch(gpu=40, local=40), 0, 1000, 16, hashes=prefix)
+    assert c.evicted_blocks == 0 and c.cached_tokens == 640 and c.kv_free_tokens == 2000 - 656
+    for answers in (None, (15, 15)):
+        c = cm.score(decoding_worker(answers), WorkerMatch(gpu=40, local=40), 0, 1000, 16, hashes=prefix)
+        assert c.evicted_blocks == 40 and c.kv_free_tokens == 0
 
 
 def test_the_scale_learns_from_what_the_lru_model_priced():
