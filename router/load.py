@@ -14,10 +14,10 @@ It also follows the KV its requests take and free between two scrapes of ``vllm:
 (:meth:`ActiveSequences.kv_since_scrape`): a request takes its prompt and generation at its first token and
 frees them when it ends, less the blocks another request in flight shares. The generation is what its
 response's usage gives, and until then its expected length: ``max_tokens``, or the worker's average answer
-where answers stop short of theirs (clients often ask for 4,096 tokens and get 50). A prefilling request vLLM was
-running at a scrape (by its waiting gauge: it admits in arrival order) is *admitted*: its prompt is in that
-usage, so it is no demand on the room (``LoadView.kv_demand_tokens``) and takes only its generation at its
-first token. The free room a placement reads
+where answers stop short of theirs (clients often ask for 4,096 tokens and get 50). A prefilling request
+vLLM was running at a scrape (by its waiting gauge: it admits in arrival order) is *admitted*: its prompt
+is in that usage, so it is no demand on the room (``LoadView.kv_demand_tokens``) and takes only its
+generation at its first token. The free room a placement reads
 (router/kv_room.py) is the last scrape's corrected by that, so it is current between scrapes (every
 ``health_interval_s``, 5 s by default; on the capacity-bound virtual run, bench/capacity_virtual.py, room
 5 s old made the footprint term's placement no better than none).
