@@ -287,7 +287,8 @@ class ActiveSequences:
         return ActiveSequences._kv_tokens(seq, 0, generation=False)
 
     @staticmethod
-    def _kv_tokens(seq: Sequence, shared: int, generation: bool = True, completion: int | None = None) -> int:
+    def _kv_tokens(seq: Sequence, shared: int, generation: bool = True,
+                   completion: int | None = None) -> int:
         """The KV tokens ``seq`` holds less ``shared`` leading blocks: its prompt and (``generation``) all it
         generates (``completion``, else what its response said, else what it is expected to), in whole blocks
         (the generation grows into the prompt's last one). The last token generated is never fed back, so its
