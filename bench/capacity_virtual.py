@@ -110,10 +110,14 @@ class _Stored:
 
 
 async def closed_loop(clients, place, *, workers: int, num_blocks: int, block_size: int, timing: TimingModel,
-                      max_tokens: int, stagger_s: float, g4: bool = False) -> list[Turn]:
+                      max_tokens: int, stagger_s: float, g4: bool = False, asked_tokens: int = 0,
+                      usage: bool = True) -> list[Turn]:
     """Every client's sessions in order, each turn sent when the last one's answer is complete; call on a
     :class:`bench.sim.virtual.VirtualLoop`. ``g4``: the engines share one G4 store (kvgate's connector on
     both servers: every prompt's full blocks are written after its prefill, and a local miss loads them).
+    ``asked_tokens``: the load trackers see requests asking for this many tokens (``max_tokens`` in the
+    body) while the engines answer ``max_tokens``, as a chat client that asks for 4,096 and gets 50;
+    ``usage``: each response tells the tracker what it generated (``usage.completion_tokens``).
     A placement with a ``gate`` (the kv placements' routing settings, when ``prefill_gate`` is on) holds each
     request at the gateway's prefill gate (router/admission.py) on the engine's load tracker, as the gateway
     does."""
@@ -138,7 +142,7 @@ async def closed_loop(clients, place, *, workers: int, num_blocks: int, block_si
             for t, tokens in enumerate(prompts):
                 w = place(engines, tokens)
                 t0 = loop.time()
-                seq = view.sent(w, engines[w], tokens, max_tokens) if view else None
+                seq = view.sent(w, engines[w], tokens, asked_tokens or max_tokens) if view else None
                 if gates:
                     await gates[w].admit(view.tracker(w), seq, budget, routing.prefill_gate_max_wait_s)
                 r = engines[w].submit(list(tokens), max_tokens)
@@ -151,7 +155,8 @@ async def closed_loop(clients, place, *, workers: int, num_blocks: int, block_si
                             if gates:
                                 gates[w].wake()
                 if view:
-                    view.done(w, seq, r.cached_tokens, None if first is None else first - t0)
+                    view.done(w, seq, r.cached_tokens, None if first is None else first - t0,
+                              r.n_out if usage else None)
                     if gates:
                         gates[w].wake()
                 out.append(Turn(i, kind, f"{i}.{s}", t, len(tokens), r.cached_tokens, (first or loop.time()) - t0, w))
@@ -264,8 +269,9 @@ class GatewayView:
     def first(self, i: int, seq: Sequence) -> None:
         self.tracker(i).first_token(seq)
 
-    def done(self, i: int, seq: Sequence, delivered: int = 0, ttft_s: float | None = None) -> None:
-        self.tracker(i).finish(seq)
+    def done(self, i: int, seq: Sequence, delivered: int = 0, ttft_s: float | None = None,
+             completion: int | None = None) -> None:
+        self.tracker(i).finish(seq, completion)
 
 
 class _Session15Tracker(ActiveSequences):
@@ -333,8 +339,9 @@ class PredictingView(GatewayView):
         self.priced[id(seq)] = c
         return seq
 
-    def done(self, i: int, seq: Sequence, delivered: int = 0, ttft_s: float | None = None) -> None:
-        super().done(i, seq)
+    def done(self, i: int, seq: Sequence, delivered: int = 0, ttft_s: float | None = None,
+             completion: int | None = None) -> None:
+        super().done(i, seq, completion=completion)
         c = self.priced.pop(id(seq))
         observe_delivery(self.workers[i].eviction, c, delivered, seq.block_size)
         if ttft_s is not None:
@@ -434,6 +441,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-ratio", type=float, default=3.0, help="working set / one engine's KV cache")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--asked-tokens", type=int, default=0,
+                   help="the gateway sees requests asking for this many tokens while the engines answer "
+                        "--max-tokens (a chat client that asks for 4,096 and gets 50); 0: what they get")
+    p.add_argument("--no-usage", action="store_true",
+                   help="responses do not tell the gateway how many tokens they generated")
     p.add_argument("--stagger", type=float, default=0.5)
     p.add_argument("--prefill-tps", type=float, default=1500.0, help="prefill tokens per second per engine")
     p.add_argument("--step-ms", type=float, default=30.0, help="a decode step's base time")
@@ -510,7 +522,8 @@ def main(argv: list[str] | None = None) -> int:
                 place = make()
                 turns = vt.run(closed_loop(clients, place or vt._place, workers=2, num_blocks=blocks,
                                            block_size=args.block_size, timing=timing, max_tokens=args.max_tokens,
-                                           stagger_s=args.stagger, g4=args.g4))
+                                           stagger_s=args.stagger, g4=args.g4, asked_tokens=args.asked_tokens,
+                                           usage=not args.no_usage))
                 s = summary(turns)
                 if args.predict or hasattr(place, "view") and hasattr(place.view, "outcomes"):
                     s["prediction"] = prediction_summary(place.view.outcomes, place.view.ttft_ratios)

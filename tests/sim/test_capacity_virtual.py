@@ -153,3 +153,25 @@ def test_jitter_runs_each_seed_at_nine_timings(tmp_path):
     assert len(out["0"]) == 1 and len(out["0.2"]) == 9
     ttfts = [r["ttft_mean_s"] for r in out["0.2"]]
     assert len(set(ttfts)) > 1 and min(ttfts) < out["0"][0]["ttft_mean_s"] < max(ttfts)
+
+
+def test_clients_that_ask_for_more_than_they_get_are_priced_at_what_they_get(tmp_path):
+    """A chat client asks for 4,096 tokens and gets 16 (``--asked-tokens``): priced at ``max_tokens``, every
+    request decoding on a worker seems to hold a whole cache of KV, so the gateway predicts its prefixes
+    evicted and its requests waiting for KV that never runs out (before the load tracker read the
+    responses' ``usage.completion_tokens``). Reading it, the predictions come back to where they are for
+    clients that ask for what they get. The benchmark's workload, one seed, deterministic."""
+    tiny_model.build_tokenizer(tmp_path)
+    clients = cv.render_clients(str(tmp_path), mw.MixSpec(rag_questions=5, agent_turns=6, chat_turns=5), 3, 16)
+    prompts = cv.prompts_of(clients)
+    blocks = mw.kv_blocks_for(mw.distinct_blocks(prompts, 32), 3.0, 32, max(map(len, prompts)) + 16)
+    out = {}
+    for asked, usage in ((0, True), (4096, True), (4096, False)):
+        place = cv.predicting_placer({}, 1.0)
+        vt.run(cv.closed_loop(clients, place, workers=2, num_blocks=blocks, block_size=32, timing=cv.cpu_timing(),
+                              max_tokens=16, stagger_s=0.5, asked_tokens=asked, usage=usage))
+        out[asked, usage] = cv.prediction_summary(place.view.outcomes, place.view.ttft_ratios)
+    fair, read, blind = out[0, True], out[4096, True], out[4096, False]
+    assert blind["exact"] < 0.7 and blind["ttft_ratio_median"] < 0.1  # waits for KV that is never short
+    assert read["exact"] > blind["exact"] + 0.2 and read["exact"] >= fair["exact"] - 0.1
+    assert read["ttft_ratio_median"] == pytest.approx(fair["ttft_ratio_median"], rel=0.25)
