@@ -60,6 +60,7 @@ class Sequence:
     prefix_at: float | None = None  # where that prefix sat on the LRU clock when sent (None: held or unknown)
     admitted: bool = False  # vLLM runs it (its KV allocated): seen at a scrape or in its blocks' events
     taken_at: int = -1  # the tracker's scrape count when its KV was taken (at its first token)
+    taken_gen: int = 0  # the generation its KV was taken at (its expected length then)
     admit_keys: tuple = ()  # the hashes of its first uncached blocks: their BlockStored says vLLM runs it
     gated: bool = False  # waiting at the gateway's prefill gate, not sent yet (router/admission.py)
     # the held request whose blocks its predicted prefix counts (router/pending.py): it goes after it
@@ -225,7 +226,7 @@ class ActiveSequences:
                 # admitted at a scrape: its prompt is in that usage already, only its generation is new
                 self.kv_taken += self._kv_tokens(seq, 0) - self._prompt_tokens(seq) if seq.admitted else \
                     self._kv_tokens(seq, self._shared(seq, self._live_hashes(seq)))
-                seq.taken_at = self._scrapes
+                seq.taken_at, seq.taken_gen = self._scrapes, seq.expected
 
     def _expected(self, max_tokens: int) -> int:
         """The tokens a new request is expected to generate: its ``max_tokens`` while this worker's answers
@@ -253,9 +254,12 @@ class ActiveSequences:
             if seq.first_at is not None and seq.taken_at == self._scrapes:
                 # taken since the last scrape at its expected length: take it at the length it had (a take
                 # before that scrape is in the scrape's mark and its usage, which held no more than it had)
-                self.kv_taken -= self._kv_tokens(seq, 0) - self._kv_tokens(seq, 0,
-                                                                      completion=completion_tokens)
+                self.kv_taken -= self._kv_tokens(seq, 0, completion=seq.taken_gen) - self._kv_tokens(
+                    seq, 0, completion=completion_tokens)
             seq.completion_tokens = completion_tokens
+            for s in self._live.values():  # the requests in flight are expected to answer as the others did
+                if s.completion_tokens is None:
+                    s.expected = self._expected(s.max_tokens)
         self.first_token(seq)
         if self._live.pop(id(seq), None) is None:
             return

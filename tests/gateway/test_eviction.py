@@ -222,6 +222,16 @@ def test_a_decode_in_flight_is_priced_at_the_workers_answers_not_max_tokens():
     for answers in (None, (15, 15)):
         c = cm.score(decoding_worker(answers), WorkerMatch(gpu=40, local=40), 0, 1000, 16, hashes=prefix)
         assert c.evicted_blocks == 40 and c.kv_free_tokens == 0
+    # a decode sent before any answer came back is priced again when one does (its KV taken since the last
+    # scrape at 4,096 is taken again at the length it had when it ends)
+    w = decoding_worker(None)
+    w.active.mark_scrape()
+    early = w.active.add(0, 0.0, 1.0, streamed=True, tokens=64, max_tokens=4096, block_size=16)
+    w.active.first_token(early)
+    w.active.finish(early, completion_tokens=15)
+    assert w.active.kv_since_scrape() == 0
+    c = cm.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16, hashes=prefix)
+    assert c.evicted_blocks == 0 and c.cached_tokens == 640
 
 
 def test_the_scale_learns_from_what_the_lru_model_priced():
