@@ -383,7 +383,9 @@ class Forwarder:
                 raw = await resp.read()
                 t_worker = time.perf_counter() - t_open
                 ok = resp.status < 400
-                lease.release(completion_of(usage_from_body(raw)) if ok and self.hooks is None else None)
+                # parsed once: the load tracker's release and the decision record read the same usage
+                usage = usage_from_body(raw) if ok and self.hooks is None else None
+                lease.release(completion_of(usage))
                 if not ok:  # refused (a prompt too long, a bad parameter): nothing was computed
                     self._withdraw(w, cand, recorded)
                 elif recorded:
@@ -391,7 +393,7 @@ class Forwarder:
                                       text=self.sent_text)
                 if self.hooks is not None:
                     raw = await self.hooks.on_body(resp.status, raw)
-                usage = (self.hooks.usage if self.hooks is not None else usage_from_body(raw)) if ok else None
+                    usage = self.hooks.usage if ok else None
                 self.finish("ok" if ok else f"http_{resp.status}", resp.status, usage)
                 hdrs = response_headers(resp, d)
                 hdrs.append((b"content-length", str(len(raw)).encode()))
