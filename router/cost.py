@@ -100,6 +100,7 @@ class Candidate:
     queue_requests: float = 0.0  # ahead of this request: the gateway's own and vLLM's unknown waiting
     queue_tokens: float = 0.0  # their uncached prompts, and queue_lost_tokens
     queue_lost_tokens: float = 0.0  # cached prefixes of theirs their own demand evicts before they run
+    queue_done_ms: float = 0.0  # of the queue's prefill: what the worker has done already (left out)
     # of queue_tokens, the KV the queue allocates beyond the scraped usage (router/load.py kv_demand_tokens,
     # and queue_lost_tokens): what the eviction model, the KV wait and the footprint scorer compare with the room
     kv_demand_tokens: float = 0.0
@@ -256,7 +257,10 @@ class CostModel:
         queue_steps = math.ceil(queue_tokens / per_step)
         steps = max(queue_steps + 1, math.ceil((queue_tokens + uncached) / per_step))
         step_ms = cal.step_time_s(decodes) * 1000.0
-        queue_ms = (queue_work + self.work(lost, 0.0)) / tps * 1000.0 + queue_steps * step_ms
+        # the part of the queue's first prefill the worker has done already (at most all of that prefill)
+        done_ms = min(v.head_elapsed_s, v.head_work / tps) * 1000.0
+        queue_ms = max(0.0, (queue_work + self.work(lost, 0.0)) / tps * 1000.0 - done_ms) \
+            + queue_steps * step_ms
         wait_ms = 0.0
         if v.decoding and kv_free_tokens is not None:
             wait_ms = kv_wait_s(v.decoding, kv_free_tokens, demand + uncached, step_ms / 1000.0,
@@ -295,6 +299,7 @@ class CostModel:
             model_ttft_ms=raw, fit_ms=total - raw,
             load=(inflight if inflight > running_waiting else running_waiting) + usage,
             queue_requests=queue_requests, queue_tokens=queue_tokens, queue_lost_tokens=lost,
+            queue_done_ms=done_ms,
             kv_demand_tokens=demand,
             decodes=decodes, steps=steps,
             step_ms=step_ms, overhead_ms=overhead_ms, calibration=cal.source, clamped=clamped,

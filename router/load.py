@@ -65,6 +65,7 @@ class Sequence:
     gated: bool = False  # waiting at the gateway's prefill gate, not sent yet (router/admission.py)
     # the held request whose blocks its predicted prefix counts (router/pending.py): it goes after it
     after: Sequence | None = None
+    sent_at: float = 0.0  # when it went to the worker (after the prefill gate's wait)
 
     def __post_init__(self) -> None:
         if self.expected < 0:
@@ -91,6 +92,10 @@ class LoadView:
     mean_work: float = 0.0  # the worker's mean prefill work per request (prices the unknown ones)
     mean_tokens: float = 0.0  # and its mean uncached tokens per request
     now: float = 0.0  # the tracker's clock when the view was taken
+    # how long the worker has been prefilling the first of the gateway's requests it was sent that have no
+    # first token yet (since it was sent, or since the last first token if later), and that one's work
+    head_elapsed_s: float = 0.0
+    head_work: float = 0.0
     # the gateway's decoding requests whose generation length is known, for the KV-capacity wait
     # (router/cost.py); None when there are none
     decoding: list[Sequence] | None = None
@@ -186,6 +191,7 @@ class ActiveSequences:
         # a sent request's first uncached block hashes -> the requests in flight with them (identical
         # prompts share them: vLLM stores a block once)
         self._admit_keys: dict[int, list[Sequence]] = {}
+        self._prefilled_at = 0.0  # the tracker's clock at the last first token of a request sent here
 
     def add(self, uncached: int, work: float, predicted_s: float, streamed: bool = False, tokens: int = 0,
             max_tokens: int = 0, hashes: list | None = None, block_size: int = 0,
@@ -201,7 +207,7 @@ class ActiveSequences:
         deadline = float("inf") if streamed else now + max(0.01, 2.0 * predicted_s)
         seq = Sequence(uncached=max(0, int(uncached)), work=max(0.0, float(work)), deadline=deadline,
                        tokens=max(0, int(tokens)), max_tokens=max(0, int(max_tokens)), hashes=hashes or None,
-                       block_size=block_size, expected=self._expected(max(0, int(max_tokens))))
+                       block_size=block_size, expected=self._expected(max(0, int(max_tokens))), sent_at=now)
         if prefix_blocks > 0 and block_size > 0 and hashes:
             age = self.prefix_age(hashes, prefix_blocks)
             if age is not None and age != HELD:
@@ -221,7 +227,7 @@ class ActiveSequences:
             self._drop_keys(seq)
         if seq.first_at is None:
             self._held_memo.clear()
-            seq.first_at = self._clock()
+            seq.first_at = self._prefilled_at = self._clock()
             if id(seq) in self._live:
                 # admitted at a scrape: its prompt is in that usage already, only its generation is new
                 self.kv_taken += self._kv_tokens(seq, 0) - self._prompt_tokens(seq) if seq.admitted else \
@@ -468,12 +474,15 @@ class ActiveSequences:
         """The load now, reconciled with vLLM's ``running`` and ``waiting`` gauges."""
         now = self._clock() if now is None else now
         v = LoadView(inflight=len(self._live), mean_work=self.mean_work, mean_tokens=self.mean_tokens, now=now)
+        head = None
         for s in self._live.values():
             if s.first_at is None and now < s.deadline:
                 if s.gated:
                     if v.gated is None:
                         v.gated = []
                     v.gated.append(s)
+                elif head is None or s.sent_at < head.sent_at:
+                    head = s
                 v.prefill_requests += 1
                 v.prefill_tokens += s.uncached
                 if not s.admitted:
@@ -490,4 +499,8 @@ class ActiveSequences:
         # the gateway's prefilling requests that vLLM does not count as waiting are running (prefilling)
         running_prefills = sent - min(float(sent), waiting)
         v.decodes = int(max(own_decodes, running - running_prefills, 0))
+        if head is not None:
+            # vLLM prefills its waiting requests in arrival order, a step's budget at a time: the first one
+            # sent has been worked on since it was sent or since the prefill before it ended
+            v.head_elapsed_s, v.head_work = max(0.0, now - max(head.sent_at, self._prefilled_at)), head.work
         return v

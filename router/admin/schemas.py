@@ -295,6 +295,10 @@ class CandidateOut(_Open):
     queue_lost_tokens: float = Field(0, description="of queue_tokens: the cached prefixes the queued requests "
                                      "were sent for that the queue's own demand evicts before they run (the "
                                      "LRU model stepped through the queue), which they recompute")
+    queue_done_ms: float = Field(0, description="of the queue's prefill, what the worker has done already and "
+                                 "queue_ms leaves out: the time since the first of the gateway's requests "
+                                 "without a first token was sent (or since the last first token), at most "
+                                 "that request's prefill")
     kv_demand_tokens: float = Field(0, description="the KV the queue still allocates beyond the scraped usage "
                                     "(the requests vLLM was not running at the last scrape, and "
                                     "queue_lost_tokens): what the eviction model, the KV wait and the footprint "

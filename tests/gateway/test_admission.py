@@ -88,8 +88,10 @@ async def test_a_held_request_goes_after_max_wait_and_a_cancelled_one_leaves_the
     a, g = ActiveSequences(), PrefillGate()
     await g.admit(a, a.add(uncached=5000, work=5000.0, predicted_s=9.0, streamed=True), 100, 5.0)
     late = a.add(uncached=200, work=200.0, predicted_s=1.0, streamed=True)
+    added = late.sent_at
     waited = await asyncio.wait_for(g.admit(a, late, 100, max_wait_s=0.05), 1.0)  # not a rate limit
     assert waited >= 0.05 and not late.gated and len(g) == 0
+    assert late.sent_at == pytest.approx(added + waited)  # it reached the worker after its wait (router/cost.py)
     gone = a.add(uncached=200, work=200.0, predicted_s=1.0, streamed=True)
     task = asyncio.create_task(g.admit(a, gone, 100, 5.0))
     await held(g, 1)

@@ -24,7 +24,7 @@ def worker(name, prefilling=(), decoding=0, mean=500.0, **config):
     """A worker with requests the gateway sent: ``prefilling`` (uncached tokens = work of each, no first
     token yet) and ``decoding`` ones."""
     w = Worker(name=name, url=f"http://{name}", config=WorkerConfig(url=f"http://{name}", **config),
-               healthy=True)
+               healthy=True, active=ActiveSequences(clock=lambda: 100.0))  # a still clock: none prefilled yet
     for tokens in prefilling:
         w.active.add(tokens, tokens, predicted_s=1e6)
     for _ in range(decoding):
@@ -69,6 +69,32 @@ def test_requests_held_at_the_prefill_gate_that_are_longer_queue_behind_a_short_
     long = cm.score(w, WorkerMatch(), 0, 1000, 16)
     assert (long.queue_requests, long.queue_tokens, long.queue_ms) == (3, 750, pytest.approx(750.0))
     assert w.view().gated_requests == 2 and w.view().prefill_requests == 3
+
+
+def test_the_queue_ahead_counts_only_what_the_worker_has_not_prefilled_yet():
+    """vLLM prefills its waiting requests first come, first served: the first one sent has been worked on
+    since it was sent (or since the prefill before it ended), and only the rest of it is queue. On the fleet
+    simulator the queue was priced whole: with 0.5 s or more of it predicted, the observed TTFT was half
+    the predicted (median), and busy holders looked twice as busy as they were."""
+    cfg = RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0, max_num_batched_tokens=100_000)
+    cm = model(cfg)
+    now = [100.0]
+    w = Worker(name="a", url="http://a", config=WorkerConfig(url="http://a"), healthy=True,
+               active=ActiveSequences(clock=lambda: now[0]))
+    first = w.active.add(1000, 1000.0, predicted_s=1e6, streamed=True)
+    now[0] = 100.2
+    w.active.add(500, 500.0, predicted_s=1e6, streamed=True)
+
+    def queue(at: float) -> tuple[float, float]:
+        now[0] = at
+        c = cm.score(w, WorkerMatch(), 0, 100, 16)
+        return round(c.queue_ms, 6), round(c.queue_done_ms, 6)
+
+    assert queue(100.4) == (1100.0, 400.0)  # 0.4 s of the first's 1 s done
+    assert queue(101.5) == (500.0, 1000.0)  # late: never more than the first's own prefill
+    w.active.first_token(first)  # at 101.5: the second (sent at 100.2) starts now
+    assert queue(101.8) == (200.0, 300.0)
+    assert queue(103.0) == (0.0, 500.0)
 
 
 def test_a_long_prompt_takes_several_steps_and_decodes_slow_each():
