@@ -142,6 +142,9 @@ class RoutingConfig(BaseModel):
     # come; a cache that holds only a few (capacity-bound) leaves the margin at stay_margin.
     stay_margin_roomy: float = Field(1.2, ge=0.0, le=10.0, allow_inf_nan=False)
     roomy_prompts: float = Field(8.0, gt=0.0, allow_inf_nan=False)
+    # ... but to a worker with nothing queued ahead of the request, the margin is at most this share: the
+    # conversation leaves a holder whose queue makes it several times slower than that idle worker.
+    stay_margin_idle: float = Field(0.8, ge=0.0, le=10.0, allow_inf_nan=False)
     # ... and for the part of the holder's lead this worker would load from G4 instead of computing, this
     # share of the holder's predicted TTFT. Capacity-bound real vLLM with G4 (docs/BENCHMARKS.md, session
     # 26): 1.0 halved the G4 loads (to sglang-router's count) at an equal mean TTFT; 0 moved conversations
@@ -171,6 +174,9 @@ class RoutingConfig(BaseModel):
     # (its KV taken, no longer demand on the room) at once; off: only from the waiting gauge at the next
     # scrape (every health_interval_s).
     admit_on_events: bool = True
+    # The queue ahead leaves out what the worker has prefilled of the first request it was sent (router/cost.py:
+    # since it was sent, or since the worker's last first token); off: the queue is priced whole.
+    queue_progress: bool = True
     # Prefill admission (router/admission.py): a request waits at the gateway while the gateway's prompts its
     # worker is prefilling would, with it, pass prefill_gate_tokens uncached tokens (default: one step's
     # max_num_batched_tokens), and the shortest waiting prefill goes first; a worker prefilling none of them

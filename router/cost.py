@@ -258,7 +258,7 @@ class CostModel:
         steps = max(queue_steps + 1, math.ceil((queue_tokens + uncached) / per_step))
         step_ms = cal.step_time_s(decodes) * 1000.0
         # the part of the queue's first prefill the worker has done already (at most all of that prefill)
-        done_ms = min(v.head_elapsed_s, v.head_work / tps) * 1000.0
+        done_ms = min(v.head_elapsed_s, v.head_work / tps) * 1000.0 if cfg.queue_progress else 0.0
         queue_ms = max(0.0, (queue_work + self.work(lost, 0.0)) / tps * 1000.0 - done_ms) \
             + queue_steps * step_ms
         wait_ms = 0.0

@@ -11,8 +11,9 @@ the fleet afterwards:
   TTFT up to that share lower, so near ties stay with the cache.
 - ``continuity`` (``routing.future_turns`` 3, ``stay_margin`` 0.3, ``stay_margin_ms``): leaving the
   conversation's holder also costs the turns still to come and a margin (hysteresis), a larger one when the
-  holder's cache is roomy for the prompt (``stay_margin_roomy``, ``roomy_prompts``); a lead the candidate
-  would load from G4 pays ``stay_margin_g4`` instead.
+  holder's cache is roomy for the prompt (``stay_margin_roomy``, ``roomy_prompts``), at most
+  ``stay_margin_idle`` towards a worker with nothing queued; a lead the candidate would load from G4 pays
+  ``stay_margin_g4`` instead.
 - ``footprint`` (``routing.footprint_weight``, 0: off, it did not pay on the simulator): a prompt no worker
   holds a meaningful share of (``routing.overlap_share``) goes where it evicts the least recently used
   cache (the most free KV).
@@ -31,7 +32,7 @@ from router.policies.scorers import (AffinityScorer, ContinuityScorer, Fleet, Fo
 def scorers_of(cfg: RoutingConfig) -> list[Scorer]:
     return [TTFTScorer(), AffinityScorer(cfg.cache_affinity), RecomputeScorer(cfg.recompute_weight),
             ContinuityScorer(cfg.future_turns, cfg.stay_margin, cfg.stay_margin_ms, cfg.stay_margin_roomy,
-                             cfg.roomy_prompts, cfg.stay_margin_g4),
+                             cfg.roomy_prompts, cfg.stay_margin_g4, cfg.stay_margin_idle),
             FootprintScorer(cfg.footprint_weight), LoadScorer(cfg.load_weight)]
 
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from router.cost import MAX_TTFT_MS, Candidate
 from router.kv_room import demand_share
 
+IDLE_QUEUE_MS = 1.0  # a candidate with less queue than this ahead of the request has nothing queued
+
 
 def prompt_share(c: Candidate) -> float:
     """The share of the prompt the candidate would not compute (local and G4 blocks)."""
@@ -154,15 +156,24 @@ class ContinuityScorer(Scorer):
     loads are its own the next turn) but is not free either: vLLM parks the request a step for the load,
     and the prefix then takes room in two workers' caches, so more of it is loaded again later. That part
     pays ``routing.stay_margin_g4`` x the holder's TTFT instead (with G4 on both capacity-bound servers:
-    half the G4 loads of no margin, at the same mean TTFT)."""
+    half the G4 loads of no margin, at the same mean TTFT).
+
+    Towards a candidate with nothing queued ahead of the request the margin is at most
+    ``routing.stay_margin_idle``. The roomy margin can pass 1 (1.5 x the holder's TTFT for a small prompt
+    on a roomy cache), and then no queue on the holder ever lets the conversation go: on the 16-worker
+    fleet simulator turns waited 2-3 s behind a holder's long prefill with idle workers beside that
+    would have answered in 0.1-0.3 s. Hysteresis is against a transient queue moving a conversation
+    between busy workers; an idle worker is not that, and where no worker is idle (the 4-worker fleet,
+    the capacity-bound servers) nothing changes."""
 
     name = "continuity"
 
     def __init__(self, future_turns: float, margin: float, margin_ms: float, roomy: float = 0.0,
-                 roomy_prompts: float = 8.0, g4: float = 0.0) -> None:
+                 roomy_prompts: float = 8.0, g4: float = 0.0, idle: float | None = None) -> None:
         super().__init__(1.0)
         self.future_turns, self.margin, self.margin_ms = future_turns, margin, margin_ms
         self.roomy, self.roomy_prompts, self.g4 = roomy, roomy_prompts, g4
+        self.idle = idle
 
     def term(self, c: Candidate, fleet: Fleet) -> float:
         h = fleet.holder
@@ -172,6 +183,8 @@ class ContinuityScorer(Scorer):
         lead = h.local_blocks - c.local_blocks
         loaded = min(1.0, max(0, c.g4_blocks) / lead)
         margin = self.margin + self.roomy * roominess(h, self.roomy_prompts)
+        if self.idle is not None and c.queue_ms < IDLE_QUEUE_MS:
+            margin = min(margin, self.idle)
         return split + (1.0 - loaded) * (margin * h.predicted_ttft_ms + self.margin_ms) \
             + loaded * self.g4 * h.predicted_ttft_ms
 

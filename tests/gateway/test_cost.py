@@ -95,6 +95,8 @@ def test_the_queue_ahead_counts_only_what_the_worker_has_not_prefilled_yet():
     w.active.first_token(first)  # at 101.5: the second (sent at 100.2) starts now
     assert queue(101.8) == (200.0, 300.0)
     assert queue(103.0) == (0.0, 500.0)
+    cm.cfg = cfg.model_copy(update={"queue_progress": False})  # off: priced whole
+    assert queue(103.0) == (500.0, 0.0)
 
 
 def test_a_long_prompt_takes_several_steps_and_decodes_slow_each():

@@ -88,6 +88,23 @@ def test_a_holder_with_a_roomy_cache_keeps_the_conversation_a_tight_one_loses():
     assert first(RoutingConfig(stay_margin_roomy=0), holder(1_000_000), idle) == "i"
 
 
+def test_a_roomy_holder_loses_the_conversation_to_an_idle_worker_when_it_is_many_times_slower():
+    """``stay_margin_idle``: the roomy margin passes 1 (here 1.49 x the holder's TTFT), and no queue on the
+    holder would let the conversation go; towards a worker with nothing queued the margin is at most 0.8:
+    a holder 5 s away loses the turn to a worker that answers in 110 ms, not to one with a queue."""
+    holder = cand("h", cached=800, uncached=200, ttft=5000.0, kv_free=0.5, kv_free_tokens=500_000.0)
+    idle = cand("i", cached=0, uncached=1000, ttft=110.0)
+    queued = cand("q", cached=0, uncached=1000, ttft=110.0, queue_ms=50.0)
+    cfg = RoutingConfig()
+    # holder: 5000 less 8% affinity = 4600; idle: 110 + 80 + 240 + 0.8 x 5000 = 4430
+    assert first(cfg, holder, idle) == "i"
+    assert first(cfg, holder, queued) == "h"  # 110 + 80 + 240 + 1.49 x 5000
+    assert first(RoutingConfig(stay_margin_idle=10.0), holder, idle) == "h"  # the cap off: it stayed
+    # a holder twice as slow keeps it
+    assert first(cfg, cand("h", cached=800, uncached=200, ttft=1000.0, kv_free=0.5,
+                           kv_free_tokens=500_000.0), idle) == "h"
+
+
 def test_no_margin_for_a_lead_the_candidate_loads_from_g4():
     """With G4, leaving the holder splits nothing: the other worker loads the holder's lead (it is its own
     the next turn), so only the part it would compute keeps the margin; the load time is in its TTFT."""
@@ -214,7 +231,8 @@ def test_bad_candidate_figures_never_make_a_score_nan_or_infinite():
 @pytest.mark.parametrize("field,value", [("future_turns", -1), ("future_turns", float("nan")),
                                          ("stay_margin", float("inf")), ("stay_margin_ms", -5),
                                          ("overlap_share", 1.5), ("footprint_weight", float("nan")),
-                                         ("load_weight", -1), ("recompute_weight", float("inf"))])
+                                         ("load_weight", -1), ("recompute_weight", float("inf")),
+                                         ("stay_margin_idle", -0.1)])
 def test_routing_knobs_are_validated(field, value):
     with pytest.raises(pydantic.ValidationError):
         RoutingConfig(**{field: value})
