@@ -5,16 +5,25 @@ trace, sent as the same text prompts to: kvgate ``kv`` with the Redis index and 
 ``round_robin``, ``least_loaded``, ``session``, and the peer routers ``sglang-router`` and ``vllm-router``
 (policy ``cache_aware``; installed by name from PyPI into their own virtualenvs under
 ~/.cache/kvgate/peers). Fleet sizes 4 and 16 by default. Writes a Markdown table per fleet size, a PNG and
-raw JSON per fleet size under --out."""
+raw JSON per fleet size under --out.
+
+``--rounds N`` runs every target N times per fleet size, each round's order rotated by one, and reports
+each kvgate target's per-round mean TTFT ratio and hit-rate difference against sglang-router (taken only
+between targets of one round) with their median. Why: the targets run one after the other, ~75 s each,
+and the host's speed drifts between them: the simulator's CPU seconds for the same work varied 26-39 s
+between targets of one session, and both routers' mean TTFT followed them (docs/BENCHMARKS.md, session
+33), more than the changes measured."""
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
 
 from bench import replay as rp
 from bench import replay_workloads as wl
+from bench.capacity_bound import median_interval
 from bench.sim import procs
 from bench.sim.harness import Target, overrides, run_target
 from bench.sim.tokenizer import save_model_dir
@@ -29,6 +38,36 @@ def variant(spec: str) -> tuple[str, dict]:
     """``--kv-variant future_turns=3,stay_margin=0.3``: a kvgate kv (memory) target with those routing
     settings, named after them; ``tokenizer.defer_tail_bytes=4096`` sets another section's."""
     return f"kvgate kv (memory, {spec})", overrides(spec)
+
+
+PEER = "sglang-router cache_aware"
+
+
+def vs_peer(rounds: list[dict[str, dict]], peer: str = PEER) -> list[str]:
+    """Per target but the peer, over the rounds (target name -> its run's summary, per round): the median of
+    its per-round mean TTFT ratios and hit-rate differences against the peer's run in the same round, the
+    interval for each median (bench.capacity_bound.median_interval), the rounds it was faster in and those
+    it led on both."""
+    out = []
+    for name in dict.fromkeys(k for r in rounds for k in r):
+        if name == peer:
+            continue
+        pairs = [(r[name], r[peer]) for r in rounds
+                 if name in r and peer in r and r[name].get("ttft_mean_s") and r[peer].get("ttft_mean_s")]
+        if not pairs:
+            continue
+        ratios = [a["ttft_mean_s"] / b["ttft_mean_s"] for a, b in pairs]
+        points = [100.0 * (a["hit_rate"] - b["hit_rate"]) for a, b in pairs]
+        line = f"{name} vs {peer} over {len(pairs)} rounds: mean TTFT {statistics.median(ratios):.2f}x"
+        if iv := median_interval(ratios):
+            line += f" ({iv[0]:.2f}-{iv[1]:.2f}x, a {iv[2]:.0%} interval for the median)"
+        line += f", hit rate {statistics.median(points):+.1f} points"
+        if iv := median_interval(points):
+            line += f" ({iv[0]:+.1f} to {iv[1]:+.1f})"
+        both = sum(1 for x, y in zip(ratios, points) if x < 1.0 and y > 0.0)
+        line += f"; faster in {sum(1 for x in ratios if x < 1.0)}, ahead on both in {both}"
+        out.append(line)
+    return out
 
 
 def targets(text: bool, redis: bool, include: set[str] | None, with_ids: bool = False,
@@ -76,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run kvgate kv (memory) with the continuity and footprint terms off")
     p.add_argument("--kv-variant", action="append", default=[], metavar="KEY=VALUE,...",
                    help="also run kvgate kv (memory) with these routing settings (repeatable)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every target this many times per fleet size, each round's order rotated by one; "
+                        "report per-round ratios against sglang-router and their median")
     p.add_argument("--out", default="bench-results/side-by-side")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -103,29 +145,40 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for n in [int(x) for x in args.fleets.split(",") if x.strip()]:
             results = []
-            for t in tlist:
-                print(f"fleet {n}: {t.name} ...", flush=True)
-                t0 = time.monotonic()
-                try:
-                    res = run_target(t, items, log_dir=out / f"fleet{n}" / "logs", workers=n,
-                                     num_blocks=args.num_blocks, block_size=args.block_size,
-                                     time_scale=args.time_scale, tokenizer_dir=tok_dir, ceiling=ceiling,
-                                     redis_url=redis[1] if redis and t.index == "redis" else None,
-                                     progress=not args.no_progress, routing=ROUTING.get(t.name))
-                except Exception as e:  # noqa: BLE001 - one failed target must not lose the others
-                    print(f"  {t.name} failed: {e}", file=sys.stderr)
-                    report.append(f"- fleet {n}, {t.name}: could not run: {str(e).splitlines()[0]}")
-                    continue
-                results.append(res)
-                s = res.summary()
-                print(f"  hit {100 * s['hit_rate']:.1f}%  mean TTFT {s['ttft_mean_s'] or 0:.2f}s  "
-                      f"failed {s['failed']}  ({time.monotonic() - t0:.0f}s)", flush=True)
+            rounds: list[dict[str, dict]] = []
+            for r in range(max(1, args.rounds)):
+                k = r % len(tlist) if tlist else 0
+                rounds.append({})
+                for t in tlist[k:] + tlist[:k]:
+                    label = t.name if args.rounds <= 1 else f"{t.name} #{r + 1}"
+                    logs = out / f"fleet{n}" / ("logs" if args.rounds <= 1 else f"round{r + 1}/logs")
+                    print(f"fleet {n}: {label} ...", flush=True)
+                    t0 = time.monotonic()
+                    try:
+                        res = run_target(t, items, log_dir=logs, workers=n, label=label,
+                                         num_blocks=args.num_blocks, block_size=args.block_size,
+                                         time_scale=args.time_scale, tokenizer_dir=tok_dir, ceiling=ceiling,
+                                         redis_url=redis[1] if redis and t.index == "redis" else None,
+                                         progress=not args.no_progress, routing=ROUTING.get(t.name))
+                    except Exception as e:  # noqa: BLE001 - one failed target must not lose the others
+                        print(f"  {label} failed: {e}", file=sys.stderr)
+                        report.append(f"- fleet {n}, {label}: could not run: {str(e).splitlines()[0]}")
+                        continue
+                    results.append(res)
+                    s = res.summary()
+                    rounds[-1][t.name] = s
+                    print(f"  hit {100 * s['hit_rate']:.1f}%  mean TTFT {s['ttft_mean_s'] or 0:.2f}s  "
+                          f"failed {s['failed']}  ({time.monotonic() - t0:.0f}s)", flush=True)
             if not results:
                 continue
             sums = [r.summary() for r in results]
             tab = rp.table(sums, baseline="kvgate round_robin")
             print(f"\nfleet of {n}:\n{tab}\n")
             report += [f"### {n} workers", "", tab, ""]
+            if args.rounds > 1:
+                lines = vs_peer(rounds)
+                print("\n".join(lines) + "\n")
+                report += [f"- {x}" for x in lines] + [""]
             rp.plot(results, out / f"fleet{n}.png", title=f"{n} simulated workers, Mooncake conversation trace")
             rp.write_json(results, out / f"fleet{n}.json", {"args": vars(args), "fleet": n})
     finally:
