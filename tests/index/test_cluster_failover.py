@@ -24,7 +24,11 @@ async def test_primary_killed_replica_takes_over():
         await idx.store("m", "w1", Tier.GPU, H[:6])
         before = await idx.epoch()
         node = idx._r.get_node_from_key(idx.blocks_key("m"))
-        await idx._r.execute_command("WAIT", 1, 800, target_nodes=node)  # replicated before the crash
+        # Replicated before the crash: WAIT answers how many replicas acknowledged; on a loaded host one
+        # WAIT of 800 ms could return 0, and the kill then lost the write (a CI failure, not the index's).
+        deadline = time.monotonic() + 30
+        while await idx._r.execute_command("WAIT", 1, 1000, target_nodes=node) < 1:
+            assert time.monotonic() < deadline, "the replica never acknowledged the write"
         cluster.kill(node.port)
         deadline = time.monotonic() + 60
         while True:
