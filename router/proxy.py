@@ -383,17 +383,20 @@ class Forwarder:
                 raw = await resp.read()
                 t_worker = time.perf_counter() - t_open
                 ok = resp.status < 400
-                # parsed once: the load tracker's release and the decision record read the same usage
-                usage = usage_from_body(raw) if ok and self.hooks is None else None
+                # parsed once: the load tracker's release and the decision record read the same usage (an
+                # API's hooks read it first: released before them, Responses and Messages answers never
+                # moved the worker's average answer length)
+                if self.hooks is not None:
+                    raw = await self.hooks.on_body(resp.status, raw)
+                    usage = self.hooks.usage if ok else None
+                else:
+                    usage = usage_from_body(raw) if ok else None
                 lease.release(completion_of(usage))
                 if not ok:  # refused (a prompt too long, a bad parameter): nothing was computed
                     self._withdraw(w, cand, recorded)
                 elif recorded:
                     st.pending.settle(d.namespace, self.hashes, w.name, cand.local_blocks,
                                       text=self.sent_text)
-                if self.hooks is not None:
-                    raw = await self.hooks.on_body(resp.status, raw)
-                    usage = self.hooks.usage if ok else None
                 self.finish("ok" if ok else f"http_{resp.status}", resp.status, usage)
                 hdrs = response_headers(resp, d)
                 hdrs.append((b"content-length", str(len(raw)).encode()))

@@ -1,8 +1,9 @@
 """The Responses and Messages routes' own answers: errors in each API's shape (never a 500), response
 owners that are unknown, gone or down, per-API cache blindness, and schemathesis over their OpenAPI
-description. The workers are the fake ones (tests/support/fake_worker.py: they do not serve these APIs,
-so what a worker would answer is not under test here; real vLLM is, in tests/e2e/test_apis_vllm.py):
-these cases are the gateway's, answered before or without a worker, and fuzzing them needs speed.
+description. The workers are the fake ones (tests/support/fake_worker.py: they serve these APIs only as far
+as one test needs, so what a worker would answer is not under test here; real vLLM is, in
+tests/e2e/test_apis_vllm.py): these cases are the gateway's, answered before or without a worker, and fuzzing
+them needs speed.
 """
 from __future__ import annotations
 
@@ -118,6 +119,23 @@ def test_a_worker_blind_for_one_api_keeps_its_cache_for_the_other(fleet, start_g
     w.parity = {"status": "ok", "apis": {MESSAGES: {"status": "cache-blind"}, RESPONSES: {"status": "ok"}}}
     assert plan(MESSAGES).best.cached_tokens == 0
     assert plan(RESPONSES).best.cached_tokens > 0
+
+
+def test_a_non_streamed_messages_answer_counts_towards_the_workers_answer_length(fleet, start_gateway):
+    """The load tracker learns how long a worker's answers are from their usage (router/load.py: requests in
+    flight are then expected to answer as long, not ``max_tokens``). A non-streamed Messages answer's
+    ``output_tokens`` count as a chat answer's do: its lease was released before the API's hooks read them.
+    The fake worker answers ``/v1/messages`` here (``messages=True``), with usage only."""
+    fleet.add("a", messages=True, words=5)
+    gw = start_gateway(fleet)
+    tracker = gw.state.registry.get("a").active
+    assert tracker.mean_completion is None
+    with httpx.Client(base_url=gw.url, timeout=30) as c:
+        r = c.post("/v1/messages", json={"model": MODEL, "max_tokens": 4096,
+                                         "messages": [{"role": "user", "content": LONG}]})
+    assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 5, r.text
+    assert r.headers["x-kvgate-worker"] == "a" and fleet.states[0].requests[-1]["kind"] == "messages"
+    assert tracker.mean_completion == 5
 
 
 # schemathesis --------------------------------------------------------------------------------------------

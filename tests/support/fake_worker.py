@@ -2,7 +2,8 @@
 
 It is not an engine: it renders chat prompts with the model's tokenizer the way vLLM does, keeps a simple
 prefix cache of full blocks to report ``usage.prompt_tokens_details.cached_tokens``, and answers
-``/v1/chat/completions`` and ``/v1/completions`` (streaming SSE and not), ``/tokenize``, ``/v1/models``,
+``/v1/chat/completions`` and ``/v1/completions`` (streaming SSE and not), non-streamed ``/v1/messages``
+(only with ``messages``), ``/tokenize``, ``/v1/models``,
 ``/metrics`` (vllm:* gauges and cache_config_info), ``/health``, ``/kv_event_sources`` and
 ``/v1/embeddings``. Tests steer it through :class:`FakeState` (fail with 500, hang before the first token,
 die mid-stream, report a long queue). With ``dp_publishers`` it plays a data-parallel server: one engine
@@ -47,6 +48,7 @@ class FakeState:
     dp_waiting: list = field(default_factory=list)  # per rank: vllm:num_requests_waiting{engine="r"}
     sources_status: int = 200  # what /kv_event_sources answers (a 503: its config cannot be read yet)
     sources: object = None  # when set, /kv_event_sources answers this verbatim (odd or malformed input)
+    messages: bool = False  # answer non-streamed /v1/messages (usage only); else 404 as before
     requests: list = field(default_factory=list)
     cancelled: int = 0
     active: int = 0
@@ -208,6 +210,19 @@ def create_fake_worker(state: FakeState, tokenizer_dir: str | None = None) -> Fa
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await generate(request, "completion")
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        body = await request.json() if st.messages else None
+        if not isinstance(body, dict) or body.get("stream"):
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        st.requests.append({"headers": dict(request.headers), "body": body, "kind": "messages"})
+        usage = {"input_tokens": 10, "output_tokens": st.words, "cache_read_input_tokens": 0,
+                 "cache_creation_input_tokens": 0}
+        return JSONResponse({"id": "msg_" + request.headers.get("x-request-id", "x"), "type": "message",
+                             "role": "assistant", "model": body.get("model"), "stop_reason": "max_tokens",
+                             "content": [{"type": "text", "text": " ".join(_reply_words(st, 10))}],
+                             "usage": usage})
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
