@@ -275,6 +275,7 @@ class Forwarder:
         self.after = d.after  # and this
         self.hooks = hooks  # router/apis/hooks.py: another API's usage, error events and response ids
         self._finished = False
+        self._events = 0  # SSE events passed (an OpenAI stream's answer length when it reports no usage)
 
     def finish(self, outcome: str, status: int | None, usage: dict | None = None) -> None:
         if self._finished:
@@ -454,7 +455,18 @@ class Forwarder:
         if done:
             usage = self._stream_usage(tail)
             self.finish("ok", resp.status, usage)
-            lease.release(completion_of(usage))
+            lease.release(self._completion(usage))
+
+    def _completion(self, usage: dict | None) -> int | None:
+        """The tokens a stream generated: its usage's, else (an OpenAI stream without
+        ``stream_options.include_usage``, as most clients send) its events counted: vLLM sends one per
+        token, for chat one more first (the role), and ``[DONE]``. An estimate (a token that ends inside a
+        character sends none; ``--stream-interval`` above 1 sends several per event), good enough for the
+        worker's average answer length (router/load.py), which would otherwise never learn it."""
+        n = completion_of(usage)
+        if n is None and self.hooks is None and self._events:
+            n = max(0, self._events - 1 - self.path.endswith("chat/completions"))
+        return n
 
     def _stream_usage(self, tail: bytearray) -> dict | None:
         """The usage a stream reported: its API hooks' (which read it from their events), or the OpenAI
@@ -497,6 +509,7 @@ class Forwarder:
         if first:
             if hooks is not None:
                 await hooks.on_chunk(first)
+            self._events += first.count(b"\n\n")
             self._done_at_last_event(resp, lease, tail)
             await send({"type": "http.response.body", "body": first, "more_body": True})
         self._first_byte(t_worker)
@@ -504,6 +517,7 @@ class Forwarder:
             async for chunk in it:
                 if hooks is not None:
                     await hooks.on_chunk(chunk)
+                self._events += chunk.count(b"\n\n")
                 tail += chunk
                 if len(tail) > 2 * _TAIL_KEEP:
                     del tail[:-_TAIL_KEEP]

@@ -126,24 +126,30 @@ async def test_the_gateways_own_time_to_the_first_byte(fleet, start_gateway, str
     assert 'kvgate_routing_overhead_seconds_count{stage="read"} 1.0' in text
 
 
-@pytest.mark.parametrize("stream", [True, False])
-async def test_a_finished_request_frees_what_it_generated_not_max_tokens(fleet, start_gateway, stream):
+@pytest.mark.parametrize("stream,usage", [(True, True), (True, False), (False, True)])
+async def test_a_finished_request_frees_what_it_generated_not_max_tokens(fleet, start_gateway, stream, usage):
     """The worker answers a few words to a request that allowed 4,000 tokens: the gateway's load tracker
-    counts the KV it freed (and the LRU clock) at the length the response's usage gives."""
+    counts the KV it freed (and the LRU clock) at the length the response's usage gives, or, for a stream
+    without ``include_usage`` (what most clients send), at the length its events say (one per token, as
+    vLLM sends them), and learns the worker's answer length from it."""
     st = fleet.add("a")
     gw = start_gateway(fleet)
     body = chat_body(LONG, max_tokens=4000, stream=stream, **({"stream_options": {"include_usage": True}}
-                                                            if stream else {}))
+                                                            if stream and usage else {}))
     w = gw.state.registry.get("a")
+    rid = f"mt-{stream}-{usage}"
     async with httpx.AsyncClient(timeout=30) as c:
-        r = await c.post(gw.url + "/v1/chat/completions", json=body, headers={"x-request-id": f"mt-{stream}"})
+        r = await c.post(gw.url + "/v1/chat/completions", json=body, headers={"x-request-id": rid})
         assert r.status_code == 200
-    d = gw.state.decisions.get(f"mt-{stream}")
+    d = gw.state.decisions.get(rid)
     assert d is not None and d.outcome == "ok" and d.max_tokens == 4000
-    prompt_blocks = -(-d.prompt_tokens // BLOCK)
-    held = -(-(d.prompt_tokens + st.words - 1) // BLOCK) * BLOCK
+    prompt = d.prompt_tokens if usage else d.num_tokens  # the gateway's count is exact for this prompt
+    assert not d.tokens_estimated and prompt
+    prompt_blocks = -(-prompt // BLOCK)
+    held = -(-(prompt + st.words - 1) // BLOCK) * BLOCK
     assert st.words < 100 and w.active.released_tokens == held
     assert held < (prompt_blocks + 4000 // BLOCK) * BLOCK
+    assert w.active.mean_completion == st.words
 
 
 async def test_streaming_is_not_buffered(fleet, start_gateway):

@@ -183,13 +183,16 @@ def create_fake_worker(state: FakeState, tokenizer_dir: str | None = None) -> Fa
                     piece = w if i == 0 else " " + w
                     ch = ({"index": 0, "delta": {"content": piece}} if kind == "chat"
                           else {"index": 0, "text": piece})
+                    if i == len(words) - 1:  # vLLM: the last token's event carries the finish reason
+                        ch["finish_reason"] = "length"
                     yield _sse({**base, "choices": [ch]})
                     if await request.is_disconnected():
                         st.cancelled += 1
                         return
-                last = ({"index": 0, "delta": {}, "finish_reason": "length"} if kind == "chat"
-                        else {"index": 0, "text": "", "finish_reason": "length"})
-                yield _sse({**base, "choices": [last]})
+                if not words:
+                    last = ({"index": 0, "delta": {}, "finish_reason": "length"} if kind == "chat"
+                            else {"index": 0, "text": "", "finish_reason": "length"})
+                    yield _sse({**base, "choices": [last]})
                 if include_usage:
                     yield _sse({**base, "choices": [], "usage": usage})
                 yield b"data: [DONE]\n\n"
