@@ -91,6 +91,9 @@ class _Source:
         # duplicates, not a restart.
         self.ahead: tuple[int, int] | None = None
         self.writer = False  # holds the worker's lease: the only gateway that writes its entries
+        # Replaying what the publisher buffers on a first message: the state only, the worker's local-tier
+        # entries written once at its end (:meth:`EventIngestor._catch_up`).
+        self.catching_up = False
         self.lease_at = 0.0  # when to renew it
         self.closed = False
         self.tasks: list[asyncio.Task] = []
@@ -394,17 +397,45 @@ class EventIngestor:
                 s.ahead = None
         if s.last_seq is None:
             if seq > 0 and s.sub.replay_endpoint:
-                await self._fill(s, 0, seq, first=True)
+                await self._catch_up(s, seq)
         elif seq <= s.last_seq:
             log.info("%s: sequence went from %d to %d (restart)", s.src.worker, s.last_seq, seq)
             await self._reset(s, "restart")
             if seq > 0 and s.sub.replay_endpoint:  # the restarted publisher's first batches were missed
-                await self._fill(s, 0, seq, first=True)
+                await self._catch_up(s, seq)
         elif seq > s.last_seq + 1:
             s.counters["gaps"] += 1
             if not await self._fill(s, s.last_seq + 1, seq):
                 await self._reset(s, "unfillable gap")
         await self._apply_payload(s, seq, payload)
+
+    async def _catch_up(self, s: _Source, upto: int) -> None:
+        """A source's first message (or a restarted publisher's) with ``seq > 0``: replay what the publisher
+        still buffers into the state, then write the worker's local-tier entries from it once. Why: applied
+        to the index batch by batch, yielding to requests between batches, a replay of a full ring (vLLM
+        keeps 10,000 batches) left the index mid-history for seconds, and requests were routed on blocks
+        that a later ``AllBlocksCleared`` (a prefix-cache reset) or ``BlockRemoved`` in the same replay
+        undoes (real vLLM, a gateway started after a reset: 27 blocks priced held, 0 delivered). G4 writes
+        go as they come (files outlive a clear)."""
+        s.catching_up = True
+        try:
+            await self._fill(s, 0, upto, first=True)
+        finally:
+            s.catching_up = False
+        if s.writer and s.synced:
+            await self._index_call(s, self._rebuild(s))
+
+    async def _rebuild(self, s: _Source) -> None:
+        """The worker's local-tier entries and handle map, rewritten from the state (exact). Tier by tier;
+        the handle map is replaced in one write, never dropped first: a gateway subscribing meanwhile adopts
+        either the old map or this one, not a torn one."""
+        model, worker = s.src.model, s.src.worker
+        for tier in (Tier.GPU, Tier.CPU):
+            await self.index.clear_worker(model, worker, tier)
+            held = s.state.held(tier)
+            for i in range(0, len(held), _PUSH_CHUNK):
+                await self.index.store(model, worker, tier, held[i:i + _PUSH_CHUNK])
+        await self.index.save_handles(model, worker, s.state.export(), [], s.last_seq, replace=True)
 
     async def _fill(self, s: _Source, start: int, upto: int | None, first: bool = False) -> bool:
         """Replay ``start .. upto-1`` (``upto`` None: all the publisher buffers); True when all of it
@@ -499,14 +530,7 @@ class EventIngestor:
         s.retry_at = now + self.retry_s
         model, worker = s.src.model, s.src.worker
         try:
-            # The entries are rebuilt tier by tier; the handle map is replaced in one write, never dropped
-            # first: a gateway subscribing meanwhile adopts either the old map or this one, not a torn one.
-            for tier in (Tier.GPU, Tier.CPU):
-                await self.index.clear_worker(model, worker, tier)
-                held = s.state.held(tier)
-                for i in range(0, len(held), _PUSH_CHUNK):
-                    await self.index.store(model, worker, tier, held[i:i + _PUSH_CHUNK])
-            await self.index.save_handles(model, worker, s.state.export(), [], s.last_seq, replace=True)
+            await self._rebuild(s)
             while s.g4_backlog:
                 await self._g4_call(model, *s.g4_backlog[0])
                 s.g4_backlog.popleft()
@@ -536,7 +560,7 @@ class EventIngestor:
             s.counters["applied"] += len(batch.events)
             await self._write(s, ops.items)
             ups, dels = s.state.take_changes()
-            if s.writer and s.synced and (ups or dels or ops.items):
+            if s.writer and s.synced and not s.catching_up and (ups or dels or ops.items):
                 await self._index_call(s, self.index.save_handles(s.src.model, s.src.worker, ups, dels, seq))
         finally:
             s.last_seq = seq
@@ -561,7 +585,7 @@ class EventIngestor:
                 self._observe(worker, tier.value, hashes)
             elif op == "remove":
                 s.counters["blocks_removed"] += len(hashes)
-            if not s.synced or not s.writer:
+            if not s.synced or not s.writer or s.catching_up:
                 continue  # the state has it; pushed back with everything else when the index returns
             if op == "store":
                 await self._index_call(s, self.index.store(model, worker, tier, hashes))

@@ -204,6 +204,44 @@ async def test_late_subscriber_replays_from_zero(index):
         pub.close()
 
 
+async def test_a_late_subscriber_never_routes_on_blocks_a_later_clear_in_its_replay_undoes(index):
+    """A gateway started after a prefix-cache reset replays the publisher's ring (vLLM keeps 10,000
+    batches): the blocks stored before the reset's ``AllBlocksCleared`` never show in the index, not even
+    while the replay is being applied (requests are planned between its batches). Seen on real vLLM: a
+    gateway started after a reset priced 27 blocks held that vLLM delivered none of."""
+    port, rport = free_port(), free_port()
+    pub = vf.EventPublisher(f"tcp://*:{port}", f"tcp://*:{rport}")
+    ing = EventIngestor(index)
+    seen, done = 0, False
+
+    async def watch():
+        nonlocal seen
+        while not done:
+            seen = max(seen, (await index.lookup(M, SEQ)).match("w1").gpu)
+            await asyncio.sleep(0)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        pub.publish([blk(0, 8)], send=False)  # the history before the reset: 8 blocks, then churn
+        for _ in range(450):  # 902 batches: under the replay ROUTER's send HWM (1,000, as vLLM's)
+            pub.publish([removed(7)], send=False)
+            pub.publish([blk(7, 1)], send=False)
+        pub.publish([vf.AllBlocksCleared()], send=False)
+        pub.flush()
+        await ing.add_source(EventSource("w1", M, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}"))
+        await until(lambda: ing.status("w1")["connected"], what="connected")
+        assert await asyncio.to_thread(pub.wait_subscribed)
+        live = pub.publish([blk(0, 1)])
+        await until(lambda: ing.status("w1")["last_seq"] == live, what="the live batch")
+        assert (await index.lookup(M, SEQ)).match("w1").gpu == 1
+        assert ing.status("w1")["replays"] == 1 and seen <= 1, seen
+    finally:
+        done = True
+        await watcher
+        await ing.stop()
+        pub.close()
+
+
 async def test_workers_do_not_block_each_other(index):
     """A worker whose replay endpoint never answers stalls only its own queue."""
     import zmq
