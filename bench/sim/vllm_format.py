@@ -133,7 +133,8 @@ class EventPublisher:
 
     ``publish(events)`` assigns the next sequence number and keeps the batch in the replay ring.
     Test hooks: ``publish(..., send=False)`` keeps a batch in the ring without sending it (a dropped
-    message, as with HWM loss); ``restart()`` resets the sequence to 0 and empties the ring (a vLLM restart).
+    message, as with HWM loss); ``restart()`` resets the sequence to 0 and empties the ring (a vLLM restart);
+    ``lose(seq)`` drops a batch from the ring (a replay with a hole).
     """
 
     def __init__(
@@ -213,6 +214,13 @@ class EventPublisher:
             self._queue.put(("restart", None, False))
         self.flush()
 
+    def lose(self, seq: int) -> None:
+        """Drop batch ``seq`` from the ring: a replay then has a hole, as vLLM's does when its replay socket
+        passes its send HWM (1,000 messages) before the reader catches up."""
+        self.flush()
+        self._queue.put(("lose", seq, False))
+        self.flush()
+
     def flush(self, timeout: float = 10.0) -> None:
         """Wait until every published batch has been handed to the PUB socket."""
         import time
@@ -233,6 +241,11 @@ class EventPublisher:
                 seq = None
             if seq == "restart":
                 self._ring.clear()
+                self._queue.task_done()
+            elif seq == "lose":
+                kept = [e for e in self._ring if e[0] != payload]
+                self._ring.clear()
+                self._ring.extend(kept)
                 self._queue.task_done()
             elif seq == "raw":
                 self._pub.send_multipart(payload)

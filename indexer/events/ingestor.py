@@ -452,6 +452,14 @@ class EventIngestor:
             return True  # nothing was published meanwhile
         seqs = [q for q, _ in batches]
         end = upto if upto is not None else (seqs[-1] + 1 if seqs else start)
+        if first and seqs:
+            # Best effort: the newest unbroken run. vLLM's replay socket drops what passes its send HWM
+            # (1,000 messages) while the reader lags, and a ring of 10,000 batches has holes then; the run
+            # after the last hole is still exact (a block whose parent is before it is counted, not indexed).
+            i = len(seqs) - 1
+            while i > 0 and seqs[i - 1] == seqs[i] - 1:
+                i -= 1
+            batches, seqs = batches[i:], seqs[i:]
         if not batches or seqs != list(range(seqs[0], end)):
             return False
         if seqs[0] != start and not first:

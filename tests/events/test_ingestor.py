@@ -204,6 +204,30 @@ async def test_late_subscriber_replays_from_zero(index):
         pub.close()
 
 
+async def test_a_late_subscribers_replay_with_a_hole_applies_the_newest_unbroken_run(index):
+    """vLLM's replay socket drops what passes its send HWM while the reader lags, so a long replay can have
+    holes. A first replay then applies what follows the last hole (exact as far as it goes), not nothing:
+    the worker's blocks stored after it are known at once."""
+    port, rport = free_port(), free_port()
+    pub = vf.EventPublisher(f"tcp://*:{port}", f"tcp://*:{rport}")
+    ing = EventIngestor(index)
+    try:
+        pub.publish([blk(0, 2)], send=False)
+        pub.publish([removed(1)], send=False)  # lost from the ring below
+        pub.publish([blk(0, 3)], send=False)  # self-describing: block 0 has no parent
+        pub.lose(1)
+        await ing.add_source(EventSource("w1", M, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}"))
+        await until(lambda: ing.status("w1")["connected"], what="connected")
+        assert await asyncio.to_thread(pub.wait_subscribed)
+        live = pub.publish([blk(3, 1)])  # its parent is known only from the replay
+        await until(lambda: ing.status("w1")["last_seq"] == live, what="the live batch")
+        assert (await index.lookup(M, SEQ)).match("w1").gpu == 4
+        assert ing.status("w1")["replays"] == 1
+    finally:
+        await ing.stop()
+        pub.close()
+
+
 async def test_a_late_subscriber_never_routes_on_blocks_a_later_clear_in_its_replay_undoes(index):
     """A gateway started after a prefix-cache reset replays the publisher's ring (vLLM keeps 10,000
     batches): the blocks stored before the reset's ``AllBlocksCleared`` never show in the index, not even
