@@ -323,3 +323,29 @@ async def test_sweep_drops_workers_nobody_writes_for(index):
     res = await index.lookup(M, H)
     assert "gone" not in res.workers and res.match("live").gpu == 2
     assert await index.load_handles(M, "gone") == ({}, None)
+
+
+async def test_workers_that_come_and_go_leave_the_others_entries_exact(index):
+    """Pods come back under new names: hundreds of workers store, lose or are cleared, one after another,
+    beside two that stay; every lookup still names exactly who holds what, on which tier. In memory a
+    worker's slot is reused once it holds nothing, so its entries' holder bits stay as wide as the fleet."""
+    await index.store(M, "stay-gpu", GPU, H[:6])
+    await index.store(M, "stay-cpu", CPU, H[:3])
+    for i in range(300):
+        await index.store(M, f"pod-{i}", GPU if i % 2 else CPU, H[: 1 + i % 8])
+        if i % 3:
+            await index.clear_worker(M, f"pod-{i}")
+        else:
+            await index.remove(M, f"pod-{i}", GPU if i % 2 else CPU, H)
+        if i % 50 == 49:
+            res = await index.lookup(M, H)
+            assert set(res.workers) == {"stay-gpu", "stay-cpu"}, res.workers
+    await index.store(M, "new", GPU, H[:2])
+    res = await index.lookup(M, H)
+    assert res.match("stay-gpu") == WorkerMatch(gpu=6, cpu=0, local=6)
+    assert res.match("stay-cpu") == WorkerMatch(gpu=0, cpu=3, local=3)
+    assert res.match("new") == WorkerMatch(gpu=2, cpu=0, local=2)
+    loc = await index.locate(M, H[1])
+    assert loc.workers == {"stay-gpu": frozenset({GPU}), "stay-cpu": frozenset({CPU}), "new": frozenset({GPU})}
+    if isinstance(index, MemoryIndex):
+        assert max(index._models[M].ids.values()) <= 3  # slots reused: 3 workers hold something
