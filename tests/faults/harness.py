@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+from indexer.events.state import _unpack as unpack_handle
 from router.app import create_app
 from router.config import IndexConfig, ModelConfig, Settings, WorkerConfig
 from tests.support.procs import free_port, free_port_pair
@@ -216,7 +217,8 @@ def divergence(gw: Gateway, sim: SimProc) -> dict:
         s = ing._sources.get(sim.name)
         if s is None:  # between an unsubscribe and the new subscription (a restart): not settled yet
             return None
-        engine = {k for k, h in s.state._handles.items() if not isinstance(k, tuple) and h[1] > 0}
+        engine = {k for k, h in s.state._handles.items()
+                  if not isinstance(k, tuple) and unpack_handle(h)[1] > 0}
         held = set(s.state.held("GPU"))
         idx = gw.state.index
         in_redis = 0
