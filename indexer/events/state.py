@@ -98,9 +98,16 @@ _COUNT_SHIFT = (64, 96)  # a handle's count of copies on GPU, on CPU: 32 bits ea
 _COUNT_MASK = (1 << 32) - 1
 
 
+def _pack(rh: int, gpu: int, cpu: int) -> int:
+    """A handle as one int: its kvgate hash and its counts of copies on GPU and on CPU."""
+    return rh | gpu << _COUNT_SHIFT[0] | cpu << _COUNT_SHIFT[1]
+
+
 def _unpack(h: int) -> tuple[int, int, int]:
     """(kvgate hash, count on GPU, count on CPU) of a packed handle."""
-    return h & _MASK64, (h >> 64) & _COUNT_MASK, h >> 96
+    return h & _MASK64, (h >> _COUNT_SHIFT[0]) & _COUNT_MASK, h >> _COUNT_SHIFT[1]
+
+
 _TIERS = (Tier.GPU, Tier.CPU)  # tier codes 0 and 1 (ints: cheaper dict keys than the enum)
 # vLLM's ``medium`` of a BlockStored/BlockRemoved -> tier code (an index into _TIERS), or G4 for STORAGE.
 # The one place this mapping is written; a medium not here (any case) is not indexed.
@@ -219,7 +226,7 @@ class WorkerState:
         for (g, eh), (rh, gpu, cpu) in handles.items():
             if gpu <= 0 and cpu <= 0:
                 continue
-            self._handles[_key(g, eh)] = rh | max(0, gpu) << 64 | max(0, cpu) << 96
+            self._handles[_key(g, eh)] = _pack(rh, max(0, gpu), max(0, cpu))
             for code, c in ((0, gpu), (1, cpu)):
                 if c > 0:
                     self._held[code][rh] = self._held[code].get(rh, 0) + 1
