@@ -19,12 +19,12 @@ leaves discovery (Kubernetes readiness) stops taking requests at once and is rem
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from indexer.events.state import local_g4_member, shared_g4_member
@@ -35,6 +35,7 @@ from router.eviction import EvictionCalibration
 from router.admission import PrefillGate
 from router.load import ActiveSequences, LoadView
 from router.ttft_fit import TtftFit
+from router.upstream import Upstream, UpstreamError
 
 log = logging.getLogger("kvgate.registry")
 
@@ -426,9 +427,10 @@ class DuplicateWorker(ValueError):
 class WorkerRegistry:
     """Workers by name. ``add``/``remove``/``drain`` work at run time (the admin API calls them)."""
 
-    def __init__(self, settings: Settings, client: httpx.AsyncClient, index, ingestor=None, metrics=None):
+    def __init__(self, settings: Settings, index, ingestor=None, metrics=None):
         self.settings = settings
-        self.client = client
+        # health checks, scrapes, models and event sources: their own pool (router/upstream.py)
+        self.control = Upstream(settings, timeout_s=settings.health_timeout_s)
         self.index = index
         self.ingestor = ingestor
         self.metrics = metrics
@@ -546,6 +548,7 @@ class WorkerRegistry:
             except (asyncio.CancelledError, Exception):
                 pass
             self._task = None
+        await self.control.close()
 
     async def add(self, cfg: WorkerConfig, *, probe: bool = True) -> Worker:
         name = worker_name(cfg)
@@ -662,19 +665,20 @@ class WorkerRegistry:
             log.info("worker %s did not return to discovery: removed", name)
             await self.remove(name)
 
-    async def _get(self, w: Worker, path: str) -> httpx.Response:
-        return await self.client.get(w.url + path, timeout=self.settings.health_timeout_s)
+    async def _get(self, w: Worker, path: str) -> tuple[int, bytes]:
+        """``GET`` a worker's control path: (status, body); raises UpstreamError."""
+        return await self.control.get(w.url + path)
 
     async def _probe(self, w: Worker, *, full: bool) -> None:
         """Health check, load scrape, and (``full``) models and event sources."""
         w.last_check = time.time()
         try:
-            r = await self._get(w, "/health")
-            ok = r.status_code == 200
-            reason = None if ok else f"/health answered {r.status_code}"
-        except httpx.HTTPError as e:
-            ok, reason = False, f"/health: {type(e).__name__}: {e}"
-            refused = isinstance(e, httpx.ConnectError)
+            status, _ = await self._get(w, "/health")
+            ok = status == 200
+            reason = None if ok else f"/health answered {status}"
+        except UpstreamError as e:
+            ok, reason = False, f"/health: {e.kind}: {e}"
+            refused = e.kind == "connect"
         else:
             refused = False
         if not ok:
@@ -720,13 +724,14 @@ class WorkerRegistry:
 
     async def _refresh_models(self, w: Worker) -> None:
         try:
-            r = await self._get(w, "/v1/models")
-            r.raise_for_status()
-            data = r.json().get("data", [])
+            status, body = await self._get(w, "/v1/models")
+            if status != 200:
+                raise ValueError(f"answered {status}")
+            data = json.loads(body).get("data", [])
             w.models = {m["id"]: {"parent": m.get("parent"), "root": m.get("root"),
                                   "max_model_len": m.get("max_model_len"), "card": m}
                         for m in data if isinstance(m, dict) and m.get("id")}
-        except (httpx.HTTPError, ValueError, AttributeError) as e:
+        except (UpstreamError, ValueError, AttributeError) as e:
             w.last_error = f"/v1/models: {e}"
         if w.config.events_endpoint:
             w.event_sources = [{"rank": 0, "endpoint": resolve_endpoint(w.config.events_endpoint, w.url),
@@ -734,10 +739,10 @@ class WorkerRegistry:
                                 "topic": ""}]
             return
         try:
-            r = await self._get(w, "/kv_event_sources")
-            if r.status_code == 200:
-                self._set_sources(w, r.json())
-        except (httpx.HTTPError, ValueError) as e:
+            status, body = await self._get(w, "/kv_event_sources")
+            if status == 200:
+                self._set_sources(w, json.loads(body))
+        except (UpstreamError, ValueError) as e:
             w.last_error = f"/kv_event_sources: {e}"
 
     def _set_sources(self, w: Worker, data) -> None:
@@ -783,17 +788,17 @@ class WorkerRegistry:
 
     async def _scrape(self, w: Worker) -> None:
         try:
-            r = await self._get(w, "/metrics")
-            if r.status_code != 200:
+            status, body = await self._get(w, "/metrics")
+            if status != 200:
                 return
             ranks = list(w.ranks)
 
-            def parse(text: str = r.text) -> list:
+            def parse(text: str = body.decode("utf-8", "replace")) -> list:
                 text = wanted_metrics(text)  # once for the server and its ranks
                 return [parse_metrics(text)] + [parse_metrics(text, str(t.dp_rank)) for t in ranks]
 
             (load, bs), *per_rank = await asyncio.to_thread(parse)
-        except (httpx.HTTPError, ValueError) as e:
+        except (UpstreamError, ValueError) as e:
             w.last_error = f"/metrics: {e}"
             return
         before = w.load.process_start

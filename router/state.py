@@ -64,7 +64,7 @@ class GatewayState:
             lease_ttl_s=ic.lease_ttl_s, max_handles=ic.max_handles_per_worker, sweep_idle_s=ic.sweep_idle_s)
         if self.ingestor is not None and getattr(self.ingestor, "observer", False) is None:
             self.ingestor.observer = self._observe_events  # an ingestor passed in by the caller
-        self.registry = WorkerRegistry(settings, self.client, self.index, self.ingestor, self.metrics)
+        self.registry = WorkerRegistry(settings, self.index, self.ingestor, self.metrics)
         if settings.routing.parity_check and self.ingestor is not None:
             self.registry.on_ready = self._check_parity
             self.parity.recheck = self._recheck_parity

@@ -3,8 +3,10 @@
 A small pooled HTTP/1.1 client: asyncio protocols, httptools (the C parser uvicorn uses) for responses,
 keep-alive connections per worker. Measured on this machine against bench/mock_worker.py, a small proxied
 request costs 37 us of client CPU here against 147 us with aiohttp's client (and 0.75 ms with httpx), on
-a gateway whose whole budget per small request is well under a millisecond (docs/BENCHMARKS.md). Control
-traffic (health, /metrics, /v1/models, /tokenize) stays on httpx.
+a gateway whose whole budget per small request is well under a millisecond (docs/BENCHMARKS.md). The
+registry's control traffic (health checks, /metrics scrapes, /v1/models, /kv_event_sources: two calls per
+worker per health interval) uses a second pool of this client (:meth:`Upstream.get`); /tokenize and the
+prefetch orders stay on httpx.
 
 - Bodies pass through undecoded (no content decoding), so the client gets the worker's bytes; a chunked
   response is de-chunked here and re-framed by the ASGI server.
@@ -256,10 +258,16 @@ class _Conn(asyncio.Protocol):
 
 
 class Upstream:
-    """A pooled client for forwarding requests (bounded connections, connect and read timeouts)."""
+    """A pooled client for forwarding requests (bounded connections, connect and read timeouts). The
+    limits are the settings' unless given: the registry keeps a second, small pool for its health checks
+    and scrapes (:meth:`get`), with the health timeout, so a saturated request pool never delays them."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, max_connections: int | None = None,
+                 timeout_s: float | None = None) -> None:
         self.settings = settings
+        self.max_connections = settings.max_connections if max_connections is None else max_connections
+        self.connect_timeout_s = settings.connect_timeout_s if timeout_s is None else timeout_s
+        self.read_timeout_s = settings.request_timeout_s if timeout_s is None else timeout_s
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
         self._open = 0
         self._waiters: collections.deque[asyncio.Future] = collections.deque()  # requests waiting for a slot
@@ -296,15 +304,14 @@ class Upstream:
                 break
 
     async def _connect(self, host: str, port: int) -> _Conn:
-        s = self.settings
-        if self._open >= s.max_connections:
+        if self._open >= self.max_connections:
             for conns in self._idle.values():  # make room by closing an idle connection elsewhere
                 if conns:
                     conns.pop(0).abort()
                     break
             else:
-                deadline = time.monotonic() + s.connect_timeout_s
-                while self._open >= s.max_connections:
+                deadline = time.monotonic() + self.connect_timeout_s
+                while self._open >= self.max_connections:
                     w = asyncio.get_running_loop().create_future()
                     self._waiters.append(w)
                     try:
@@ -312,13 +319,13 @@ class Upstream:
                     except TimeoutError:
                         raise UpstreamError("timeout", "no free upstream connection") from None
         loop = asyncio.get_running_loop()
-        conn = _Conn(self, (host, port), s.request_timeout_s)
+        conn = _Conn(self, (host, port), self.read_timeout_s)
         self._open += 1
         try:
-            await asyncio.wait_for(loop.create_connection(lambda: conn, host, port), s.connect_timeout_s)
+            await asyncio.wait_for(loop.create_connection(lambda: conn, host, port), self.connect_timeout_s)
         except TimeoutError:
             self._open -= 1
-            raise UpstreamError("timeout", f"connecting to {host}:{port} took over {s.connect_timeout_s:g} s") from None
+            raise UpstreamError("timeout", f"connecting to {host}:{port} took over {self.connect_timeout_s:g} s") from None
         except OSError as e:
             self._open -= 1
             raise UpstreamError("connect", f"{type(e).__name__}: {e}") from None
@@ -341,7 +348,7 @@ class Upstream:
                 conn = await self._connect(host, port)
             resp = conn.send(head, body)
             try:
-                await resp.head(self.settings.request_timeout_s)
+                await resp.head(self.read_timeout_s)
                 return resp
             except _Dropped as e:
                 conn.abort()
@@ -352,6 +359,19 @@ class Upstream:
                 conn.abort()
                 raise
         raise UpstreamError("protocol", "the worker closed two connections before answering")
+
+    async def get(self, url: str) -> tuple[int, bytes]:
+        """``GET url``: its status and whole body, within the read timeout in all (control traffic: a
+        health check or a scrape, where httpx cost 20x this client's CPU per call)."""
+        try:
+            async with asyncio.timeout(self.read_timeout_s):
+                resp = await self.open("GET", url, b"", {"accept": "*/*"})
+                try:
+                    return resp.status, await resp.read()
+                finally:
+                    resp.close()
+        except TimeoutError:
+            raise UpstreamError("timeout", f"no whole answer within {self.read_timeout_s:g} s") from None
 
     async def close(self) -> None:
         for conns in self._idle.values():

@@ -243,30 +243,29 @@ async def test_two_workers_on_one_host_each_get_their_own_prefetch_order(tmp_pat
         WorkerConfig(url="http://127.0.0.1:8001", name="a", prefetch_url=eps[0].url + "/"),
         WorkerConfig(url="http://127.0.0.1:8002", name="b", prefetch_url=eps[1].url),
         WorkerConfig(url="http://127.0.0.1:8003", name="c")])  # the fleet's port on its host
-    async with httpx.AsyncClient() as client:
-        reg = WorkerRegistry(settings, client, Index())
-        ws = [await reg.add(cfg, probe=False) for cfg in settings.workers]
-        assert [w.prefetch_url for w in ws] == [eps[0].url, eps[1].url, eps[2].url]
-        assert ws[0].to_dict()["prefetch_url"] == eps[0].url
-        pf = make_prefetcher(settings)
-        try:
-            assert await pf.order(ws[0], "tiny", [101])
-            assert await pf.order(ws[1], "tiny", [102, 103])
-            assert wait_for(lambda: eps[0].stager.stats()["staged"] == 1)
-            assert wait_for(lambda: eps[1].stager.stats()["staged"] == 2)
-            assert eps[2].stager.stats()["staged"] == 0  # nothing went to the fleet-wide port
-            assert await pf.order(ws[2], "tiny", [101, 102, 103])
-            assert wait_for(lambda: eps[2].stager.stats()["staged"] == 3)
-            assert eps[0].stager.stats()["staged"] == 1 and eps[1].stager.stats()["staged"] == 2
-            none = Settings(workers=[WorkerConfig(url="http://127.0.0.1:8004", name="d")])
-            d = await WorkerRegistry(none, client, Index()).add(none.workers[0], probe=False)
-            bare = make_prefetcher(none)
-            assert d.prefetch_url is None and not await bare.order(d, "tiny", [101])
-            assert bare.client.counters["skipped"] + bare.client.counters["sent"] == 0  # not even tried
-            await bare.aclose()
-        finally:
-            await pf.aclose()
-            for srv in servers:
-                srv.shutdown()
-            for ep in eps:
-                ep.stager.close()
+    reg = WorkerRegistry(settings, Index())
+    ws = [await reg.add(cfg, probe=False) for cfg in settings.workers]
+    assert [w.prefetch_url for w in ws] == [eps[0].url, eps[1].url, eps[2].url]
+    assert ws[0].to_dict()["prefetch_url"] == eps[0].url
+    pf = make_prefetcher(settings)
+    try:
+        assert await pf.order(ws[0], "tiny", [101])
+        assert await pf.order(ws[1], "tiny", [102, 103])
+        assert wait_for(lambda: eps[0].stager.stats()["staged"] == 1)
+        assert wait_for(lambda: eps[1].stager.stats()["staged"] == 2)
+        assert eps[2].stager.stats()["staged"] == 0  # nothing went to the fleet-wide port
+        assert await pf.order(ws[2], "tiny", [101, 102, 103])
+        assert wait_for(lambda: eps[2].stager.stats()["staged"] == 3)
+        assert eps[0].stager.stats()["staged"] == 1 and eps[1].stager.stats()["staged"] == 2
+        none = Settings(workers=[WorkerConfig(url="http://127.0.0.1:8004", name="d")])
+        d = await WorkerRegistry(none, Index()).add(none.workers[0], probe=False)
+        bare = make_prefetcher(none)
+        assert d.prefetch_url is None and not await bare.order(d, "tiny", [101])
+        assert bare.client.counters["skipped"] + bare.client.counters["sent"] == 0  # not even tried
+        await bare.aclose()
+    finally:
+        await pf.aclose()
+        for srv in servers:
+            srv.shutdown()
+        for ep in eps:
+            ep.stager.close()

@@ -152,7 +152,7 @@ def test_odd_source_lists_are_read_without_raising():
     from router.config import Settings, WorkerConfig
     from router.registry import Worker, WorkerRegistry
 
-    reg = WorkerRegistry(Settings(), client=None, index=None)
+    reg = WorkerRegistry(Settings(), index=None)
     ok = {"endpoint": "tcp://*:5611", "replay_endpoint": 7, "topic": None}
     cases = {
         "null": (None, [], 1), "list": ([ok], [], 1), "text": ("x", [], 1), "empty": ({}, [], 0),

@@ -189,3 +189,41 @@ async def test_a_slow_reader_pauses_the_worker_socket():
     r.close()
     await up.close()
     server.close()
+
+
+async def test_control_get_reads_a_whole_answer_and_bounds_a_trickle():
+    """The registry's health checks and scrapes (``Upstream.get``): a chunked /metrics-like answer comes back
+    whole; a worker that keeps sending a byte at a time (never idle long enough for the between-bytes
+    timeout) still fails within the pool's timeout in all, as a timeout, and a refused port as a connect."""
+    body = b"# HELP x\n" + b"vllm:num_requests_running 3\n" * 2000
+
+    async def handler(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        if head.startswith(b"GET /metrics"):
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            for i in range(0, len(body), 7000):
+                part = body[i:i + 7000]
+                writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+                await writer.drain()
+                await asyncio.sleep(0.01)
+            writer.write(b"0\r\n\r\n")
+        else:  # /health: a trickle, a byte every 0.1 s
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n")
+            for _ in range(1000):
+                writer.write(b"x")
+                await writer.drain()
+                await asyncio.sleep(0.1)
+        await writer.drain()
+
+    server, url = await serve(handler)
+    up = Upstream(Settings(), timeout_s=0.5)
+    assert await up.get(url + "/metrics") == (200, body)
+    t = asyncio.get_running_loop().time()
+    with pytest.raises(UpstreamError) as e:
+        await up.get(url + "/health")
+    assert e.value.kind == "timeout" and asyncio.get_running_loop().time() - t < 2.0
+    server.close()
+    with pytest.raises(UpstreamError) as e:
+        await up.get(url.rsplit(":", 1)[0] + ":1/health")
+    assert e.value.kind == "connect"
+    await up.close()
