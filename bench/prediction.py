@@ -1,7 +1,8 @@
 """How far kvgate's predictions were from what happened, from its own decision records
 (``GET /admin/decisions``): observed / predicted TTFT (streamed responses) and the share of requests whose
 predicted cached tokens equal vLLM's delivered ``cached_tokens``; and the gateway's own time per request
-(``timings_ms``: reading the body, tokenizing, and all it added before the client's first byte)."""
+(``timings_ms``: reading the body, tokenizing, and all it added before the client's first byte) and the
+time requests were held at its prefill gate."""
 from __future__ import annotations
 
 import json
@@ -21,6 +22,8 @@ def accuracy(decisions: list[dict]) -> dict:
         ms = [t[stage] for d in decisions if isinstance(t := d.get("timings_ms"), dict)
               and isinstance(t.get(stage), (int, float))]
         stages[f"{stage}_ms_mean"] = float(np.mean(ms)) if ms else None
+    gate = [d["gate_wait_ms"] for d in decisions if isinstance(d.get("gate_wait_ms"), (int, float))]
+    stages["gate_wait_ms_mean"] = float(np.mean(gate)) if gate else None  # held at the prefill gate
     return {
         **stages,
         "ttft_ratio_samples": len(ratios),

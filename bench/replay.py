@@ -246,8 +246,9 @@ def table(summaries: Sequence[dict], baseline: str | None = None) -> str:
     if occ:  # bench/sim/occupancy.py: the share of the fleet's resident KV blocks that are second copies
         head.append("KV duplicated")
     engine = any((s.get("engine") or {}).get("ttft_mean_s") is not None for s in summaries)
-    if engine:  # the engines' own mean TTFT (vLLM's histograms), the rest of the client's; kvgate's own part
-        head += ["engine TTFT s", "outside engine s", "kvgate's own s"]
+    if engine:  # the engines' own mean TTFT (vLLM's histograms), the rest of the client's; of that, kvgate's own
+        # part and the time requests waited at its prefill gate (the queue kept there instead of in vLLM)
+        head += ["engine TTFT s", "outside engine s", "kvgate's own s", "kvgate's gate s"]
     pred = any(isinstance(s.get("prediction"), dict) for s in summaries)
     if pred:  # kvgate's own accuracy (bench/prediction.py)
         head += ["obs/pred TTFT p50", "p90", "cached = predicted"]
@@ -266,8 +267,9 @@ def table(summaries: Sequence[dict], baseline: str | None = None) -> str:
         if engine:
             e = (s.get("engine") or {}).get("ttft_mean_s")
             own = (s.get("prediction") or {}).get("first_byte_ms_mean")
+            gate = (s.get("prediction") or {}).get("gate_wait_ms_mean")
             row += [_fmt(e), _fmt(None if e is None or s["ttft_mean_s"] is None else s["ttft_mean_s"] - e),
-                    _fmt(None if own is None else own / 1000.0 * s.get("time_scale", 1.0))]
+                    *(_fmt(None if ms is None else ms / 1000.0 * s.get("time_scale", 1.0)) for ms in (own, gate))]
         if pred:
             p = s.get("prediction") or {}
             row += [_fmt(p.get("ttft_ratio_p50")), _fmt(p.get("ttft_ratio_p90")), _fmt(p.get("cached_exact_share"), True)]

@@ -31,10 +31,11 @@ def test_gateway_time_per_stage_and_the_table_columns():
     the rest of the client's, and of that what kvgate said it added (scaled to workload seconds)."""
     from bench import replay as rp
 
-    a = accuracy([{"timings_ms": {"read": 1.0, "tokenize": 4.0, "first_byte": 10.0}},
-                  {"timings_ms": {"read": 3.0, "tokenize": 2.0, "first_byte": 30.0}},
+    a = accuracy([{"timings_ms": {"read": 1.0, "tokenize": 4.0, "first_byte": 10.0}, "gate_wait_ms": 0.0},
+                  {"timings_ms": {"read": 3.0, "tokenize": 2.0, "first_byte": 30.0}, "gate_wait_ms": 40.0},
                   {"timings_ms": {"tokenize": 0.0}}])  # an error before the first byte
     assert (a["read_ms_mean"], a["tokenize_ms_mean"], a["first_byte_ms_mean"]) == (2.0, 2.0, 20.0)
+    assert a["gate_wait_ms_mean"] == 20.0
     base = {"hit_rate": 0.5, "ceiling": None, "ttft_p50_s": 1.0, "ttft_p90_s": 1.0, "ttft_p99_s": 1.0,
             "e2e_mean_s": 1.0, "throughput_rps": 1.0, "failed": 0, "requests": 2, "time_scale": 5.0}
     kv = {**base, "name": "kv", "ttft_mean_s": 2.0, "engine": {"ttft_mean_s": 1.5}, "prediction": a}
@@ -45,4 +46,5 @@ def test_gateway_time_per_stage_and_the_table_columns():
     col = {h: i for i, h in enumerate(head)}
     assert rows["kv"][col["engine TTFT s"]] == "1.50" and rows["kv"][col["outside engine s"]] == "0.50"
     assert rows["kv"][col["kvgate's own s"]] == "0.10"  # 20 ms of wall time x 5
+    assert rows["kv"][col["kvgate's gate s"]] == "0.10" and rows["peer"][col["kvgate's gate s"]] == "-"
     assert rows["peer"][col["outside engine s"]] == "0.20" and rows["peer"][col["kvgate's own s"]] == "-"
