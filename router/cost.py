@@ -101,6 +101,8 @@ class Candidate:
     queue_tokens: float = 0.0  # their uncached prompts, and queue_lost_tokens
     queue_lost_tokens: float = 0.0  # cached prefixes of theirs their own demand evicts before they run
     queue_done_ms: float = 0.0  # of the queue's prefill: what the worker has done already (left out)
+    # held at the worker's prefill gate with longer prompts: this request goes before them (their wait grows)
+    jumped_requests: int = 0
     # of queue_tokens, the KV the queue allocates beyond the scraped usage (router/load.py kv_demand_tokens,
     # and queue_lost_tokens): what the eviction model, the KV wait and the footprint scorer compare with the room
     kv_demand_tokens: float = 0.0
@@ -248,9 +250,10 @@ class CostModel:
         uncached = max(0, num_tokens - cached)
         queue_work = v.queue_work
         queue_requests = v.queue_requests
+        jumped = 0
         if v.gated:  # the prefill gate sends the shorter ones first: the longer ones it holds are behind
-            n, t, w = v.gated_behind(uncached, after)
-            queue_requests, queue_tokens, queue_work = queue_requests - n, queue_tokens - t, queue_work - w
+            jumped, t, w = v.gated_behind(uncached, after)
+            queue_requests, queue_tokens, queue_work = queue_requests - jumped, queue_tokens - t, queue_work - w
         budget = self.budget(worker)
         decodes = min(v.decodes, budget - 1)
         per_step = budget - decodes
@@ -299,7 +302,7 @@ class CostModel:
             model_ttft_ms=raw, fit_ms=total - raw,
             load=(inflight if inflight > running_waiting else running_waiting) + usage,
             queue_requests=queue_requests, queue_tokens=queue_tokens, queue_lost_tokens=lost,
-            queue_done_ms=done_ms,
+            queue_done_ms=done_ms, jumped_requests=jumped,
             kv_demand_tokens=demand,
             decodes=decodes, steps=steps,
             step_ms=step_ms, overhead_ms=overhead_ms, calibration=cal.source, clamped=clamped,

@@ -284,7 +284,8 @@ class CandidateOut(_Open):
         "affinity (the cache edge, <= 0), recompute (prefill work beyond the best holder's), continuity "
         "(leaving the conversation's holder: future turns and the stay margin, larger where the holder's "
         "cache is roomy for the prompt), footprint (low-overlap prompts: how much more recently used cache "
-        "it would evict here than on the best worker), load"))
+        "it would evict here than on the best worker), load, delay (the wait it adds to the longer prompts "
+        "held at the worker's prefill gate, which it goes before: its prefill time each)"))
     score_notes: list[str] = Field(default_factory=list, description="inputs a scorer found missing or "
                                    "malformed and the neutral value it used instead")
     load: float = 0
@@ -299,6 +300,8 @@ class CandidateOut(_Open):
                                  "queue_ms leaves out: the time since the first of the gateway's requests "
                                  "without a first token was sent (or since the last first token), at most "
                                  "that request's prefill")
+    jumped_requests: int = Field(0, description="prompts held at the worker's prefill gate that are longer "
+                                 "than this one: the gate sends this one before them (the delay term)")
     kv_demand_tokens: float = Field(0, description="the KV the queue still allocates beyond the scraped usage "
                                     "(the requests vLLM was not running at the last scrape, and "
                                     "queue_lost_tokens): what the eviction model, the KV wait and the footprint "

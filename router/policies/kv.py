@@ -17,23 +17,26 @@ the fleet afterwards:
 - ``footprint`` (``routing.footprint_weight``, 0: off, it did not pay on the simulator): a prompt no worker
   holds a meaningful share of (``routing.overlap_share``) goes where it evicts the least recently used
   cache (the most free KV).
+- ``delay`` (``routing.held_delay_weight``, 1.0): the wait this request adds to the longer prompts held at
+  the candidate's prefill gate, which it goes before (its prefill time each): the fleet's TTFT, not only
+  this request's.
 - ``load`` (``routing.load_weight``, 0): ms per request in flight beyond the least loaded.
-With the last three at 0 the order is the one of the recompute and affinity terms alone.
+With footprint, load and delay at 0 the order is the one of the recompute and affinity terms alone.
 """
 from __future__ import annotations
 
 from router.config import RoutingConfig
 from router.cost import Candidate
 from router.policies.base import Policy, Rotation, RouteRequest
-from router.policies.scorers import (AffinityScorer, ContinuityScorer, Fleet, FootprintScorer, LoadScorer,
-                                     RecomputeScorer, Scorer, TTFTScorer)
+from router.policies.scorers import (AffinityScorer, ContinuityScorer, DelayScorer, Fleet, FootprintScorer,
+                                     LoadScorer, RecomputeScorer, Scorer, TTFTScorer)
 
 
 def scorers_of(cfg: RoutingConfig) -> list[Scorer]:
     return [TTFTScorer(), AffinityScorer(cfg.cache_affinity), RecomputeScorer(cfg.recompute_weight),
             ContinuityScorer(cfg.future_turns, cfg.stay_margin, cfg.stay_margin_ms, cfg.stay_margin_roomy,
                              cfg.roomy_prompts, cfg.stay_margin_g4, cfg.stay_margin_idle),
-            FootprintScorer(cfg.footprint_weight), LoadScorer(cfg.load_weight)]
+            FootprintScorer(cfg.footprint_weight), LoadScorer(cfg.load_weight), DelayScorer(cfg.held_delay_weight)]
 
 
 def kv_order(candidates: list[Candidate], start: int, scorers: list[Scorer],

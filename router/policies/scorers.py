@@ -62,6 +62,7 @@ class Fleet:
     low_overlap: bool = True  # no holder
     least_pressure: float | None = None
     least_load: float = 0.0
+    least_delay: float = 0.0  # the smallest DelayScorer term
 
     @classmethod
     def of(cls, candidates: list[Candidate], overlap_share: float) -> Fleet:
@@ -70,6 +71,7 @@ class Fleet:
         best = floor = candidates[0]
         best_key = (best.local_blocks, -best.predicted_ttft_ms)
         least_work, least_load, least_pressure = best.prefill_work, best.load, None
+        least_delay = delay_ms(best)
         for c in candidates:  # one pass: this runs for every request
             key = (c.local_blocks, -c.predicted_ttft_ms)
             if key > best_key:
@@ -80,13 +82,15 @@ class Fleet:
                 least_work = c.prefill_work
             if c.load < least_load:
                 least_load = c.load
+            if least_delay and (d := delay_ms(c)) < least_delay:
+                least_delay = d
             p = kv_pressure(c)
             if p is not None and (least_pressure is None or p < least_pressure):
                 least_pressure = p
         meaningful = (best.local_blocks > floor.local_blocks
                       and local_share(best) - local_share(floor) >= overlap_share)
         return cls(least_work=least_work, holder=best if meaningful else None, low_overlap=not meaningful,
-                   least_pressure=least_pressure, least_load=least_load)
+                   least_pressure=least_pressure, least_load=least_load, least_delay=least_delay)
 
 
 class Scorer(abc.ABC):
@@ -220,6 +224,25 @@ class FootprintScorer(Scorer):
                 c.score_notes.append("footprint: no usable kv_usage from vLLM's metrics, neutral (0)")
             return 0.0
         return work_ms(c, c.prefill_work) * (p - fleet.least_pressure)
+
+
+def delay_ms(c: Candidate) -> float:
+    """The wait this request adds to the requests it goes before at the candidate's prefill gate (longer
+    prompts held there; router/admission.py sends the shortest first): its prefill time each."""
+    return c.jumped_requests * max(0.0, c.prefill_ms + c.g4_load_ms)
+
+
+class DelayScorer(Scorer):
+    """What going before held requests costs them (``routing.held_delay_weight``, 1: the fleet's sum of
+    TTFTs). The TTFT term sees only this request's queue, and the gate puts a short prompt ahead of the
+    longer ones it holds, so a busy worker with a long prompt held looks as fast as an idle one and the held
+    prompt waits another prefill. Measured on the 16-worker fleet simulator (docs/BENCHMARKS.md, session
+    35): requests held 2.5 s behind a prompt sent, 4 ms after them, to the same worker while others idled."""
+
+    name = "delay"
+
+    def term(self, c: Candidate, fleet: Fleet) -> float:
+        return delay_ms(c) - fleet.least_delay
 
 
 class LoadScorer(Scorer):

@@ -66,8 +66,10 @@ def test_requests_held_at_the_prefill_gate_that_are_longer_queue_behind_a_short_
     long_held.gated = short_held.gated = True
     short = cm.score(w, WorkerMatch(), 0, 100, 16)
     assert (short.queue_requests, short.queue_tokens, short.queue_ms) == (2, 450, pytest.approx(450.0))
+    assert short.jumped_requests == 1  # it goes before the long held one (the delay scorer prices that)
     long = cm.score(w, WorkerMatch(), 0, 1000, 16)
     assert (long.queue_requests, long.queue_tokens, long.queue_ms) == (3, 750, pytest.approx(750.0))
+    assert long.jumped_requests == 0
     assert w.view().gated_requests == 2 and w.view().prefill_requests == 3
 
 

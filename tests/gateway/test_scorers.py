@@ -11,8 +11,8 @@ from router.cost import Candidate
 from router.kv_room import kv_room
 from router.policies import RouteRequest, create_policy
 from router.policies.kv import kv_order, scorers_of
-from router.policies.scorers import (ContinuityScorer, Fleet, FootprintScorer, LoadScorer, RecomputeScorer,
-                                     kv_pressure, roominess)
+from router.policies.scorers import (ContinuityScorer, DelayScorer, Fleet, FootprintScorer, LoadScorer,
+                                     RecomputeScorer, kv_pressure, roominess)
 from router.registry import WorkerLoad
 
 REQ = RouteRequest("m", "/v1/chat/completions", {})
@@ -191,11 +191,27 @@ def test_load_term_counts_requests_beyond_the_least_loaded():
     assert first(RoutingConfig(), cand("a", load=4.0, ttft=100.0), cand("b", load=1.0, ttft=120.0)) == "a"
 
 
+def test_going_before_held_prompts_costs_them_this_prompts_prefill_each():
+    """Session 35's fleet case: a 74K-token prompt priced 3.1 s on a worker whose gate holds an 89K-token
+    one (it would go first, the held one would wait its 2.5 s prefill more) and 3.4 s on an idle worker: it
+    goes to the idle one. Without held prompts, or with the weight at 0, the faster prediction wins."""
+    busy = cand("busy", uncached=74_000, ttft=3113.0, prefill_ms=2500.0, jumped_requests=1)
+    idle = cand("idle", uncached=74_000, ttft=3370.0, prefill_ms=3300.0)
+    fleet = Fleet.of([busy, idle], 0.1)
+    assert fleet.least_delay == 0.0 and DelayScorer().ms(busy, fleet) == 2500.0 and DelayScorer().ms(idle, fleet) == 0
+    assert first(RoutingConfig(), busy, idle) == "idle"
+    assert first(RoutingConfig(held_delay_weight=0.0), busy, idle) == "busy"
+    two = cand("two", uncached=74_000, ttft=3000.0, prefill_ms=2000.0, jumped_requests=2)
+    fleet = Fleet.of([busy, two], 0.1)  # relative to the fleet's least: 2,500 ms vs 4,000 ms
+    assert fleet.least_delay == 2500.0 and DelayScorer().ms(two, fleet) == 1500.0
+    assert first(RoutingConfig(), busy, two) == "busy"
+
+
 def test_terms_are_recorded_and_sum_to_the_score():
     cs = [cand("h", cached=800, uncached=200, ttft=130.0), cand("i", ttft=110.0)]
     kv_order(cs, 0, scorers_of(RoutingConfig()))
     for c in cs:
-        assert set(c.terms_ms) == {"ttft", "affinity", "recompute", "continuity", "footprint", "load"}
+        assert set(c.terms_ms) == {"ttft", "affinity", "recompute", "continuity", "footprint", "load", "delay"}
         assert c.score_ms == pytest.approx(sum(c.terms_ms.values()), abs=1e-2)
     assert cs[0].terms_ms["affinity"] == pytest.approx(-0.1 * 0.8 * 130.0)
 
@@ -232,7 +248,8 @@ def test_bad_candidate_figures_never_make_a_score_nan_or_infinite():
                                          ("stay_margin", float("inf")), ("stay_margin_ms", -5),
                                          ("overlap_share", 1.5), ("footprint_weight", float("nan")),
                                          ("load_weight", -1), ("recompute_weight", float("inf")),
-                                         ("stay_margin_idle", -0.1)])
+                                         ("stay_margin_idle", -0.1), ("held_delay_weight", -1),
+                                         ("held_delay_weight", float("nan"))])
 def test_routing_knobs_are_validated(field, value):
     with pytest.raises(pydantic.ValidationError):
         RoutingConfig(**{field: value})
