@@ -156,13 +156,13 @@ class RoutingConfig(BaseModel):
     # on the best worker (vLLM's kv_cache_usage_perc and num_gpu_blocks). Off by default: on the virtual-clock
     # fleet it lowered the hit rate and raised the mean TTFT (vLLM's usage counts running requests' blocks,
     # not the reusable cache, so it mostly follows load).
-    # kv policy: a candidate pays this many times its prefill time for each longer prompt held at its prefill
-    # gate (the gate sends this one first: each of them waits that much longer); 0 prices this request alone.
-    held_delay_weight: float = Field(1.0, ge=0.0, allow_inf_nan=False)
     overlap_share: float = Field(0.1, ge=0.0, le=1.0, allow_inf_nan=False)
     footprint_weight: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     # kv policy: ms per request in flight beyond the least loaded candidate (0: the TTFT prices the queue).
     load_weight: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    # kv policy: a candidate pays this many times its prefill time for each longer prompt held at its prefill
+    # gate (the gate sends this one first: each of them waits that much longer); 0 prices this request alone.
+    held_delay_weight: float = Field(1.0, ge=0.0, allow_inf_nan=False)
     # Eviction model (router/cost.py): while vLLM's last scrape shows requests waiting, a candidate's cached
     # prefix that no request in flight holds is priced evicted before this request runs (its blocks sit in
     # the free queue, and the waiting prompts allocate first).
