@@ -259,13 +259,13 @@ class _Conn(asyncio.Protocol):
 
 class Upstream:
     """A pooled client for forwarding requests (bounded connections, connect and read timeouts). The
-    limits are the settings' unless given: the registry keeps a second, small pool for its health checks
-    and scrapes (:meth:`get`), with the health timeout, so a saturated request pool never delays them."""
+    timeouts are the settings' unless ``timeout_s`` is given: the registry keeps a second pool for its
+    health checks and scrapes (:meth:`get`), with the health timeout, so a saturated request pool never
+    delays them."""
 
-    def __init__(self, settings: Settings, *, max_connections: int | None = None,
-                 timeout_s: float | None = None) -> None:
+    def __init__(self, settings: Settings, *, timeout_s: float | None = None) -> None:
         self.settings = settings
-        self.max_connections = settings.max_connections if max_connections is None else max_connections
+        self.max_connections = settings.max_connections
         self.connect_timeout_s = settings.connect_timeout_s if timeout_s is None else timeout_s
         self.read_timeout_s = settings.request_timeout_s if timeout_s is None else timeout_s
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
