@@ -167,8 +167,11 @@ def main(argv: list[str] | None = None) -> int:
                     results.append(res)
                     s = res.summary()
                     rounds[-1][t.name] = s
+                    iv = res.extra.get("index_view") or {}
+                    drift = (f"  index {iv['index_gpu']} / engines {iv['engine_blocks']} GPU blocks"
+                             if "index_gpu" in iv else "")
                     print(f"  hit {100 * s['hit_rate']:.1f}%  mean TTFT {s['ttft_mean_s'] or 0:.2f}s  "
-                          f"failed {s['failed']}  ({time.monotonic() - t0:.0f}s)", flush=True)
+                          f"failed {s['failed']}{drift}  ({time.monotonic() - t0:.0f}s)", flush=True)
             if not results:
                 continue
             sums = [r.summary() for r in results]

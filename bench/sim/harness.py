@@ -5,6 +5,7 @@ Every run starts from empty caches, so runs are comparable."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -128,6 +129,9 @@ def run_target(t: Target, items, *, log_dir: Path, workers: int, num_blocks: int
         if t.kind == "kvgate":
             res.extra["prediction"] = prediction.fetch(f"http://127.0.0.1:{port}",
                                                        save=log_dir / f"decisions-{t.name}.json")
+        if t.kind == "kvgate":
+            res.extra["index_view"] = index_view(f"http://127.0.0.1:{port}", desc["workers"],
+                                                 save=log_dir / f"index-{t.name}.json")
         if t.kind == "kvgate" and t.g4:
             res.extra["gateway_g4"] = gateway_g4_view(f"http://127.0.0.1:{port}", desc["model"])
         res.extra["engine"] = engine_breakdown(urls, time_scale)
@@ -136,6 +140,41 @@ def run_target(t: Target, items, *, log_dir: Path, workers: int, num_blocks: int
         if router is not None:
             router.stop()
         fleet.stop()
+
+
+def index_view(base_url: str, workers: list[dict], save: Path | None = None) -> dict:
+    """The gateway's index against the engines' caches at the end of a run: per worker, the index's GPU
+    entries and the blocks the simulated engine holds (``GET /sim/cached``), and the ingestion counters.
+    An index that lags the engines' evictions shows as more entries than blocks (routing then predicts
+    hits that are gone); ``save`` keeps /admin/workers and /admin/index as they were."""
+    import httpx
+
+    out: dict = {"workers": {}}
+    try:
+        ws = httpx.get(base_url + "/admin/workers", timeout=30).json()
+        idx = httpx.get(base_url + "/admin/index", timeout=30).json()
+    except (httpx.HTTPError, ValueError):
+        return out
+    if save is not None:
+        save.write_text(json.dumps({"workers": ws, "index": idx}))
+    by_url = {w["url"].rstrip("/"): w for w in ws.get("workers", [])}
+    for d in workers:
+        w = by_url.get(d["url"].rstrip("/"))
+        if w is None:
+            continue
+        try:
+            held = len(httpx.get(d["url"].rstrip("/") + "/sim/cached", timeout=30).json()["hashes"])
+        except (httpx.HTTPError, ValueError, KeyError):
+            held = None
+        ev = w.get("events") or {}
+        out["workers"][w["name"]] = {
+            "index_gpu": (w.get("cached_blocks") or {}).get("GPU", 0), "engine_blocks": held,
+            **{k: ev.get(k, 0) for k in ("applied", "dropped", "gaps", "replays", "resets", "resyncs")}}
+    rows = [v for v in out["workers"].values() if v["engine_blocks"] is not None]
+    if rows:
+        out["index_gpu"] = sum(v["index_gpu"] for v in rows)
+        out["engine_blocks"] = sum(v["engine_blocks"] for v in rows)
+    return out
 
 
 _HIST = {"vllm:request_queue_time_seconds": "queue", "vllm:request_prefill_time_seconds": "prefill",

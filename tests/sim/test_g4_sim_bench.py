@@ -34,5 +34,11 @@ def test_g4_on_raises_hit_rate(tmp_path):
     # (a full suite once chose none: the chosen ones held the history locally), so that is not asserted.
     assert g4["g4_ms_per_block"] < 0.5 * g4["compute_ms_per_block"], g4
     assert "gateway_g4" not in s_off
+    # at rest the gateway's index holds exactly the blocks the engines hold, worker by worker: every
+    # eviction reached it (an index that lagged would predict hits that are gone)
+    for s in (s_off, s_on):
+        view = s["index_view"]
+        assert len(view["workers"]) == 2 and view["engine_blocks"] > 0, view
+        assert all(w["index_gpu"] == w["engine_blocks"] and w["dropped"] == 0 for w in view["workers"].values()), view
     assert "G4 on" in bench_g4_sim.table([s_off, s_on])
 
