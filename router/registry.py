@@ -848,7 +848,8 @@ class WorkerRegistry:
             try:
                 await self.ingestor.add_source(EventSource(
                     worker=name, model=model, endpoint=key[1], replay_endpoint=key[2], topic=key[3],
-                    block_size=w.block_size, worker_url=w.url, g4_member=self._g4_writes(w, name)))
+                    block_size=w.block_size, worker_url=w.url, g4_member=self._g4_writes(w, name),
+                    incarnation=self._incarnation(w, name)))
             except Exception as e:  # a bad endpoint must not take the worker (or its other ranks) out
                 w.last_error = f"events of {name}: {type(e).__name__}: {e}"
                 log.warning("subscribing to the events of %s: %s", name, e)
@@ -856,6 +857,12 @@ class WorkerRegistry:
             have[name] = key
             new = True
         return new
+
+    def _incarnation(self, w: Worker, name: str) -> str | None:
+        """The engine process behind the stream (its process start, from the last scrape); None while
+        unknown, and for a worker that is down (the start read last is the dead process's)."""
+        start = next((t for t in w.targets() if t.name == name), w).load.process_start
+        return None if start is None or w.down else repr(start)
 
     def _g4_writes(self, w: Worker, name: str) -> str | None:
         return next((t for t in w.targets() if t.name == name), w).g4_writes()

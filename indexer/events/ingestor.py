@@ -72,6 +72,9 @@ class EventSource:
     # Where the worker's shared G4 blocks are indexed: None = the model-wide G4 set, else the index
     # entry of the named tier it mounts (state.shared_g4_member).
     g4_member: str | None = None
+    # The publishing engine process (the server's process_start_time_seconds), None when unknown: a handle
+    # map the index saved for another incarnation is not adopted (its cache is gone).
+    incarnation: str | None = None
 
 
 class _Source:
@@ -311,10 +314,21 @@ class EventIngestor:
 
     async def _adopt(self, s: _Source) -> None:
         """Start from the handle map and sequence the worker's writer saved in the index, so this process
-        can apply a BlockRemoved for a block stored before it started."""
+        can apply a BlockRemoved for a block stored before it started. Not when the map was saved for
+        another engine process: the worker restarted while no gateway watched (the new process's sequence
+        starts at 0 again and would read as already applied), so its entries are stale. This source then
+        starts empty, like a new one, and as the writer it pushes that state back (clearing them)."""
+        timeout = max(self.replay_timeout_s, 1.0)
         try:
-            handles, seq = await asyncio.wait_for(self.index.load_handles(s.src.model, s.src.worker),
-                                                  max(self.replay_timeout_s, 1.0))
+            if s.src.incarnation is not None:
+                prev = await asyncio.wait_for(
+                    self.index.swap_incarnation(s.src.model, s.src.worker, s.src.incarnation), timeout)
+                if prev is not None and prev != s.src.incarnation:
+                    s.counters["resets"] += 1
+                    log.info("%s: restarted since its entries were written (process start %s, now %s): not "
+                             "adopting them", s.src.worker, prev, s.src.incarnation)
+                    return
+            handles, seq = await asyncio.wait_for(self.index.load_handles(s.src.model, s.src.worker), timeout)
         except asyncio.CancelledError:
             raise
         except Exception as e:

@@ -12,6 +12,8 @@ Semantics every backend honours (the contract tests in tests/index/ run against 
 - the *handle map* of a worker -- vLLM's (group, engine hash) -> (kvgate hash, GPU count, CPU count) and the
   last applied event sequence -- lives in the index too (``save_handles``/``load_handles``), so a gateway
   process that starts later can apply a ``BlockRemoved`` for a block stored before it started;
+- beside it the worker's *incarnation* (``swap_incarnation``: the engine process the map was written for),
+  so that a gateway starting later does not adopt the map and entries of a process that is gone;
 - one writer per worker: ``acquire_lease`` grants (and renews) a worker's lease to one owner; writes by an
   index whose lease was taken over raise :class:`LeaseLost` (fencing), so a stale writer cannot undo
   the new one's work; ``sweep`` drops the entries of workers nobody has held a lease for in a while.
@@ -134,6 +136,15 @@ class BlockIndex(abc.ABC):
     async def _drop_handles(self, model: str, worker: str) -> None:
         self._handles.pop((model, worker), None)
 
+    async def swap_incarnation(self, model: str, worker: str, incarnation: str) -> str | None:
+        """Record the engine process whose events now feed the worker's entries (vLLM's
+        ``process_start_time_seconds``) and return the one recorded before (None: none). Why: sequence
+        numbers alone cannot tell a gateway that restarted from a worker that restarted while no gateway
+        watched; a changed incarnation means the saved handle map and entries describe a cache that is gone."""
+        prev = self._incarnations.get((model, worker))
+        self._incarnations[(model, worker)] = incarnation
+        return prev
+
     async def acquire_lease(self, model: str, worker: str, owner: str, ttl_s: float) -> bool:
         """Take or renew ``worker``'s lease for ``owner``; False while another owner holds it."""
         import time
@@ -161,6 +172,7 @@ class BlockIndex(abc.ABC):
         for w in gone:
             await self.clear_worker(model, w)
             self._seen.pop((model, w), None)
+            self._incarnations.pop((model, w), None)
         return gone
 
     @property
@@ -174,6 +186,10 @@ class BlockIndex(abc.ABC):
     @property
     def _seen(self) -> dict:
         return self.__dict__.setdefault("_lease_seen", {})
+
+    @property
+    def _incarnations(self) -> dict:
+        return self.__dict__.setdefault("_incarnation_table", {})
 
     async def epoch(self) -> str | None:
         """Changes when the backend lost or may have lost its data (a Redis restart); None if it never does.

@@ -21,6 +21,8 @@ key                             type   content
                                        its GPU / CPU counts).
 ``P:{M}:hseq`` / ``P:{M}:hver`` hash   worker -> last applied event sequence / handle-map version
                                        (bumped by every map write: a chunked reader detects a change).
+``P:{M}:inc``                   hash   worker -> the engine process its entries describe (its
+                                       ``process_start_time_seconds``; ``swap_incarnation``).
 ==============================  =====  ===========================================================
 
 Why this shape: a block costs one hash field (no per-key overhead), each holder a few bytes in that
@@ -110,7 +112,7 @@ class RedisIndex(BlockIndex):
         self._store, self._remove, self._clear = reg(source("store")), reg(source("remove")), reg(source("clear"))
         self._lookup, self._wid = reg(source("lookup")), reg(source("worker_id"))
         self._save_h, self._lease = reg(source("save_handles")), reg(source("lease"))
-        self._load_h = reg(source("load_handles"))
+        self._load_h, self._swap = reg(source("load_handles")), reg(source("swap_field"))
 
     # -- keys -------------------------------------------------------------------------------------------
     def base(self, model: str) -> str:
@@ -290,6 +292,10 @@ class RedisIndex(BlockIndex):
     async def _drop_handles(self, model: str, worker: str) -> None:
         await self._save_h(list(self._hkeys(model, worker)), [self.base(model), worker, "", "", b"", b"", "drop"])
 
+    async def swap_incarnation(self, model: str, worker: str, incarnation: str) -> str | None:
+        old = await self._swap([self.base(model) + "inc"], [worker, incarnation])
+        return old.decode() if isinstance(old, bytes) else old
+
     async def acquire_lease(self, model: str, worker: str, owner: str, ttl_s: float) -> bool:
         b = self.base(model)
         token = await self._lease([b + "lease:" + worker, b + "fence:" + worker, b + "seen"],
@@ -323,6 +329,7 @@ class RedisIndex(BlockIndex):
             except LeaseLost:  # a writer took it meanwhile
                 continue
             await self._r.hdel(b + "seen", name)
+            await self._r.hdel(b + "inc", name)
             gone.append(name)
         return gone
 

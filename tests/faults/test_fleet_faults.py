@@ -136,6 +136,32 @@ async def test_real_restart_clears_then_rebuilds(redis, sims, gateways):
            restarts=gw.state.registry.get("a").restarts, rebuilt_blocks_a=da["blocks"], **db)
 
 
+async def test_worker_restarted_while_no_gateway_watched(redis, sims, gateways):
+    """A gateway stopped, its worker restarted (a new process: empty cache, events from seq 0 again), then a
+    gateway started over the same Redis. The entries and handle map the first one saved describe a cache
+    that is gone: the new gateway must not adopt them, nor take the new process's first batches for ones
+    already applied (found on the fleet bench: a 4-worker run after a 16-worker one on the same Redis, under
+    the same worker names, held 317K entries against the engines' 250K and lost 6 points of hits)."""
+    a, g1 = await _fleet(sims, gateways, redis.url, "a")
+    async with httpx.AsyncClient(timeout=30, trust_env=False) as c:
+        for i in range(4):
+            assert (await request(c, g1.url, list(range(i * 700, i * 700 + 300)), stream=False)).done
+        old = (await _settled(g1, a))["blocks"]
+        assert old > 0
+        g1.stop()
+        a.kill()
+        a.start()
+        g2 = gateways([a], redis.url)
+        await _healthy(g2, "a")
+        await _subscribed(g2, "a")
+        r = await request(c, g2.url, list(range(10_000, 10_200)), stream=False)
+        assert r.done, r
+        d = await _settled(g2, a)  # Redis and the state hold exactly the new process's blocks
+        assert 0 < d["blocks"] < old, (d, old)
+        assert g2.state.ingestor.status("a")["duplicates"] == 0
+    record("worker restarted between gateways", requests=5, failed=0, entries_before=old, **d)
+
+
 async def test_worker_killed_under_load(redis, sims, gateways):
     a, b, gw = await _fleet(sims, gateways, redis.url, "a", "b")
     load = Load([gw.url], conversations=6)

@@ -290,6 +290,21 @@ async def test_an_update_without_a_sequence_keeps_the_last_one_and_a_replace_dro
     assert await index.load_handles(M, "w1") == ({(0, 3): (H[2], 0, 1)}, None)
 
 
+async def test_incarnation_swap_returns_the_previous_one_per_worker_and_sweep_forgets_it(index):
+    """What a gateway subscribing to a worker compares: the engine process its entries were written for."""
+    import asyncio
+
+    assert await index.swap_incarnation(M, "w1", "100.5") is None
+    assert await index.swap_incarnation(M, "w1", "100.5") == "100.5"  # the same process: adopt
+    assert await index.swap_incarnation(M, "w1", "200.25") == "100.5"  # restarted meanwhile
+    assert await index.swap_incarnation(M, "w2", "7") is None
+    assert await index.swap_incarnation("other-model", "w1", "1") is None
+    await index.acquire_lease(M, "w1", "gw-a", ttl_s=0.1)
+    await asyncio.sleep(0.3)
+    assert "w1" in await index.sweep(M, idle_s=0.1)
+    assert await index.swap_incarnation(M, "w1", "300") is None
+
+
 async def test_lease_is_exclusive_renewable_and_released(index):
     assert await index.acquire_lease(M, "w1", "gw-a", ttl_s=30)
     assert await index.acquire_lease(M, "w1", "gw-a", ttl_s=30)  # renewal
