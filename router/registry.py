@@ -815,6 +815,12 @@ class WorkerRegistry:
         w.load = load
         if before is not None and load.process_start is not None and load.process_start != before:
             await self._restarted(w, "process_start_time_seconds changed")
+        elif self.ingestor is not None and not w.down:
+            record = getattr(self.ingestor, "record_incarnation", None)
+            for name in self._subscribed.get(w.name, ()) if record is not None else ():
+                inc = self._incarnation(w, name)
+                if inc is not None:
+                    await record(name, inc)
         for t, d, engine in done:
             if d is not None and self.on_prefill is not None:
                 self.on_prefill(t, *d)

@@ -228,6 +228,23 @@ class EventIngestor:
         return {t.value: s.state.held(t) for t in (Tier.GPU, Tier.CPU)}
 
     # -- status -----------------------------------------------------------------------------------------
+    async def record_incarnation(self, worker: str, incarnation: str) -> None:
+        """The registry learnt the worker's engine process after subscribing (the first scrape came later, or
+        a process came up behind a subscription kept while the worker was down, whose entries were dropped
+        then): record it beside the entries this source writes, so a gateway starting later adopts them."""
+        s = self._sources.get(worker)
+        if s is None or s.src.incarnation == incarnation:
+            return
+        s.src.incarnation = incarnation
+        try:
+            await asyncio.wait_for(self.index.swap_incarnation(s.src.model, worker, incarnation),
+                                   max(self.replay_timeout_s, 1.0))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the next scrape tries again
+            s.src.incarnation = None
+            log.debug("%s: recording its process start: %s", worker, e)
+
     def status(self, worker: str) -> dict:
         s = self._sources.get(worker)
         if s is None:

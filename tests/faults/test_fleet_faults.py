@@ -162,6 +162,32 @@ async def test_worker_restarted_while_no_gateway_watched(redis, sims, gateways):
     record("worker restarted between gateways", requests=5, failed=0, entries_before=old, **d)
 
 
+async def test_a_worker_back_from_down_is_adopted_by_the_next_gateway(redis, sims, gateways):
+    """The other side of the rule above: a worker found down (its port refused) and then back as a new
+    process behind the subscription the gateway kept. Its entries were written for the new process, so a
+    gateway started later adopts them (no reset, nothing to rebuild) and answers from them at once."""
+    a, g1 = await _fleet(sims, gateways, redis.url, "a")
+    a.kill()
+    await wait_for(lambda: g1.state.registry.get("a").down, what="a down")
+    a.start()
+    await _healthy(g1, "a")
+    prompt = list(range(3000, 3400))
+    async with httpx.AsyncClient(timeout=30, trust_env=False) as c:
+        assert (await request(c, g1.url, prompt, stream=False)).done
+        blocks = (await _settled(g1, a))["blocks"]
+        assert blocks > 0
+        g1.stop()
+        g2 = gateways([a], redis.url)
+        await _healthy(g2, "a")
+        await _subscribed(g2, "a")
+        assert g2.state.ingestor.status("a")["resets"] == 0  # adopted, not taken for another process
+        d = await _settled(g2, a)
+        assert d["blocks"] == blocks
+        nxt = await request(c, g2.url, prompt + list(range(9000, 9064)), stream=False)
+        assert nxt.done and nxt.cached >= len(prompt) // 16 * 16 - 16, nxt
+    record("worker back from down, then a new gateway", requests=2, failed=0, **d)
+
+
 async def test_worker_killed_under_load(redis, sims, gateways):
     a, b, gw = await _fleet(sims, gateways, redis.url, "a", "b")
     load = Load([gw.url], conversations=6)
