@@ -864,14 +864,19 @@ class WorkerRegistry:
             new = True
         return new
 
+    @staticmethod
+    def _target(w: Worker, name: str) -> Worker:
+        """The routing target (the server, or one of its ranks) whose event stream is ``name``."""
+        return next((t for t in w.targets() if t.name == name), w)
+
     def _incarnation(self, w: Worker, name: str) -> str | None:
         """The engine process behind the stream (its process start, from the last scrape); None while
         unknown, and for a worker that is down (the start read last is the dead process's)."""
-        start = next((t for t in w.targets() if t.name == name), w).load.process_start
+        start = self._target(w, name).load.process_start
         return None if start is None or w.down else repr(start)
 
     def _g4_writes(self, w: Worker, name: str) -> str | None:
-        return next((t for t in w.targets() if t.name == name), w).g4_writes()
+        return self._target(w, name).g4_writes()
 
     async def _remove_source(self, have: dict[str, tuple], name: str, clear: bool) -> None:
         have.pop(name, None)

@@ -18,7 +18,7 @@ import numpy as np
 from bench import prediction
 from bench import replay as rp
 from bench.sim import procs
-from bench.sim.occupancy import OccupancySampler
+from bench.sim.occupancy import OccupancySampler, cached_hashes
 
 PEERS_DIR = Path.home() / ".cache" / "kvgate" / "peers"
 
@@ -129,7 +129,6 @@ def run_target(t: Target, items, *, log_dir: Path, workers: int, num_blocks: int
         if t.kind == "kvgate":
             res.extra["prediction"] = prediction.fetch(f"http://127.0.0.1:{port}",
                                                        save=log_dir / f"decisions-{t.name}.json")
-        if t.kind == "kvgate":
             res.extra["index_view"] = index_view(f"http://127.0.0.1:{port}", desc["workers"],
                                                  save=log_dir / f"index-{t.name}.json")
         if t.kind == "kvgate" and t.g4:
@@ -158,18 +157,19 @@ def index_view(base_url: str, workers: list[dict], save: Path | None = None) -> 
     if save is not None:
         save.write_text(json.dumps({"workers": ws, "index": idx}))
     by_url = {w["url"].rstrip("/"): w for w in ws.get("workers", [])}
-    for d in workers:
-        w = by_url.get(d["url"].rstrip("/"))
-        if w is None:
-            continue
-        try:
-            held = len(httpx.get(d["url"].rstrip("/") + "/sim/cached", timeout=30).json()["hashes"])
-        except (httpx.HTTPError, ValueError, KeyError):
-            held = None
-        ev = w.get("events") or {}
-        out["workers"][w["name"]] = {
-            "index_gpu": (w.get("cached_blocks") or {}).get("GPU", 0), "engine_blocks": held,
-            **{k: ev.get(k, 0) for k in ("applied", "dropped", "gaps", "replays", "resets", "resyncs")}}
+    with httpx.Client(timeout=30) as client:
+        for d in workers:
+            w = by_url.get(d["url"].rstrip("/"))
+            if w is None:
+                continue
+            try:
+                held = len(cached_hashes(client, d["url"]))
+            except (httpx.HTTPError, ValueError, KeyError):
+                held = None
+            ev = w.get("events") or {}
+            out["workers"][w["name"]] = {
+                "index_gpu": (w.get("cached_blocks") or {}).get("GPU", 0), "engine_blocks": held,
+                **{k: ev.get(k, 0) for k in ("applied", "dropped", "gaps", "replays", "resets", "resyncs")}}
     rows = [v for v in out["workers"].values() if v["engine_blocks"] is not None]
     if rows:
         out["index_gpu"] = sum(v["index_gpu"] for v in rows)

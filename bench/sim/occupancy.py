@@ -12,6 +12,11 @@ import threading
 import httpx
 
 
+def cached_hashes(client: httpx.Client, url: str) -> list[int]:
+    """The engine block hashes a simulated worker's prefix cache holds (``GET /sim/cached``)."""
+    return client.get(url.rstrip("/") + "/sim/cached").json()["hashes"]
+
+
 def duplication(per_worker: list[list[int]]) -> dict:
     """``resident``: blocks held, summed over workers; ``distinct``: blocks held by at least one;
     ``dup_share``: the share of resident blocks that are a second or later copy (0: no block twice)."""
@@ -36,7 +41,7 @@ class OccupancySampler:
         with httpx.Client(timeout=self.timeout_s) as client:
             for u in self.urls:
                 try:
-                    per_worker.append(client.get(u.rstrip("/") + "/sim/cached").json()["hashes"])
+                    per_worker.append(cached_hashes(client, u))
                 except (httpx.HTTPError, ValueError, KeyError, TypeError):
                     continue
         if not per_worker:
