@@ -159,6 +159,17 @@ async def test_empty_lookup(index):
     assert res.num_blocks == 8 and res.workers == {}
 
 
+async def test_an_empty_store_or_remove_changes_nothing(index):
+    await index.store(M, "w1", GPU, H[:2])
+    await index.store(M, "w9", GPU, [])
+    await index.store_g4("model-z", [])
+    await index.remove(M, "w1", GPU, [])
+    assert await index.models() == [M]
+    assert (await index.stats())[M]["workers"] == {"w1": {"GPU": 2}}
+    if isinstance(index, MemoryIndex):  # no holder bits set aside for a worker that stored nothing
+        assert "w9" not in index._models[M].ids and "model-z" not in index._models
+
+
 async def test_huge_prompt_many_workers(index):
     hashes = sequence_hashes(list(range(8192 * 16)), 16)
     assert len(hashes) == 8192
