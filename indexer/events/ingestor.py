@@ -231,17 +231,21 @@ class EventIngestor:
     async def record_incarnation(self, worker: str, incarnation: str) -> None:
         """The registry learnt the worker's engine process after subscribing (the first scrape came later, or
         a process came up behind a subscription kept while the worker was down, whose entries were dropped
-        then): record it beside the entries this source writes, so a gateway starting later adopts them."""
+        then). The writer records it beside the map it writes, so a gateway starting later adopts them; a
+        follower only remembers it (for the push it makes if it takes over)."""
         s = self._sources.get(worker)
         if s is None or s.src.incarnation == incarnation:
             return
         s.src.incarnation = incarnation
+        if not s.writer:
+            return
         try:
-            await asyncio.wait_for(self.index.swap_incarnation(s.src.model, worker, incarnation),
+            await asyncio.wait_for(self.index.save_handles(s.src.model, worker, {}, [], None,
+                                                           incarnation=incarnation),
                                    max(self.replay_timeout_s, 1.0))
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # the next scrape tries again
+        except Exception as e:  # the next scrape tries again (a lost lease: the new writer records it)
             s.src.incarnation = None
             log.debug("%s: recording its process start: %s", worker, e)
 
@@ -334,12 +338,12 @@ class EventIngestor:
         can apply a BlockRemoved for a block stored before it started. Not when the map was saved for
         another engine process: the worker restarted while no gateway watched (the new process's sequence
         starts at 0 again and would read as already applied), so its entries are stale. This source then
-        starts empty, like a new one, and as the writer it pushes that state back (clearing them)."""
+        starts empty, like a new one, and as the writer it pushes that state back (clearing them) with the
+        new process recorded beside it; until then every gateway subscribing reads the old process there."""
         timeout = max(self.replay_timeout_s, 1.0)
         try:
             if s.src.incarnation is not None:
-                prev = await asyncio.wait_for(
-                    self.index.swap_incarnation(s.src.model, s.src.worker, s.src.incarnation), timeout)
+                prev = await asyncio.wait_for(self.index.incarnation(s.src.model, s.src.worker), timeout)
                 if prev is not None and prev != s.src.incarnation:
                     s.counters["resets"] += 1
                     log.info("%s: restarted since its entries were written (process start %s, now %s): not "
@@ -466,7 +470,8 @@ class EventIngestor:
             held = s.state.held(tier)
             for i in range(0, len(held), _PUSH_CHUNK):
                 await self.index.store(model, worker, tier, held[i:i + _PUSH_CHUNK])
-        await self.index.save_handles(model, worker, s.state.export(), [], s.last_seq, replace=True)
+        await self.index.save_handles(model, worker, s.state.export(), [], s.last_seq, replace=True,
+                                      incarnation=s.src.incarnation)
 
     async def _fill(self, s: _Source, start: int, upto: int | None, first: bool = False) -> bool:
         """Replay ``start .. upto-1`` (``upto`` None: all the publisher buffers); True when all of it

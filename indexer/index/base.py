@@ -12,8 +12,9 @@ Semantics every backend honours (the contract tests in tests/index/ run against 
 - the *handle map* of a worker -- vLLM's (group, engine hash) -> (kvgate hash, GPU count, CPU count) and the
   last applied event sequence -- lives in the index too (``save_handles``/``load_handles``), so a gateway
   process that starts later can apply a ``BlockRemoved`` for a block stored before it started;
-- beside it the worker's *incarnation* (``swap_incarnation``: the engine process the map was written for),
-  so that a gateway starting later does not adopt the map and entries of a process that is gone;
+- beside it the worker's *incarnation* (the engine process the map was written for: ``save_handles``
+  records it with the map, ``incarnation`` reads it), so that a gateway starting later does not adopt the
+  map and entries of a process that is gone;
 - one writer per worker: ``acquire_lease`` grants (and renews) a worker's lease to one owner; writes by an
   index whose lease was taken over raise :class:`LeaseLost` (fencing), so a stale writer cannot undo
   the new one's work; ``sweep`` drops the entries of workers nobody has held a lease for in a while.
@@ -115,11 +116,14 @@ class BlockIndex(abc.ABC):
 
     # -- handle maps, leases, sweep (single-process defaults; RedisIndex shares them between gateways) -----
     async def save_handles(self, model: str, worker: str, upserts: dict[HandleKey, Handle],
-                           deletes: Collection[HandleKey], seq: int | None, *, replace: bool = False) -> None:
+                           deletes: Collection[HandleKey], seq: int | None, *, replace: bool = False,
+                           incarnation: str | None = None) -> None:
         """Update a worker's handle map (upserts win over deletes of the same key) and its last sequence
         (``seq`` None: an update keeps the stored one); ``replace``: the map becomes exactly ``upserts``, in
         one step (a new writer pushing its state: a gateway adopting the map meanwhile never sees it half
-        written), and its sequence ``seq`` (None: none, the old one no longer describes the map)."""
+        written), and its sequence ``seq`` (None: none, the old one no longer describes the map).
+        ``incarnation``: the engine process the map now describes, recorded in the same step (None: the
+        recorded one stays)."""
         hm, old = self._handles.setdefault((model, worker), ({}, None))
         if replace:
             hm = {}
@@ -127,6 +131,8 @@ class BlockIndex(abc.ABC):
             hm.pop(k, None)
         hm.update(upserts)
         self._handles[(model, worker)] = (hm, seq if seq is not None or replace else old)
+        if incarnation is not None:
+            self._incarnations[(model, worker)] = incarnation
 
     async def load_handles(self, model: str, worker: str) -> tuple[dict[HandleKey, Handle], int | None]:
         """The map and its sequence as one snapshot (what a gateway subscribing to the worker starts from)."""
@@ -136,14 +142,14 @@ class BlockIndex(abc.ABC):
     async def _drop_handles(self, model: str, worker: str) -> None:
         self._handles.pop((model, worker), None)
 
-    async def swap_incarnation(self, model: str, worker: str, incarnation: str) -> str | None:
-        """Record the engine process whose events now feed the worker's entries (vLLM's
-        ``process_start_time_seconds``) and return the one recorded before (None: none). Why: sequence
-        numbers alone cannot tell a gateway that restarted from a worker that restarted while no gateway
-        watched; a changed incarnation means the saved handle map and entries describe a cache that is gone."""
-        prev = self._incarnations.get((model, worker))
-        self._incarnations[(model, worker)] = incarnation
-        return prev
+    async def incarnation(self, model: str, worker: str) -> str | None:
+        """The engine process (vLLM's ``process_start_time_seconds``) the worker's handle map and entries were
+        written for; None: not recorded. Why: sequence numbers alone cannot tell a gateway that restarted
+        from a worker that restarted while no gateway watched. Only the writer records it, with the map it
+        pushes (``save_handles``): a gateway that merely subscribed and saw a new process must not mark the
+        old map as the new process's before the writer has replaced it (a second gateway starting then
+        would adopt it)."""
+        return self._incarnations.get((model, worker))
 
     async def acquire_lease(self, model: str, worker: str, owner: str, ttl_s: float) -> bool:
         """Take or renew ``worker``'s lease for ``owner``; False while another owner holds it."""

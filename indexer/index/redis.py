@@ -22,7 +22,7 @@ key                             type   content
 ``P:{M}:hseq`` / ``P:{M}:hver`` hash   worker -> last applied event sequence / handle-map version
                                        (bumped by every map write: a chunked reader detects a change).
 ``P:{M}:inc``                   hash   worker -> the engine process its entries describe (its
-                                       ``process_start_time_seconds``; ``swap_incarnation``).
+                                       ``process_start_time_seconds``; set by ``save_handles``).
 ==============================  =====  ===========================================================
 
 Why this shape: a block costs one hash field (no per-key overhead), each holder a few bytes in that
@@ -112,7 +112,7 @@ class RedisIndex(BlockIndex):
         self._store, self._remove, self._clear = reg(source("store")), reg(source("remove")), reg(source("clear"))
         self._lookup, self._wid = reg(source("lookup")), reg(source("worker_id"))
         self._save_h, self._lease = reg(source("save_handles")), reg(source("lease"))
-        self._load_h, self._swap = reg(source("load_handles")), reg(source("swap_field"))
+        self._load_h = reg(source("load_handles"))
 
     # -- keys -------------------------------------------------------------------------------------------
     def base(self, model: str) -> str:
@@ -239,13 +239,14 @@ class RedisIndex(BlockIndex):
         return removed
 
     # -- handle maps, leases, sweep ---------------------------------------------------------------------
-    def _hkeys(self, model: str, worker: str) -> tuple[str, str, str]:
-        """The worker's handle map, the per-worker last sequence, and the per-worker map version."""
+    def _hkeys(self, model: str, worker: str) -> tuple[str, str, str, str]:
+        """The worker's handle map, the per-worker last sequence, map version and incarnation."""
         b = self.base(model)
-        return b + "h:" + worker, b + "hseq", b + "hver"
+        return b + "h:" + worker, b + "hseq", b + "hver", b + "inc"
 
     async def save_handles(self, model: str, worker: str, upserts: dict[HandleKey, Handle],
-                           deletes, seq: int | None, *, replace: bool = False) -> None:
+                           deletes, seq: int | None, *, replace: bool = False,
+                           incarnation: str | None = None) -> None:
         dels = np.array([k for k in deletes if k not in upserts], dtype=_HKEY).tobytes() if deletes else b""
         ups = b""
         if upserts:
@@ -256,7 +257,7 @@ class RedisIndex(BlockIndex):
         token = self._fences.get((model, worker), "")
         n = await self._save_h(list(self._hkeys(model, worker)),
                                [self.base(model), worker, token, "" if seq is None else seq, dels, ups,
-                                "replace" if replace else ""])
+                                "replace" if replace else "", incarnation or ""])
         self._checked(int(n), model, worker)
 
     async def load_handles(self, model: str, worker: str,
@@ -265,7 +266,7 @@ class RedisIndex(BlockIndex):
         block of Redis) between two reads of its version; when a writer changed it meanwhile (``tries``
         times), one script reads it whole instead. A torn read would start a gateway's state from a map
         that matches no sequence: later events then miss their parents and the state stays empty."""
-        hkey, seqkey, verkey = self._hkeys(model, worker)
+        hkey, seqkey, verkey, _ = self._hkeys(model, worker)
         for _ in range(tries):
             v0 = await self._r.hget(verkey, worker)
             out: dict[HandleKey, Handle] = {}
@@ -290,11 +291,12 @@ class RedisIndex(BlockIndex):
         return dict(zip(map(tuple, ks.tolist()), map(tuple, vs.tolist())))
 
     async def _drop_handles(self, model: str, worker: str) -> None:
-        await self._save_h(list(self._hkeys(model, worker)), [self.base(model), worker, "", "", b"", b"", "drop"])
+        await self._save_h(list(self._hkeys(model, worker)),
+                           [self.base(model), worker, "", "", b"", b"", "drop", ""])
 
-    async def swap_incarnation(self, model: str, worker: str, incarnation: str) -> str | None:
-        old = await self._swap([self.base(model) + "inc"], [worker, incarnation])
-        return old.decode() if isinstance(old, bytes) else old
+    async def incarnation(self, model: str, worker: str) -> str | None:
+        inc = await self._r.hget(self.base(model) + "inc", worker)
+        return inc.decode() if isinstance(inc, bytes) else inc
 
     async def acquire_lease(self, model: str, worker: str, owner: str, ttl_s: float) -> bool:
         b = self.base(model)

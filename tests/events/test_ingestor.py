@@ -10,6 +10,7 @@ import pytest
 from indexer.events import EventIngestor, EventSource, resolve_endpoint
 from bench.sim import vllm_format as vf
 from indexer.hashing import sequence_hashes
+from indexer.index import Tier
 from tests.support.procs import free_port
 
 B = 16
@@ -434,3 +435,50 @@ async def test_stop_returns_when_the_index_client_swallows_a_cancel(index):
     await asyncio.wait_for(entered.wait(), 10)
     await asyncio.wait_for(ing.stop(), 20)  # a hang detector, not a timing bound
     assert ing._watch is None
+
+
+async def test_gateways_subscribing_after_a_restart_adopt_nothing_until_the_writer_replaced_the_map(index):
+    """A worker restarted while no gateway watched; two gateways subscribe to the new process (a whole
+    deployment restarted over a Redis that kept its data). Neither may adopt the old process's map and
+    sequence: the new process counts from 0 again, so an adopted sequence 40 makes its first batches read
+    as applied and the state misses them. Before the fix the first gateway recorded the new process at
+    subscription, so the second one, a moment later and before anyone replaced the map, adopted it. A third
+    owner holds the lease here so that no writer replaces the map meanwhile (the race, held open); once a
+    subscribed gateway writes, it records the new process with the map it pushes, and a later gateway
+    adopts that."""
+    await index.save_handles(M, "w1", {(0, 999): (SEQ[6], 1, 0)}, [], seq=40, replace=True, incarnation="old")
+    await index.store(M, "w1", Tier.GPU, SEQ[6:8])
+    assert await index.acquire_lease(M, "w1", "gw-x", ttl_s=60)
+    port, rport = free_port(), free_port()
+    pub = vf.EventPublisher(f"tcp://*:{port}", f"tcp://*:{rport}", topic="kv@w1@m")
+    ings = [EventIngestor(index, lease_ttl_s=0.6) for _ in range(3)]
+
+    def source():
+        return EventSource("w1", M, f"tcp://*:{port}", f"tcp://*:{rport}", topic="kv@", block_size=B,
+                           worker_url="http://127.0.0.1:8000", incarnation="new")
+
+    try:
+        for ing in ings[:2]:
+            await ing.add_source(source())
+            await until(lambda: ing.status("w1")["connected"], what="SUB connected")
+            assert ing.status("w1")["resets"] == 1 and not ing.status("w1")["writer"]
+        await asyncio.to_thread(pub.wait_subscribed)
+        await asyncio.sleep(0.3)  # both subscriptions reach the publisher
+        pub.publish([blk(0, 2)])  # the new process's first batch, seq 0
+        for ing in ings[:2]:
+            await until(lambda: len(ing.held("w1")["GPU"]) == 2, what="the new process's blocks in the state")
+        await ings[1].stop()  # one contender for the lease (the ingestors share one index client here)
+        await index.release_lease(M, "w1", "gw-x")
+
+        async def recorded():
+            return await index.incarnation(M, "w1") == "new"
+
+        await until(recorded, what="the writer recorded the new process with its map")
+        assert ings[0].status("w1")["writer"]
+        await ings[2].add_source(source())
+        assert ings[2].status("w1")["resets"] == 0 and len(ings[2].held("w1")["GPU"]) == 2
+        assert (await index.lookup(M, SEQ)).match("w1").gpu == 2  # the old process's entries are gone
+    finally:
+        for ing in ings:
+            await ing.stop()
+        pub.close()

@@ -301,19 +301,22 @@ async def test_an_update_without_a_sequence_keeps_the_last_one_and_a_replace_dro
     assert await index.load_handles(M, "w1") == ({(0, 3): (H[2], 0, 1)}, None)
 
 
-async def test_incarnation_swap_returns_the_previous_one_per_worker_and_sweep_forgets_it(index):
-    """What a gateway subscribing to a worker compares: the engine process its entries were written for."""
+async def test_the_incarnation_is_recorded_with_the_map_per_worker_and_sweep_forgets_it(index):
+    """What a gateway subscribing to a worker compares: the engine process its map was written for. Only a
+    save records it (the writer's), in the same step as the map; a save without one keeps it."""
     import asyncio
 
-    assert await index.swap_incarnation(M, "w1", "100.5") is None
-    assert await index.swap_incarnation(M, "w1", "100.5") == "100.5"  # the same process: adopt
-    assert await index.swap_incarnation(M, "w1", "200.25") == "100.5"  # restarted meanwhile
-    assert await index.swap_incarnation(M, "w2", "7") is None
-    assert await index.swap_incarnation("other-model", "w1", "1") is None
+    assert await index.incarnation(M, "w1") is None
+    await index.save_handles(M, "w1", {(0, 1): (H[0], 1, 0)}, [], seq=3, replace=True, incarnation="100.5")
+    await index.save_handles(M, "w1", {(0, 2): (H[1], 1, 0)}, [], seq=4)
+    assert await index.incarnation(M, "w1") == "100.5"
+    await index.save_handles(M, "w1", {}, [], seq=0, replace=True, incarnation="200.25")  # restarted
+    assert await index.incarnation(M, "w1") == "200.25" and await index.load_handles(M, "w1") == ({}, 0)
+    assert await index.incarnation(M, "w2") is None and await index.incarnation("other-model", "w1") is None
     await index.acquire_lease(M, "w1", "gw-a", ttl_s=0.1)
     await asyncio.sleep(0.3)
     assert "w1" in await index.sweep(M, idle_s=0.1)
-    assert await index.swap_incarnation(M, "w1", "300") is None
+    assert await index.incarnation(M, "w1") is None
 
 
 async def test_lease_is_exclusive_renewable_and_released(index):

@@ -1,10 +1,13 @@
 -- include: locals owner
--- KEYS[1] = the worker's handle map, KEYS[2] = last sequence per worker, KEYS[3] = map version per worker;
--- ARGV = key base, name, token, seq ("" = none: an update keeps the last one, a replace drops it), deletes
--- (12-byte keys), upserts (12-byte key + 16-byte value each), mode: "" update, "replace" (the map becomes
--- exactly the upserts), "drop" (map and sequence gone, unfenced: a clear). -2 when fenced. Every call bumps
--- the version, so a reader that scans the map in chunks (load_handles) can tell that it changed under it.
+-- KEYS[1] = the worker's handle map, KEYS[2] = last sequence per worker, KEYS[3] = map version per worker,
+-- KEYS[4] = incarnation per worker; ARGV = key base, name, token, seq ("" = none: an update keeps the last
+-- one, a replace drops it), deletes (12-byte keys), upserts (12-byte key + 16-byte value each), mode: ""
+-- update, "replace" (the map becomes exactly the upserts), "drop" (map and sequence gone, unfenced: a
+-- clear), incarnation ("" = the recorded one stays: the engine process the map describes, set with it).
+-- -2 when fenced. Every call bumps the version, so a reader that scans the map in chunks (load_handles)
+-- can tell that it changed under it.
 local base, name, token, seq, dels, ups, mode = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
+local inc = ARGV[8]
 if mode ~= 'drop' and not fence_ok(base, name, token) then return -2 end
 call('HINCRBY', KEYS[3], name, 1)
 if mode == 'drop' then
@@ -31,4 +34,5 @@ if seq ~= '' then
 elseif mode == 'replace' then
   call('HDEL', KEYS[2], name)
 end
+if inc ~= '' then call('HSET', KEYS[4], name, inc) end
 return 0
