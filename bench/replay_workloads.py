@@ -137,16 +137,35 @@ def select_rows(rows: Sequence[TraceRow], *, start_s: float = 0.0, duration_s: f
     return out
 
 
+def conversation_ids(rows: Sequence[TraceRow]) -> list[str]:
+    """A conversation id per row, as a client that keeps a session would send it: a row whose hash ids
+    begin with the whole of an earlier prompt (its full blocks, or all its blocks: the last may be partial)
+    continues that prompt's conversation; any other row starts one. Matches of one block are not
+    continuations (a shared system prompt). The trace itself carries no session, and without one the
+    ``session`` policy is the ``kv`` policy."""
+    seen: dict[tuple[int, ...], str] = {}
+    out = []
+    for r in rows:
+        h = r.hash_ids
+        sid = next((s for k in range(len(h), 1, -1) if (s := seen.get(tuple(h[:k]))) is not None),
+                   f"conv-{len(out)}")
+        out.append(sid)
+        seen[tuple(h[: r.input_length // TRACE_BLOCK])] = sid
+        seen[tuple(h)] = sid
+    return out
+
+
 def trace_items(rows: Sequence[TraceRow], *, start_s: float = 0.0, duration_s: float | None = None,
                 limit: int | None = None, max_prompt_tokens: int | None = None, max_tokens_cap: int | None = None,
                 vocab_size: int = 32000) -> list[WorkItem]:
-    """Work items for ``select_rows(...)``, arrival times re-based to the slice start."""
+    """Work items for ``select_rows(...)``, arrival times re-based to the slice start, each with its
+    conversation's id (:func:`conversation_ids`; sent as ``x-session-id``)."""
     out = []
-    for r in select_rows(rows, start_s=start_s, duration_s=duration_s, limit=limit,
-                         max_prompt_tokens=max_prompt_tokens):
+    sel = select_rows(rows, start_s=start_s, duration_s=duration_s, limit=limit, max_prompt_tokens=max_prompt_tokens)
+    for r, sid in zip(sel, conversation_ids(sel)):
         mt = max(1, r.output_length if max_tokens_cap is None else min(r.output_length, max_tokens_cap))
         out.append(WorkItem(at=r.timestamp_ms / 1000.0 - start_s, tokens=trace_prompt(r, vocab_size),
-                            max_tokens=mt, tag="trace", meta={"hash_ids": r.hash_ids}))
+                            max_tokens=mt, session=sid, tag="trace", meta={"hash_ids": r.hash_ids}))
     return out
 
 

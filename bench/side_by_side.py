@@ -5,7 +5,9 @@ trace, sent as the same text prompts to: kvgate ``kv`` with the Redis index and 
 ``round_robin``, ``least_loaded``, ``session``, and the peer routers ``sglang-router`` and ``vllm-router``
 (policy ``cache_aware``; installed by name from PyPI into their own virtualenvs under
 ~/.cache/kvgate/peers). Fleet sizes 4 and 16 by default. Writes a Markdown table per fleet size, a PNG and
-raw JSON per fleet size under --out.
+raw JSON per fleet size under --out. Every request carries its conversation's id (``x-session-id``,
+derived from the trace: ``replay_workloads.conversation_ids``), which only ``session`` reads; before
+session 37 none was sent and ``session`` was the ``kv`` policy run a second time.
 
 ``--rounds N`` runs every target N times per fleet size, each round's order rotated by one, and reports
 each kvgate target's per-round mean TTFT ratio and hit-rate difference against sglang-router (taken only

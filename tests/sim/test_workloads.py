@@ -6,8 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.replay_workloads import (TraceRow, block_tokens, load_trace, token_ceiling, trace_ceiling, trace_items,
-                                    trace_path, chat_items, rag_items, agent_items)
+from bench.replay_workloads import (TraceRow, block_tokens, conversation_ids, load_trace, token_ceiling,
+                                    trace_ceiling, trace_items, trace_path, chat_items, rag_items, agent_items)
 
 # sha256 of the published conversation_trace.jsonl (Mooncake FAST25-release); bench/traces/NOTICE
 MOONCAKE_SHA256 = "b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df"
@@ -34,6 +34,21 @@ def test_requests_sharing_hash_ids_share_token_prefixes():
     items = trace_items(rows)
     assert len(items[0].tokens) == 1100 and len(items[1].tokens) == 700
     assert (items[0].tokens[:700] == items[1].tokens).all()
+
+
+def test_a_follow_up_turn_carries_its_conversations_id():
+    """The trace has no session ids; the replayer sends one per conversation so that the ``session``
+    policy is not the ``kv`` policy again on the trace (sessions 35-36 compared kv with itself there)."""
+    rows = [TraceRow(0, 1100, 5, [0, 1, 2]),             # turn 1: a shared system block, a partial last block
+            TraceRow(1, 900, 5, [0, 7]),                 # another conversation on the same system block
+            TraceRow(2, 2100, 5, [0, 1, 3, 4, 5]),       # turn 2 of the first: its full blocks, then more
+            TraceRow(3, 3000, 5, [0, 1, 3, 4, 5, 6]),    # turn 3: all of turn 2's blocks
+            TraceRow(4, 1600, 5, [0, 7, 8, 9])]          # turn 2 of the second
+    ids = conversation_ids(rows)
+    assert ids[0] == ids[2] == ids[3] and ids[1] == ids[4] and ids[0] != ids[1]
+    assert [it.session for it in trace_items(rows)] == ids
+    sliced = trace_items(load_trace(), duration_s=300)
+    assert 700 < len({it.session for it in sliced}) < len(sliced)  # continuations in the fleet's slice
 
 
 def test_ceiling_counts_leading_seen_blocks():
