@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from bench.replay_workloads import (TraceRow, block_tokens, conversation_ids, load_trace, token_ceiling,
-                                    trace_ceiling, trace_items, trace_path, chat_items, rag_items, agent_items)
+                                    select_rows, trace_ceiling, trace_items, trace_path, chat_items, rag_items,
+                                    agent_items)
 
 # sha256 of the published conversation_trace.jsonl (Mooncake FAST25-release); bench/traces/NOTICE
 MOONCAKE_SHA256 = "b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df"
@@ -55,6 +56,19 @@ def test_ceiling_counts_leading_seen_blocks():
     rows = [TraceRow(0, 1024, 1, [1, 2]), TraceRow(0, 1500, 1, [1, 2, 9]), TraceRow(0, 600, 1, [5, 1])]
     # second: 2 leading blocks seen (1024 tokens); third: first block unseen -> 0
     assert trace_ceiling(rows) == pytest.approx(1024 / (1024 + 1500 + 600))
+
+
+def test_the_lru_bound_evicts_the_least_recently_used_block_first():
+    """The fleet bench's "LRU bound": one cache of the fleet's KV with vLLM's eviction rule."""
+    rows = [TraceRow(0, 1024, 1, [1, 2]), TraceRow(0, 512, 1, [3]), TraceRow(0, 1024, 1, [1, 2]),
+            TraceRow(0, 512, 1, [3])]
+    total = 1024 + 512 + 1024 + 512
+    assert trace_ceiling(rows, 3 * 512) == pytest.approx((1024 + 512) / total)  # all three fit
+    # two blocks: [3] evicts 1, then [1, 2] misses (1 gone) and evicts 3, which then misses too
+    assert trace_ceiling(rows, 2 * 512) == 0.0
+    sliced = select_rows(load_trace(), duration_s=300)  # the fleet bench's slice: 16.3% at 4 workers
+    assert trace_ceiling(sliced, 4 * 62_500 * 16) < trace_ceiling(sliced) - 0.03
+    assert trace_ceiling(sliced, 16 * 62_500 * 16) == trace_ceiling(sliced)
 
 
 def test_full_trace_ceiling_is_37_4_percent():
