@@ -430,7 +430,10 @@ def plan(model_dir: str, args) -> tuple[list[mw.Client], dict]:
     max_model_len = -(-(ws["max_prompt_tokens"] + 2 * args.max_tokens + 64) // args.block_size) * args.block_size
     blocks = args.num_gpu_blocks or mw.kv_blocks_for(ws["distinct_blocks"], args.kv_ratio, args.block_size,
                                                        max_model_len)
+    # both servers' KV as one LRU cache (vLLM's block pool sets the null block aside)
+    bound = mw.lru_bound(model_dir, clients, args.block_size, 2 * (blocks - 1), args.max_tokens, seed=args.seed)
     ws.update({
+        "lru_bound": bound,
         "block_size": args.block_size, "max_model_len": max_model_len, "num_gpu_blocks": blocks,
         "server_cache_tokens": blocks * args.block_size,
         "working_set_over_one_server": ws["distinct_blocks"] / blocks,
@@ -438,6 +441,13 @@ def plan(model_dir: str, args) -> tuple[list[mw.Client], dict]:
         "clients": {k: sum(c.kind == k for c in clients) for k in ("rag", "agent", "chat")},
     })
     return clients, ws
+
+
+def lru_line(b: dict) -> str:
+    """What every router's hit rate on these servers is measured against (``mixed_workload.lru_bound``)."""
+    return (f"{100 * b['median']:.1f}% ({100 * b['min']:.1f}-{100 * b['max']:.1f}% over {b['orders']} "
+            f"interleavings of the clients) for both servers' KV as one least-recently-used cache, running "
+            f"requests' blocks not counted; ceiling {100 * b['ceiling']:.1f}%")
 
 
 def warm_up(servers, model_dir: str, tokens: int, max_tokens: int) -> None:
@@ -509,7 +519,8 @@ def run(args, model_dir: str) -> int:
         f"({ws['prompt_tokens']} prompt tokens, longest {ws['max_prompt_tokens']}); clients {ws['clients']}\n"
         f"KV cache per server: {ws['num_gpu_blocks']} blocks = {ws['server_cache_tokens']} tokens "
         f"(--num-gpu-blocks-override, max_model_len {ws['max_model_len']}): working set = "
-        f"{ws['working_set_over_one_server']:.2f}x one server, {ws['working_set_over_fleet']:.2f}x both",
+        f"{ws['working_set_over_one_server']:.2f}x one server, {ws['working_set_over_fleet']:.2f}x both\n"
+        f"LRU bound: {lru_line(ws['lru_bound'])}",
         flush=True,
     )
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-bench-capacity-"))

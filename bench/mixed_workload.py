@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.chat_workload import Session, TextMaker, make_sessions
+from bench.replay_workloads import LRUPrefixCache, chained_hashes
 
 
 @dataclass
@@ -129,13 +130,42 @@ def working_set(tokenizer_path: str, clients: list[Client], block_size: int, ans
 
 def distinct_blocks(prompts: list[list[int]], block_size: int) -> int:
     """Distinct full blocks (chained, as vLLM's prefix cache keys them) over ``prompts``."""
-    seen: set[int] = set()
-    for ids in prompts:
-        parent = 0
-        for i in range(len(ids) // block_size):
-            parent = hash((parent, tuple(ids[i * block_size:(i + 1) * block_size])))
-            seen.add(parent)
-    return len(seen)
+    return len({h for ids in prompts for h in chained_hashes(ids, block_size)})
+
+
+def lru_bound(tokenizer_path: str, clients: list[Client], block_size: int, capacity_blocks: int,
+              answer_tokens: int, orders: int = 30, seed: int = 0) -> dict:
+    """The hit rate (cached over prompt tokens, vLLM's rules) of one cache of ``capacity_blocks`` evicting
+    the least recently used block first, the whole fleet's KV as one cache: no router in front of LRU
+    engines of that total size does much better (where it places a prefix only picks among partitions of
+    it). Clients run concurrently, so the order of requests is not fixed: the median, min and max over
+    ``orders`` random interleavings (each client's requests in its order), and the unlimited ceiling. An
+    upper bound: the blocks of running requests, which vLLM cannot evict, and outputs are not counted."""
+    per_client = [[chained_hashes(ids, block_size) + [len(ids)] for sessions in c for ids in sessions]
+                  for c in render_prompts(tokenizer_path, clients, answer_tokens)]
+
+    def rate(order: list[list[int]], capacity: int | None) -> float:
+        cache = LRUPrefixCache(capacity)
+        hit = total = 0
+        for *hashes, n in order:
+            hit += cache.serve(hashes, (n - 1) // block_size) * block_size
+            total += n
+        return hit / total if total else 0.0
+
+    rng = random.Random(seed)
+    rates = []
+    for _ in range(orders):
+        queues = [list(reversed(q)) for q in per_client if q]
+        order = []
+        while queues:
+            q = rng.choice(queues)
+            order.append(q.pop())
+            if not q:
+                queues.remove(q)
+        rates.append(rate(order, max(1, capacity_blocks)))
+    rates.sort()
+    return {"median": rates[len(rates) // 2], "min": rates[0], "max": rates[-1], "orders": orders,
+            "capacity_blocks": capacity_blocks, "ceiling": rate([r for q in per_client for r in q], None)}
 
 
 def kv_blocks_for(distinct_blocks: int, ratio: float, block_size: int, max_model_len: int) -> int:

@@ -79,6 +79,29 @@ def trace_prompt(row: TraceRow, vocab_size: int = 32000) -> np.ndarray:
     return toks[: row.input_length]
 
 
+class LRUPrefixCache:
+    """Prefix blocks in least-recently-used order, the order vLLM's free queue evicts them in (``capacity``
+    blocks; None: unlimited): what the benches' ceilings and LRU bounds replay prompts through."""
+
+    def __init__(self, capacity: int | None = None) -> None:
+        self.capacity = capacity
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def serve(self, hashes: Sequence[int], limit: int | None = None) -> int:
+        """The leading run of ``hashes`` cached (at most ``limit`` blocks), then all of them the most
+        recently used, the least recently used evicted down to the capacity."""
+        n = len(hashes) if limit is None else min(limit, len(hashes))
+        k = 0
+        while k < n and hashes[k] in self._blocks:
+            k += 1
+        for h in hashes:
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)
+        while self.capacity is not None and len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)
+        return k
+
+
 def trace_ceiling(rows: Iterable[TraceRow], capacity_tokens: int | None = None) -> float:
     """Share of prompt tokens an unlimited single cache would serve: the leading blocks whose hash ids all
     appeared before (block-granular, as the trace describes sharing). 37.4% on the full trace.
@@ -88,49 +111,37 @@ def trace_ceiling(rows: Iterable[TraceRow], capacity_tokens: int | None = None) 
     does much better: where it holds a prefix only chooses among partitions of that one cache (on the
     fleet bench's slice 16.3% at 4 workers, against the ceiling's 20.7%, which 16 reach). Outputs and the
     blocks of running requests are not counted (they would only lower it)."""
-    cap = None if capacity_tokens is None else max(1, capacity_tokens // TRACE_BLOCK)
-    seen: OrderedDict[int, None] = OrderedDict()
+    cache = LRUPrefixCache(None if capacity_tokens is None else max(1, capacity_tokens // TRACE_BLOCK))
     total = hit = 0
     for r in rows:
-        k = 0
-        while k < len(r.hash_ids) and r.hash_ids[k] in seen:
-            k += 1
-        hit += min(r.input_length, TRACE_BLOCK * k)
+        hit += min(r.input_length, TRACE_BLOCK * cache.serve(r.hash_ids))
         total += r.input_length
-        for h in r.hash_ids:
-            seen[h] = None
-            seen.move_to_end(h)
-        while cap is not None and len(seen) > cap:
-            seen.popitem(last=False)
     return hit / total if total else 0.0
 
 
 def token_ceiling(items: Sequence[WorkItem], block_size: int) -> float:
     """The same ceiling for any workload, at an engine's block size and with vLLM's rules (full blocks only,
     the last prompt token is never a hit): an unbounded single prefix cache over the prompts in order."""
-    import xxhash
-
-    seen: set[int] = set()
+    cache = LRUPrefixCache()
     total = hit = 0
     for it in items:
         t = np.asarray(it.tokens, dtype="<u4")
-        n_full = len(t) // block_size
-        limit = (len(t) - 1) // block_size
-        raw = t[: n_full * block_size].tobytes()
-        h = 0
-        matched = True
-        k = 0
-        step = 4 * block_size
-        for i in range(n_full):
-            h = xxhash.xxh3_64_intdigest(raw[i * step:(i + 1) * step], seed=h)
-            if matched and i < limit and h in seen:
-                k += 1
-            else:
-                matched = False
-            seen.add(h)
-        hit += k * block_size
+        hit += cache.serve(chained_hashes(t, block_size), (len(t) - 1) // block_size) * block_size
         total += len(t)
     return hit / total if total else 0.0
+
+
+def chained_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
+    """The prompt's full blocks, each hash chained on its parent's (as vLLM's prefix cache keys them)."""
+    import xxhash
+
+    raw = np.asarray(tokens, dtype="<u4").tobytes()
+    step = 4 * block_size
+    out, h = [], 0
+    for i in range(len(raw) // step):
+        h = xxhash.xxh3_64_intdigest(raw[i * step:(i + 1) * step], seed=h)
+        out.append(h)
+    return out
 
 
 def select_rows(rows: Sequence[TraceRow], *, start_s: float = 0.0, duration_s: float | None = None,
