@@ -231,23 +231,15 @@ class EventIngestor:
     async def record_incarnation(self, worker: str, incarnation: str) -> None:
         """The registry learnt the worker's engine process after subscribing (the first scrape came later, or
         a process came up behind a subscription kept while the worker was down, whose entries were dropped
-        then). The writer records it beside the map it writes, so a gateway starting later adopts them; a
-        follower only remembers it (for the push it makes if it takes over)."""
+        then). The writer pushes its state again with it (a rebuild: the process is only ever recorded
+        with the map it describes), so a gateway starting later adopts them; a follower only remembers it
+        (for the push it makes if it takes over)."""
         s = self._sources.get(worker)
         if s is None or s.src.incarnation == incarnation:
             return
         s.src.incarnation = incarnation
-        if not s.writer:
-            return
-        try:
-            await asyncio.wait_for(self.index.save_handles(s.src.model, worker, {}, [], None,
-                                                           incarnation=incarnation),
-                                   max(self.replay_timeout_s, 1.0))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # the next scrape tries again (a lost lease: the new writer records it)
-            s.src.incarnation = None
-            log.debug("%s: recording its process start: %s", worker, e)
+        if s.writer:
+            self._unsync(s)
 
     def status(self, worker: str) -> dict:
         s = self._sources.get(worker)
@@ -336,19 +328,21 @@ class EventIngestor:
     async def _adopt(self, s: _Source) -> None:
         """Start from the handle map and sequence the worker's writer saved in the index, so this process
         can apply a BlockRemoved for a block stored before it started. Not when the map was saved for
-        another engine process: the worker restarted while no gateway watched (the new process's sequence
-        starts at 0 again and would read as already applied), so its entries are stale. This source then
-        starts empty, like a new one, and as the writer it pushes that state back (clearing them) with the
-        new process recorded beside it; until then every gateway subscribing reads the old process there."""
+        another engine process, or for one this gateway cannot tell apart from another (its own start of
+        the worker unknown: the first scrape failed, or the worker is down): the worker may have restarted
+        while no gateway watched (the new process's sequence starts at 0 again and would read as already
+        applied), so its entries are stale. This source then starts empty, like a new one, and as the
+        writer it pushes that state back (clearing them) with the new process recorded beside it; until
+        then every gateway subscribing reads the old process there. A map recorded without a process
+        (vLLM with ``--api-server-count > 1`` exports none) is adopted."""
         timeout = max(self.replay_timeout_s, 1.0)
         try:
-            if s.src.incarnation is not None:
-                prev = await asyncio.wait_for(self.index.incarnation(s.src.model, s.src.worker), timeout)
-                if prev is not None and prev != s.src.incarnation:
-                    s.counters["resets"] += 1
-                    log.info("%s: restarted since its entries were written (process start %s, now %s): not "
-                             "adopting them", s.src.worker, prev, s.src.incarnation)
-                    return
+            prev = await asyncio.wait_for(self.index.incarnation(s.src.model, s.src.worker), timeout)
+            if prev is not None and prev != s.src.incarnation:
+                s.counters["resets"] += 1
+                log.info("%s: its entries were written for process start %s, this gateway sees %s: not "
+                         "adopting them", s.src.worker, prev, s.src.incarnation or "none yet")
+                return
             handles, seq = await asyncio.wait_for(self.index.load_handles(s.src.model, s.src.worker), timeout)
         except asyncio.CancelledError:
             raise

@@ -59,7 +59,7 @@ class MemoryIndex(BlockIndex):
         self._models: dict[str, _ModelIndex] = defaultdict(_ModelIndex)
 
     async def store(self, model: str, worker: str, tier: Tier, hashes: Sequence[int]) -> None:
-        if not hashes:  # nothing to hold: no model entry, no holder bits set aside for the worker
+        if len(hashes) == 0:  # nothing to hold: no model entry, no holder bits set aside for the worker
             return
         m = self._models[model]
         tier = Tier(tier)
@@ -99,7 +99,7 @@ class MemoryIndex(BlockIndex):
         return True
 
     async def store_g4(self, model: str, hashes: Sequence[int]) -> None:
-        if hashes:
+        if len(hashes):
             self._models[model].g4.update(hashes)
 
     async def remove_g4(self, model: str, hashes: Sequence[int]) -> None:

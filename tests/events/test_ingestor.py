@@ -477,8 +477,28 @@ async def test_gateways_subscribing_after_a_restart_adopt_nothing_until_the_writ
         assert ings[0].status("w1")["writer"]
         await ings[2].add_source(source())
         assert ings[2].status("w1")["resets"] == 0 and len(ings[2].held("w1")["GPU"]) == 2
-        assert (await index.lookup(M, SEQ)).match("w1").gpu == 2  # the old process's entries are gone
+        assert (await index.stats(M))[M]["workers"] == {"w1": {"GPU": 2}}  # the old process's are gone
     finally:
         for ing in ings:
             await ing.stop()
         pub.close()
+
+
+async def test_a_gateway_that_cannot_tell_the_process_adopts_nothing_recorded_for_one(index):
+    """The first scrape failed, or the worker is down (the registry then subscribes without a process
+    start): a map recorded for a process cannot be checked against this one, so it is not adopted. Once the
+    registry reads the start, the writer pushes its state again with it recorded, so later gateways adopt."""
+    await index.save_handles(M, "w1", {(0, 999): (SEQ[6], 1, 0)}, [], seq=40, replace=True, incarnation="old")
+    await index.store(M, "w1", Tier.GPU, SEQ[6:8])
+    async with Rig(index) as r:  # its source knows no process start
+        assert r.ing.status("w1")["resets"] == 1
+        r.pub.publish([blk(0, 2)])  # seq 0 of the process behind it: applied, not read as seq <= 40
+        await r.wait_seq(0)
+        assert (await index.stats(M))[M]["workers"] == {"w1": {"GPU": 2}}
+        await r.ing.record_incarnation("w1", "new")
+
+        async def recorded():
+            return await index.incarnation(M, "w1") == "new"
+
+        await until(recorded, what="the writer pushed its state with the process start")
+        assert (await index.load_handles(M, "w1"))[1] == 0 and (await index.stats(M))[M]["blocks"] == 2
