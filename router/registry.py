@@ -362,13 +362,15 @@ def wanted_metrics(text: str) -> str:
                      if line.startswith(keep) and "_bucket" not in line.partition("{")[0]) + "\n"
 
 
-def parse_metrics(text: str, engine: str | None = None) -> tuple[WorkerLoad, int | None]:
+def parse_metrics(text: str, engine: str | None = None, kept: bool = False) -> tuple[WorkerLoad, int | None]:
     """Load gauges and block size from a vLLM /metrics page: summed over engines (DP ranks), or those of
-    one ``engine`` label only (series without that label, such as the process start, always count)."""
+    one ``engine`` label only (series without that label, such as the process start, always count).
+    ``kept``: ``text`` is :func:`wanted_metrics`' output already (the scrape filters a page once for the
+    server and each of its ranks)."""
     load = WorkerLoad(updated_at=time.time())
     block_size = None
     usage: list[float] = []
-    for fam in text_string_to_metric_families(wanted_metrics(text)):
+    for fam in text_string_to_metric_families(text if kept else wanted_metrics(text)):
         name = fam.name
         if engine is not None:
             fam.samples = [s for s in fam.samples if s.labels.get("engine", engine) == engine]
@@ -795,7 +797,8 @@ class WorkerRegistry:
 
             def parse(text: str = body.decode("utf-8", "replace")) -> list:
                 text = wanted_metrics(text)  # once for the server and its ranks
-                return [parse_metrics(text)] + [parse_metrics(text, str(t.dp_rank)) for t in ranks]
+                return [parse_metrics(text, kept=True)] + [parse_metrics(text, str(t.dp_rank), kept=True)
+                                                           for t in ranks]
 
             (load, bs), *per_rank = await asyncio.to_thread(parse)
         except (UpstreamError, ValueError) as e:

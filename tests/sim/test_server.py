@@ -136,11 +136,13 @@ async def test_metrics_read_from_the_kept_lines_equal_those_of_the_whole_page(fl
     kept = reg.wanted_metrics(text)
     assert len(kept) < len(text) / 3 and "_bucket" not in kept and "# HELP" not in kept
 
-    def figures(engine=None):
-        load, bs = reg.parse_metrics(text, engine)
+    def figures(engine=None, page=text, **kw):
+        load, bs = reg.parse_metrics(page, engine, **kw)
         return {k: v for k, v in dataclasses.asdict(load).items() if k != "updated_at"}, bs
 
     kept_figures = [figures(), figures("0"), figures("1")]
+    # the scrape filters once for the server and its ranks, then parses the kept lines as they are
+    assert kept_figures == [figures(e, kept, kept=True) for e in (None, "0", "1")]
     monkeypatch.setattr(reg, "wanted_metrics", lambda t: t)
     assert kept_figures == [figures(), figures("0"), figures("1")]
     assert kept_figures[0][0]["prefill_requests"] == 4 and kept_figures[1][0]["prefill_requests"] == 2
