@@ -431,9 +431,10 @@ def plan(model_dir: str, args) -> tuple[list[mw.Client], dict]:
     blocks = args.num_gpu_blocks or mw.kv_blocks_for(ws["distinct_blocks"], args.kv_ratio, args.block_size,
                                                        max_model_len)
     # both servers' KV as one LRU cache (vLLM's block pool sets the null block aside)
-    bound = mw.lru_bound(model_dir, clients, args.block_size, 2 * (blocks - 1), args.max_tokens, seed=args.seed)
+    ref = mw.lru_reference(model_dir, clients, args.block_size, 2 * (blocks - 1), args.max_tokens,
+                           seed=args.seed)
     ws.update({
-        "lru_bound": bound,
+        "lru_reference": ref,
         "block_size": args.block_size, "max_model_len": max_model_len, "num_gpu_blocks": blocks,
         "server_cache_tokens": blocks * args.block_size,
         "working_set_over_one_server": ws["distinct_blocks"] / blocks,
@@ -444,7 +445,7 @@ def plan(model_dir: str, args) -> tuple[list[mw.Client], dict]:
 
 
 def lru_line(b: dict) -> str:
-    """What every router's hit rate on these servers is measured against (``mixed_workload.lru_bound``)."""
+    """What every router's hit rate on these servers is set beside (``mixed_workload.lru_reference``)."""
     return (f"{100 * b['median']:.1f}% ({100 * b['min']:.1f}-{100 * b['max']:.1f}% over {b['orders']} "
             f"interleavings of the clients) for both servers' KV as one least-recently-used cache, running "
             f"requests' blocks not counted; ceiling {100 * b['ceiling']:.1f}%")
@@ -520,7 +521,7 @@ def run(args, model_dir: str) -> int:
         f"KV cache per server: {ws['num_gpu_blocks']} blocks = {ws['server_cache_tokens']} tokens "
         f"(--num-gpu-blocks-override, max_model_len {ws['max_model_len']}): working set = "
         f"{ws['working_set_over_one_server']:.2f}x one server, {ws['working_set_over_fleet']:.2f}x both\n"
-        f"LRU bound: {lru_line(ws['lru_bound'])}",
+        f"LRU reference: {lru_line(ws['lru_reference'])}",
         flush=True,
     )
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-bench-capacity-"))

@@ -133,14 +133,15 @@ def distinct_blocks(prompts: list[list[int]], block_size: int) -> int:
     return len({h for ids in prompts for h in chained_hashes(ids, block_size)})
 
 
-def lru_bound(tokenizer_path: str, clients: list[Client], block_size: int, capacity_blocks: int,
+def lru_reference(tokenizer_path: str, clients: list[Client], block_size: int, capacity_blocks: int,
               answer_tokens: int, orders: int = 30, seed: int = 0) -> dict:
     """The hit rate (cached over prompt tokens, vLLM's rules) of one cache of ``capacity_blocks`` evicting
-    the least recently used block first, the whole fleet's KV as one cache: no router in front of LRU
-    engines of that total size does much better (where it places a prefix only picks among partitions of
-    it). Clients run concurrently, so the order of requests is not fixed: the median, min and max over
-    ``orders`` random interleavings (each client's requests in its order), and the unlimited ceiling. An
-    upper bound: the blocks of running requests, which vLLM cannot evict, and outputs are not counted."""
+    the least recently used block first, the whole fleet's KV as one cache: a reference for routers in
+    front of LRU engines of that total size (where one places a prefix mostly picks among partitions of
+    it; not a strict bound: placement could keep one-off prompts away from hot prefixes). Clients run
+    concurrently, so the order of requests is not fixed: the median, min and max over ``orders`` random
+    interleavings (each client's requests in its order), and the unlimited ceiling. The blocks of running
+    requests, which vLLM cannot evict, and outputs are not counted."""
     per_client = [[chained_hashes(ids, block_size) + [len(ids)] for sessions in c for ids in sessions]
                   for c in render_prompts(tokenizer_path, clients, answer_tokens)]
 

@@ -81,7 +81,7 @@ def trace_prompt(row: TraceRow, vocab_size: int = 32000) -> np.ndarray:
 
 class LRUPrefixCache:
     """Prefix blocks in least-recently-used order, the order vLLM's free queue evicts them in (``capacity``
-    blocks; None: unlimited): what the benches' ceilings and LRU bounds replay prompts through."""
+    blocks; None: unlimited): what the benches' ceilings and LRU references replay prompts through."""
 
     def __init__(self, capacity: int | None = None) -> None:
         self.capacity = capacity
@@ -89,12 +89,13 @@ class LRUPrefixCache:
 
     def serve(self, hashes: Sequence[int], limit: int | None = None) -> int:
         """The leading run of ``hashes`` cached (at most ``limit`` blocks), then all of them the most
-        recently used, the least recently used evicted down to the capacity."""
+        recently used, the least recently used evicted down to the capacity. vLLM frees a request's blocks
+        tail first, so its first block is the last to go."""
         n = len(hashes) if limit is None else min(limit, len(hashes))
         k = 0
         while k < n and hashes[k] in self._blocks:
             k += 1
-        for h in hashes:
+        for h in reversed(hashes):
             self._blocks[h] = None
             self._blocks.move_to_end(h)
         while self.capacity is not None and len(self._blocks) > self.capacity:
@@ -107,10 +108,13 @@ def trace_ceiling(rows: Iterable[TraceRow], capacity_tokens: int | None = None) 
     appeared before (block-granular, as the trace describes sharing). 37.4% on the full trace.
 
     With ``capacity_tokens``: the same for one cache of that size evicting the least recently used block
-    first (vLLM's rule), over the whole fleet's KV. No router in front of LRU engines of that total size
-    does much better: where it holds a prefix only chooses among partitions of that one cache (on the
-    fleet bench's slice 16.3% at 4 workers, against the ceiling's 20.7%, which 16 reach). Outputs and the
-    blocks of running requests are not counted (they would only lower it)."""
+    first (vLLM's rule, at the trace's 512-token blocks), the whole fleet's KV as one cache: the *LRU
+    reference* the fleet bench prints. Cache-aware routers in front of LRU engines of that total size get
+    about that much: where a router puts a prefix mostly picks among partitions of that one cache (on the
+    fleet bench's slice 16.3% at 4 workers, measured routers 15.5-16.6%; the ceiling's 20.7%, which 16
+    reach). Not a strict bound: placement could keep one-off prompts away from hot prefixes (Belady's
+    eviction reaches the ceiling at 4 workers). Outputs and running requests' blocks are not counted.
+    """
     cache = LRUPrefixCache(None if capacity_tokens is None else max(1, capacity_tokens // TRACE_BLOCK))
     total = hit = 0
     for r in rows:
@@ -164,8 +168,9 @@ def conversation_ids(rows: Sequence[TraceRow]) -> list[str]:
     """A conversation id per row, as a client that keeps a session would send it: a row whose hash ids
     begin with the whole of an earlier prompt (its full blocks, or all its blocks: the last may be partial)
     continues that prompt's conversation; any other row starts one. Matches of one block are not
-    continuations (a shared system prompt). The trace itself carries no session, and without one the
-    ``session`` policy is the ``kv`` policy."""
+    continuations (a shared system prompt); a longer prompt that is only a shared prefix would join its
+    readers into one conversation (on the fleet's slice the largest has 6 requests). The trace itself
+    carries no session, and without one the ``session`` policy is the ``kv`` policy."""
     seen: dict[tuple[int, ...], str] = {}
     out = []
     for r in rows:

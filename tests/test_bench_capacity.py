@@ -59,13 +59,13 @@ def test_working_set_counts_shared_prefixes_once(tok):
     assert rag["distinct_prefix_tokens"] < SPEC.rag_docs * SPEC.doc_tokens + 9 * (SPEC.question_tokens + 120)
 
 
-def test_the_lru_bound_falls_with_the_cache_and_reaches_the_ceiling_when_everything_fits(tok):
+def test_the_lru_reference_falls_with_the_cache_and_reaches_the_ceiling_when_everything_fits(tok):
     """The hit rate the capacity-bound run's routers are measured against: one LRU cache of both servers."""
     clients = mw.make_mixed(tok, SPEC, 0)
     ws = mw.working_set(tok, clients, block_size=32, answer_tokens=8)
-    roomy = mw.lru_bound(tok, clients, 32, ws["distinct_blocks"], 8, orders=5)
+    roomy = mw.lru_reference(tok, clients, 32, ws["distinct_blocks"], 8, orders=5)
     assert roomy["min"] == roomy["max"] == roomy["ceiling"] > 0.3  # nothing is ever evicted
-    tight = mw.lru_bound(tok, clients, 32, ws["distinct_blocks"] // 3, 8, orders=5)
+    tight = mw.lru_reference(tok, clients, 32, ws["distinct_blocks"] // 3, 8, orders=5)
     assert tight["min"] <= tight["median"] <= tight["max"] < roomy["ceiling"]
     assert tight["ceiling"] == roomy["ceiling"] and tight["orders"] == 5
     assert "ceiling" in cb.lru_line(tight)
