@@ -52,7 +52,7 @@ from router.eviction import observe_delivery
 from router.admission import PrefillGate, gate_budget, gate_orders
 from router.kv_room import kv_room
 from router.load import ActiveSequences, Sequence, shared_blocks
-from router.registry import Worker, WorkerLoad
+from router.worker import Worker, WorkerLoad
 
 
 @dataclass

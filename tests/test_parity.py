@@ -263,7 +263,7 @@ async def test_a_cache_blind_worker_is_chat_blind_too(worker):
 
 def test_a_worker_is_blind_per_request_kind_by_its_last_parity_result():
     from router.config import WorkerConfig
-    from router.registry import Worker
+    from router.worker import Worker
 
     w = Worker(name="w", url="http://w:8000", config=WorkerConfig(url="http://w:8000"))
     assert not w.blind_for("chat") and not w.blind_for("completion")

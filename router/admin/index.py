@@ -10,7 +10,7 @@ from indexer.index.base import Tier
 from router.admin import schemas
 from router.admin.common import index_stats, ingestor_statuses, kv_state, not_found
 from router.errors import APIError
-from router.registry import index_names
+from router.worker import index_names
 
 log = logging.getLogger("kvgate.admin")
 router = APIRouter(prefix="/index", tags=["admin: index"])

@@ -10,7 +10,8 @@ from router.admin.common import index_stats_or_error, ingestor_statuses, kv_stat
 from router.config import WorkerConfig
 from router.errors import APIError
 from indexer.events.state import local_g4_member
-from router.registry import DuplicateWorker, index_names
+from router.registry import DuplicateWorker
+from router.worker import index_names
 
 log = logging.getLogger("kvgate.admin")
 router = APIRouter(prefix="/workers", tags=["admin: workers"])

@@ -109,7 +109,7 @@ def test_gateway_reads_prefill_histograms_from_real_vllm(request):
     """Block size and the prefill histograms that calibrate the cost model, parsed by the gateway's own
     code from a real server's /metrics after it computed a fresh prompt (the simulator's side of the same
     parse is in tests/sim/test_server.py)."""
-    from router.registry import parse_metrics
+    from router.vllm_metrics import parse_metrics
     from tests.support.vllm_server import unique_prompt
 
     server = request.getfixturevalue("vllm_server")

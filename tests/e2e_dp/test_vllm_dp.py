@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from router.config import WorkerConfig
-from router.registry import parse_metrics
+from router.vllm_metrics import parse_metrics
 from tests.e2e.kvgate import kvgate_settings, start_kvgate
 from tests.support.vllm_server import VllmServer, free_port
 

@@ -188,7 +188,7 @@ async def test_gateway_prefetcher_orders_and_calibrates_the_cost_model(endpoint)
     from router.cost import CostModel
     from router.prefetch import G4Prefetcher as GatewayPrefetcher
     from router.prefetch import make_prefetcher
-    from router.registry import Worker
+    from router.worker import Worker
 
     bare = make_prefetcher(Settings())  # no fleet port: a worker without its own endpoint gets no order
     nowhere = Worker(name="w0", url="http://127.0.0.1:1", config=WorkerConfig(url="http://127.0.0.1:1"))

@@ -9,7 +9,7 @@ from router.cost import MIN_COMPUTE_SHARE, STEP_FLOOR_SHARE, CostModel
 from router.policies import RouteRequest, create_policy
 from router.calibrate import EngineCalibration
 from router.load import ActiveSequences
-from router.registry import EngineSample, Worker
+from router.worker import EngineSample, Worker
 
 
 def model(cfg: RoutingConfig, engine=(0.0, 0.0, 0.0)) -> CostModel:

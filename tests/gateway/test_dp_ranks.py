@@ -150,7 +150,8 @@ def test_odd_source_lists_are_read_without_raising():
     """Whatever ``/kv_event_sources`` answers, reading it raises nothing: ranks with a usable endpoint
     get a source (``*`` replaced by the worker's host), others are listed as skipped."""
     from router.config import Settings, WorkerConfig
-    from router.registry import Worker, WorkerRegistry
+    from router.registry import WorkerRegistry
+    from router.worker import Worker
 
     reg = WorkerRegistry(Settings(), index=None)
     ok = {"endpoint": "tcp://*:5611", "replay_endpoint": 7, "topic": None}

@@ -10,7 +10,7 @@ from indexer.index.base import WorkerMatch
 from router.config import RoutingConfig
 from router.eviction import SCALE_RANGE, EvictionCalibration, pressure, surviving
 from router.kv_room import kv_room
-from router.registry import WorkerLoad
+from router.worker import WorkerLoad
 from tests.gateway.test_cost import model, worker
 
 

@@ -13,7 +13,7 @@ from router.calibrate import OVERHEAD_WINDOW, EngineCalibration, PredictionError
 from router.config import RoutingConfig, WorkerConfig
 from router.cost import CostModel
 from router.load import ActiveSequences
-from router.registry import EngineSample, Worker, WorkerLoad
+from router.worker import EngineSample, Worker, WorkerLoad
 from tests.gateway.conftest import MODEL
 
 

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from indexer.hashing import sequence_hashes
 from indexer.index.base import Tier
 from router.config import WorkerConfig
-from router.registry import parse_metrics
+from router.vllm_metrics import parse_metrics
 from tests.gateway.conftest import BLOCK, MODEL
 from tests.gateway.test_proxy import LONG, chat_body, wait_until
 

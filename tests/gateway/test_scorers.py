@@ -13,7 +13,7 @@ from router.policies import RouteRequest, create_policy
 from router.policies.kv import kv_order, scorers_of
 from router.policies.scorers import (ContinuityScorer, DelayScorer, Fleet, FootprintScorer, LoadScorer,
                                      RecomputeScorer, kv_pressure, roominess)
-from router.registry import WorkerLoad
+from router.worker import WorkerLoad
 
 REQ = RouteRequest("m", "/v1/chat/completions", {})
 TPS = 10_000.0

@@ -11,7 +11,7 @@ import pytest
 from bench.sim.fleet import FleetConfig, SimFleet
 from bench.sim.timing import DEFAULT_TIMING
 from bench.sim.tokenizer import ids_to_text
-from router.registry import parse_metrics
+from router.vllm_metrics import parse_metrics
 
 
 def sse(text: str) -> list:
@@ -112,12 +112,12 @@ async def test_metrics_use_vllms_names_and_labels(fleet):
 
 
 async def test_metrics_read_from_the_kept_lines_equal_those_of_the_whole_page(fleet, monkeypatch):
-    """The scrape keeps only the families the gateway reads, without buckets (router.registry.wanted_metrics),
+    """The scrape keeps only the families the gateway reads, without buckets (router.vllm_metrics.wanted_metrics),
     before prometheus_client parses them: every figure must be what the whole page gives, for the server and
     for each engine of a data-parallel page, with other families that share a prefix beside them."""
     import dataclasses
 
-    import router.registry as reg
+    import router.vllm_metrics as reg
 
     url = fleet.workers[0].url
     async with httpx.AsyncClient(timeout=30) as c:
