@@ -224,6 +224,14 @@ def interval_lines(rows: list[dict]) -> list[str]:
     return out
 
 
+def reference_line(rows: list[dict], ref: dict) -> str:
+    """Each target's hit rate (the median over rounds) against the LRU reference of the workload
+    (``mixed_workload.lru_reference``): how much of what one LRU cache of both servers would serve it got."""
+    parts = [f"{r['target']} {100 * (r['cached_share'] - ref['median']):+.1f}" for r in rows
+             if r.get("cached_share") is not None]
+    return f"hit rate against the LRU reference ({100 * ref['median']:.1f}%), points: " + ", ".join(parts)
+
+
 def _x(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
@@ -577,6 +585,7 @@ def run(args, model_dir: str) -> int:
     print()
     for line in interval_lines(rows):
         print(line)
+    print(reference_line(rows, ws["lru_reference"]))
     for k, v in checked.items():
         print(f"- {k}: {'met' if v else 'NOT met'}")
     out = Path(args.out)

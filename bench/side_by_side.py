@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                 print("\n".join(lines) + "\n")
                 report += [f"- {x}" for x in lines] + [""]
             rp.plot(results, out / f"fleet{n}.png", title=f"{n} simulated workers, Mooncake conversation trace")
-            rp.write_json(results, out / f"fleet{n}.json", {"args": vars(args), "fleet": n})
+            rp.write_json(results, out / f"fleet{n}.json",
+                          {"args": vars(args), "fleet": n, "lru_reference": ref, "ceiling": ceiling})
     finally:
         if redis is not None:
             redis[0].stop()

@@ -69,6 +69,9 @@ def test_the_lru_reference_falls_with_the_cache_and_reaches_the_ceiling_when_eve
     assert tight["min"] <= tight["median"] <= tight["max"] < roomy["ceiling"]
     assert tight["ceiling"] == roomy["ceiling"] and tight["orders"] == 5
     assert "ceiling" in cb.lru_line(tight)
+    rows = [{"target": "kvgate kv", "cached_share": tight["median"] + 0.02}, {"target": "sglang-router",
+            "cached_share": tight["median"] - 0.05}, {"target": "failed", "cached_share": None}]
+    assert cb.reference_line(rows, tight).endswith("points: kvgate kv +2.0, sglang-router -5.0")
 
 
 def test_kv_blocks_for():
