@@ -142,13 +142,13 @@ def lru_reference(tokenizer_path: str, clients: list[Client], block_size: int, c
     concurrently, so the order of requests is not fixed: the median, min and max over ``orders`` random
     interleavings (each client's requests in its order), and the unlimited ceiling. The blocks of running
     requests, which vLLM cannot evict, and outputs are not counted."""
-    per_client = [[chained_hashes(ids, block_size) + [len(ids)] for sessions in c for ids in sessions]
+    per_client = [[(chained_hashes(ids, block_size), len(ids)) for sessions in c for ids in sessions]
                   for c in render_prompts(tokenizer_path, clients, answer_tokens)]
 
-    def rate(order: list[list[int]], capacity: int | None) -> float:
+    def rate(order: list[tuple[list[int], int]], capacity: int | None) -> float:
         cache = LRUPrefixCache(capacity)
         hit = total = 0
-        for *hashes, n in order:
+        for hashes, n in order:
             hit += cache.serve(hashes, (n - 1) // block_size) * block_size
             total += n
         return hit / total if total else 0.0

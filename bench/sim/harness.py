@@ -149,15 +149,15 @@ def index_view(base_url: str, workers: list[dict], save: Path | None = None) -> 
     import httpx
 
     out: dict = {"workers": {}}
-    try:
-        ws = httpx.get(base_url + "/admin/workers", timeout=30).json()
-        idx = httpx.get(base_url + "/admin/index", timeout=30).json()
-    except (httpx.HTTPError, ValueError):
-        return out
-    if save is not None:
-        save.write_text(json.dumps({"workers": ws, "index": idx}))
-    by_url = {w["url"].rstrip("/"): w for w in ws.get("workers", [])}
     with httpx.Client(timeout=30) as client:
+        try:
+            ws = client.get(base_url + "/admin/workers").json()
+            idx = client.get(base_url + "/admin/index").json()
+        except (httpx.HTTPError, ValueError):
+            return out
+        if save is not None:
+            save.write_text(json.dumps({"workers": ws, "index": idx}))
+        by_url = {w["url"].rstrip("/"): w for w in ws.get("workers", [])}
         for d in workers:
             w = by_url.get(d["url"].rstrip("/"))
             if w is None:
