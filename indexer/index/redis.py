@@ -235,7 +235,7 @@ class RedisIndex(BlockIndex):
                 if attempt:
                     raise
         if tier is None:
-            await self._drop_handles(model, worker)
+            await self._drop_handles(model, worker, _token or "", forget=_token == "!free")
         return removed
 
     # -- handle maps, leases, sweep ---------------------------------------------------------------------
@@ -290,9 +290,14 @@ class RedisIndex(BlockIndex):
         vs = np.frombuffer(b"".join(chunk.values()), dtype=_HVAL)
         return dict(zip(map(tuple, ks.tolist()), map(tuple, vs.tolist())))
 
-    async def _drop_handles(self, model: str, worker: str) -> None:
-        await self._save_h(list(self._hkeys(model, worker)),
-                           [self.base(model), worker, "", "", b"", b"", "drop", ""])
+    async def _drop_handles(self, model: str, worker: str, token: str = "", forget: bool = False) -> None:
+        """The map and its sequence (``forget``: the recorded incarnation too), in one step; ``token``
+        '!free' (the sweep's): only while nobody holds the lease, else LeaseLost (a writer that took it
+        since keeps what it pushed)."""
+        mode = "forget" if forget else "drop"
+        self._checked(int(await self._save_h(list(self._hkeys(model, worker)),
+                                             [self.base(model), worker, token, "", b"", b"", mode, ""])),
+                      model, worker)
 
     async def incarnation(self, model: str, worker: str) -> str | None:
         inc = await self._r.hget(self.base(model) + "inc", worker)
@@ -331,7 +336,6 @@ class RedisIndex(BlockIndex):
             except LeaseLost:  # a writer took it meanwhile
                 continue
             await self._r.hdel(b + "seen", name)
-            await self._r.hdel(b + "inc", name)
             gone.append(name)
         return gone
 

@@ -34,6 +34,39 @@ async def test_a_stale_writer_is_fenced_off(redis_url):
         await b.close()
 
 
+async def test_a_sweep_racing_a_new_writer_leaves_what_the_writer_pushed(redis_url):
+    """The sweep checks that nobody holds an idle worker's lease, then drops its entries, map and recorded
+    engine process. A gateway that takes the lease and pushes its map (with the process) between the two
+    keeps them: the drop is fenced like the entries' (before, the map went whenever no entry was stored
+    yet, and the recorded process always: a third gateway then adopted that map for any process). The race
+    is forced: the writer acts right after the sweep's lease check."""
+    w, s = RedisIndex(redis_url, key_prefix="sw"), RedisIndex(redis_url, key_prefix="sw")
+    try:
+        assert await w.acquire_lease(M, "w1", "gw-old", ttl_s=0.1)
+        await asyncio.sleep(0.25)  # the old writer's lease lapsed: w1 is idle
+        check = s._r.exists
+        raced = []
+
+        async def exists_then_writer_acts(*keys):
+            n = await check(*keys)
+            if not raced:
+                raced.append(1)
+                assert await w.acquire_lease(M, "w1", "gw-new", ttl_s=30)
+                await w.save_handles(M, "w1", {(0, 1): (H[0], 1, 0)}, [], seq=7, replace=True,
+                                     incarnation="300.5")
+            return n
+
+        s._r.exists = exists_then_writer_acts
+        assert await s.sweep(M, idle_s=0.1) == []
+        assert raced
+        assert await s.load_handles(M, "w1") == ({(0, 1): (H[0], 1, 0)}, 7)
+        assert await s.incarnation(M, "w1") == "300.5"
+        await w.save_handles(M, "w1", {(0, 2): (H[1], 1, 0)}, [], seq=8)  # still the writer
+    finally:
+        await w.close()
+        await s.close()
+
+
 async def test_a_map_adopted_while_a_writer_replaces_it_is_never_torn(redis_url):
     """A gateway subscribing to a worker reads the handle map in HSCAN chunks while the worker's writer keeps
     replacing it (a new writer pushing its state) and updating it (event batches). Every snapshot read must
