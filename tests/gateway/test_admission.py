@@ -190,7 +190,7 @@ def _indexed_prompt(tokenizer_dir, words: int) -> tuple[dict, list[int]]:
     """A streamed chat body and its routable block hashes (the gateway's own tokenizer and block size)."""
     from indexer.hashing import routable_blocks, sequence_hashes
     from router.config import TokenizerConfig
-    from router.tokenize import LocalTokenizer
+    from router.local_tokenizer import LocalTokenizer
     from tests.gateway.conftest import BLOCK
 
     body = _stream_body(words)

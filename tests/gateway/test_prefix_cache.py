@@ -26,7 +26,7 @@ from bench.sim.tokenizer import save_model_dir as save_sim_tokenizer
 from indexer.hashing import routable_blocks, sequence_hashes
 from router.config import TokenizerConfig
 from router.prefix_cache import Record
-from router.tokenize import LocalTokenizer
+from router.local_tokenizer import LocalTokenizer
 
 SMALL = TokenizerConfig(prefix_chunk_bytes=64, prefix_cut_bytes=16, prefix_cache_bytes=4 * 1024 * 1024)
 

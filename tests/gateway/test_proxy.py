@@ -176,7 +176,7 @@ async def test_prefix_indexed_on_b_goes_to_b(fleet, start_gateway, tokenizer_dir
     gw = start_gateway(fleet, local_tokenizer=local_tokenizer)
     body = chat_body(LONG)
     from router.config import TokenizerConfig
-    from router.tokenize import LocalTokenizer
+    from router.local_tokenizer import LocalTokenizer
 
     toks = LocalTokenizer(tokenizer_dir, TokenizerConfig()).tokenize_chat(body).tokens
     hashes = sequence_hashes(toks, BLOCK, max_blocks=routable_blocks(len(toks), BLOCK))
@@ -205,7 +205,7 @@ async def test_hot_worker_with_long_queue_loses(fleet, start_gateway, tokenizer_
     await wait_until(lambda: gw.state.registry.get("b").load.waiting == 400)
     body = chat_body(LONG)
     from router.config import TokenizerConfig
-    from router.tokenize import LocalTokenizer
+    from router.local_tokenizer import LocalTokenizer
 
     toks = LocalTokenizer(tokenizer_dir, TokenizerConfig()).tokenize_chat(body).tokens
     hashes = sequence_hashes(toks, BLOCK, max_blocks=routable_blocks(len(toks), BLOCK))
@@ -232,7 +232,7 @@ async def test_gateway_queue_makes_hot_worker_lose(fleet, start_gateway, tokeniz
     gw = start_gateway(fleet, routing={"prefill_tokens_per_s": 200.0})
     body = chat_body(LONG, stream=True)
     from router.config import TokenizerConfig
-    from router.tokenize import LocalTokenizer
+    from router.local_tokenizer import LocalTokenizer
 
     toks = LocalTokenizer(tokenizer_dir, TokenizerConfig()).tokenize_chat(body).tokens
     hashes = sequence_hashes(toks, BLOCK, max_blocks=routable_blocks(len(toks), BLOCK))

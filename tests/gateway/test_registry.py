@@ -104,7 +104,7 @@ async def test_plan_sends_nothing_and_matches_choice(fleet, start_gateway, token
     gw = start_gateway(fleet)
     body = chat_body(LONG)
     from router.config import TokenizerConfig
-    from router.tokenize import LocalTokenizer
+    from router.local_tokenizer import LocalTokenizer
 
     toks = LocalTokenizer(tokenizer_dir, TokenizerConfig()).tokenize_chat(body).tokens
     hashes = sequence_hashes(toks, BLOCK)
@@ -140,7 +140,7 @@ async def test_prefetch_ordered_for_g4_plan(fleet, start_gateway, tokenizer_dir)
     gw.state.prefetcher = gw.state.datapath.prefetcher = Recorder()
     body = chat_body(LONG)
     from router.config import TokenizerConfig
-    from router.tokenize import LocalTokenizer
+    from router.local_tokenizer import LocalTokenizer
 
     toks = LocalTokenizer(tokenizer_dir, TokenizerConfig()).tokenize_chat(body).tokens
     hashes = sequence_hashes(toks, BLOCK)

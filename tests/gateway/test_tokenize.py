@@ -9,7 +9,8 @@ import pytest
 
 from indexer.hashing import sequence_hashes
 from router.config import ModelConfig, Settings, TokenizerConfig
-from router.tokenize import LocalTokenizer, Tokenizers
+from router.local_tokenizer import LocalTokenizer
+from router.tokenize import Tokenizers
 from tests.gateway.conftest import BLOCK, MODEL
 
 CONVERSATION = [
