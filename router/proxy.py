@@ -24,183 +24,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import parse_qs
 
-import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from router import eviction
 from router.admission import gate_budget, gate_orders
 from router.apis.routes import add_routes as add_api_routes
-from router.errors import APIError, error_body, error_response, sse_error_event
+from router.errors import APIError, error_response, sse_error_event
 from router.metrics import CONTENT_TYPE
 from router.policies import RouteRequest
 from router.routing import Decision, kind_of
 from router.upstream import UpstreamError, UpstreamResponse
+from router.wire import (ClientGone, client_headers, completion_of, forward_headers, guarded, parse_json_object,
+                         read_body, require_model, response_headers, send_error, usage_from_body,
+                         usage_from_sse_tail)
 
 log = logging.getLogger("kvgate.proxy")
 
-HOP_BY_HOP = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te",
-                        "trailer", "upgrade", "proxy-authorization", "proxy-authenticate"})
-_NOT_COPIED = HOP_BY_HOP | {"date", "server"}  # uvicorn sets its own
 _TAIL_KEEP = 8192
-_JSON = [(b"content-type", b"application/json")]
-
-
-class ClientGone(Exception):
-    """The client disconnected before the response started."""
-
-
-async def read_body(headers: dict[str, str], receive, limit: int) -> bytes:
-    """The request body from ASGI ``receive``, refusing more than ``limit`` bytes (declared or streamed)."""
-    cl = headers.get("content-length")
-    if cl is not None:
-        try:
-            declared = int(cl)
-        except ValueError:
-            raise APIError(400, "Invalid Content-Length header.") from None
-        if declared > limit:
-            raise APIError(413, f"Request body of {declared} bytes exceeds the limit of {limit} bytes.",
-                           code="request_too_large")
-    chunks: list[bytes] = []
-    total = 0
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            raise ClientGone()
-        chunk = msg.get("body", b"")
-        total += len(chunk)
-        if total > limit:
-            raise APIError(413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large")
-        chunks.append(chunk)
-        if not msg.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-_decode_json = msgspec.json.Decoder().decode
-
-
-def parse_json_object(raw: bytes) -> dict:
-    try:
-        try:
-            body = _decode_json(raw)
-        except msgspec.DecodeError:
-            body = json.loads(raw)  # the reference parser decides (msgspec refuses e.g. huge integers)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"Invalid JSON body: {e}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
-    return body
-
-
-def require_model(body: dict) -> str:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise APIError(400, "The request must name a `model` (a non-empty string).", param="model",
-                       code="missing_model")
-    return model
-
-
-def client_headers(scope) -> dict[str, str]:
-    """The request's headers, names lower-case (ASGI servers deliver them so)."""
-    return {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-
-
-def forward_headers(headers: dict[str, str], request_id: str) -> dict[str, str]:
-    out = {k: v for k, v in headers.items() if k not in HOP_BY_HOP}
-    out["x-request-id"] = request_id
-    return out
-
-
-def kvgate_headers(d: Decision) -> dict[str, str]:
-    ttft = d.predicted_ttft_ms
-    return {"x-kvgate-worker": d.chosen or "", "x-kvgate-cached-tokens": str(d.predicted_cached_tokens),
-            "x-kvgate-predicted-ttft-ms": f"{ttft:.1f}" if ttft is not None else "",
-            "x-kvgate-policy": d.policy, "x-request-id": d.request_id}
-
-
-def response_headers(resp: UpstreamResponse, d: Decision) -> list[tuple[bytes, bytes]]:
-    """The worker's headers (less hop-by-hop ones) and kvgate's, as ASGI header pairs."""
-    out = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers.items()
-           if k.lower() not in _NOT_COPIED]
-    out += [(k.encode(), v.encode("latin-1")) for k, v in kvgate_headers(d).items()]
-    return out
-
-
-class _Usage(msgspec.Struct):
-    usage: dict | None = None
-
-
-_decode_usage = msgspec.json.Decoder(_Usage).decode
-
-
-def _usage(raw: bytes) -> dict | None:
-    """The ``usage`` object of one JSON document (decoding nothing else), if any."""
-    try:
-        u = _decode_usage(raw).usage
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        try:
-            obj = json.loads(raw)
-        except ValueError:
-            return None
-        u = obj.get("usage") if isinstance(obj, dict) else None
-    return u if isinstance(u, dict) else None
-
-
-def usage_from_sse_tail(tail: bytes) -> dict | None:
-    """The last ``usage`` object in the end of an SSE stream (the final usage chunk), if any."""
-    for event in reversed(tail.split(b"\n\n")):
-        event = event.strip()
-        if event.startswith(b"data:") and b'"usage"' in event:
-            u = _usage(event[5:])
-            if u is not None:
-                return u
-    return None
-
-
-def usage_from_body(body: bytes) -> dict | None:
-    return _usage(body) if b'"usage"' in body else None
-
-
-def completion_of(usage: dict | None) -> int | None:
-    """The tokens a response generated, from its usage (chat form); None when it does not say."""
-    n = usage.get("completion_tokens") if usage else None
-    return n if type(n) is int and n >= 0 else None
-
-
-async def send_error(send, err: APIError) -> None:
-    body = json.dumps(error_body(err.status, err.message, param=err.param, code=err.code, type_=err.type))
-    await send({"type": "http.response.start", "status": err.status,
-                "headers": _JSON + [(b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body.encode()})
-
-
-async def guarded(receive, coro) -> bool:
-    """Run ``coro`` (the forwarding) in this task; if the client disconnects first, cancel it. Returns
-    False when the client went away. One watcher per request, not one per await."""
-    task = asyncio.current_task()
-    state = {"gone": False, "done": False}
-
-    async def watch() -> None:
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                if not state["done"]:
-                    state["gone"] = True
-                    task.cancel()
-                return
-
-    watcher = asyncio.get_running_loop().create_task(watch())
-    try:
-        await coro
-        return True
-    except asyncio.CancelledError:
-        if not state["gone"]:
-            raise
-        task.uncancel()
-        return False
-    finally:
-        state["done"] = True
-        watcher.cancel()
 
 
 @dataclass

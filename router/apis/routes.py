@@ -28,6 +28,7 @@ from router.apis import responses as resp_api
 from router.apis.conversation import Unsupported
 from router.apis.hooks import MessagesHooks, ResponsesHooks
 from router.errors import APIError
+from router.wire import ClientGone, client_headers, parse_json_object, read_body, require_model, send_error
 
 log = logging.getLogger("kvgate.apis")
 
@@ -81,7 +82,7 @@ async def _serve(st, scope, receive, send, path: str, prepare, *, anthropic: boo
     """One request of these APIs over plain ASGI (as ``router.proxy.handle`` serves chat): read the body,
     ``prepare(headers, raw)`` -> (model, body, plan keywords, owner, hooks factory), plan, pin to the
     owner, forward. Errors go out in the API's shape; ``after(status)`` runs once the answer is sent."""
-    from router.proxy import ClientGone, Forwarder, arrived, client_headers, forward, read_body, send_error
+    from router.proxy import Forwarder, arrived, forward  # proxy mounts these routes: imported late
 
     send_err = _send_anthropic_error if anthropic else send_error
     received = time.perf_counter()
@@ -191,7 +192,6 @@ def add_routes(api: APIRouter) -> None:
 
 def _prepare_response(st):
     async def go(headers, raw):
-        from router.proxy import parse_json_object, require_model
 
         body = parse_json_object(raw)
         prev = body.get("previous_response_id")
@@ -220,7 +220,6 @@ def _prepare_response(st):
 
 def _prepare_messages(st, routed: bool):
     async def go(headers, raw):
-        from router.proxy import parse_json_object
 
         body = parse_json_object(raw)
         msg_api.validate(body) if routed else _require_model(body)
