@@ -107,6 +107,7 @@ class PrefillGate:
                 self._held = [e for e in self._held if e[4] is not seq]
                 heapq.heapify(self._held)
         waited = self._clock() - t0
+        active.released(seq)  # it reaches the worker after those sent while it was held
         seq.sent_at += waited
         if seq.deadline != float("inf"):
             seq.deadline += waited  # a response with no first token: its prefill starts now

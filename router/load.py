@@ -222,6 +222,14 @@ class ActiveSequences:
         self.mean_tokens = 0.9 * self.mean_tokens + 0.1 * seq.uncached
         return seq
 
+    def released(self, seq: Sequence) -> None:
+        """``seq`` left the gateway's prefill gate (router/admission.py) and goes to the worker now, after every
+        request sent while it was held: it moves behind them (vLLM admits in arrival order, which
+        :meth:`mark_scrape` and :meth:`queue_losses` follow)."""
+        if self._live.pop(id(seq), None) is not None:
+            self._live[id(seq)] = seq
+            self._held_memo.clear()
+
     def first_token(self, seq: Sequence) -> None:
         if seq.admit_keys:
             self._drop_keys(seq)

@@ -112,20 +112,45 @@ async def test_a_response_without_a_first_token_stops_blocking_at_its_deadline()
     assert 0.05 < waited < 1.0
 
 
+async def _one_sent_one_held(a: ActiveSequences, g: PrefillGate, first: int, second: int):
+    """A request of ``first`` uncached tokens sent (a step's budget of 2,048), then one of ``second`` held
+    behind it: both sequences and the held one's admission task."""
+    sent = a.add(uncached=first, work=float(first), predicted_s=1.0, streamed=True)
+    await g.admit(a, sent, 2048, 5.0)
+    later = a.add(uncached=second, work=float(second), predicted_s=1.0, streamed=True)
+    task = asyncio.create_task(g.admit(a, later, 2048, 5.0))
+    await held(g, 1)
+    return sent, later, task
+
+
 async def test_held_requests_are_not_taken_for_ones_vllm_runs():
     """vLLM's waiting gauge counts only what was sent: a held request is neither admitted at a scrape (its
     KV is not in the usage) nor taken for a running prefill."""
     a, g = ActiveSequences(), PrefillGate()
-    sent = a.add(uncached=3000, work=3000.0, predicted_s=1.0, streamed=True)
-    await g.admit(a, sent, 2048, 5.0)
-    later = a.add(uncached=500, work=500.0, predicted_s=1.0, streamed=True)
-    task = asyncio.create_task(g.admit(a, later, 2048, 5.0))
-    await held(g, 1)
+    sent, later, task = await _one_sent_one_held(a, g, 3000, 500)
     a.mark_scrape(waiting=0.0)  # vLLM runs the one it has
     assert sent.admitted and not later.admitted
     v = a.view(running=1.0, waiting=0.0)
     assert v.unadmitted_tokens == 500 and v.decodes == 0 and v.unknown_waiting == 0
     task.cancel()
+
+
+async def test_a_released_request_reaches_vllm_after_those_sent_while_it_was_held():
+    """A request held at the gate reaches vLLM after a shorter one sent past it: at the next scrape vLLM's
+    waiting gauge (one waiting) means the shorter one runs, not the held one that the gateway planned
+    first (vLLM admits in arrival order). Before, the held request kept its planning place and was taken
+    for the running one: its prompt read as already in the KV usage, the other's as demand."""
+    a, g = ActiveSequences(), PrefillGate()
+    first, long, long_task = await _one_sent_one_held(a, g, 2000, 1500)
+    short = a.add(uncached=40, work=40.0, predicted_s=1.0, streamed=True)
+    await g.admit(a, short, 2048, 5.0)  # it fits beside the first one's prefill: sent past the long one
+    await held(g, 1)
+    a.first_token(first)
+    g.wake()  # the first prefill ended: the long one goes
+    await long_task
+    a.mark_scrape(waiting=1.0)  # vLLM runs one of the two it was sent: the one that reached it first
+    assert short.admitted and not long.admitted
+    assert a.view(running=2.0, waiting=1.0).unadmitted_tokens == 1500
 
 
 def _stream_body(words: int) -> dict:
