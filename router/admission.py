@@ -102,12 +102,12 @@ class PrefillGate:
         except asyncio.TimeoutError:
             pass  # waited long enough: it goes whatever the queue
         finally:
-            if seq.gated:
+            if seq.gated:  # its wait ran out (or the client left): it goes now
                 seq.gated = False
                 self._held = [e for e in self._held if e[4] is not seq]
                 heapq.heapify(self._held)
+                active.released(seq)
         waited = self._clock() - t0
-        active.released(seq)  # it reaches the worker after those sent while it was held
         seq.sent_at += waited
         if seq.deadline != float("inf"):
             seq.deadline += waited  # a response with no first token: its prefill starts now
@@ -136,6 +136,7 @@ class PrefillGate:
         while self._held and self._fits(active, self._held[0][3], self._budget):
             seq, fut = heapq.heappop(self._held)[4:]
             seq.gated = False  # counted as outstanding from now on, before its task runs
+            active.released(seq)  # and it reaches the worker after those sent while it was held
             if not fut.done():
                 fut.set_result(None)
         self._arm(active)
@@ -146,6 +147,8 @@ class PrefillGate:
         held, self._held = self._held, []
         for *_, seq, fut in held:
             seq.gated = False
+            if self._active is not None:
+                self._active.released(seq)
             if not fut.done():
                 fut.set_result(None)
         if self._timer is not None:

@@ -35,7 +35,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
-from itertools import islice
+from itertools import chain, islice
 
 from indexer.hashing import chained_run
 
@@ -408,10 +408,13 @@ class ActiveSequences:
         tail and allocates it too: the demand a later request sees cascades. Seen on capacity-bound real
         vLLM (session 15's decision records): behind a queue of 2-4, the prompts ahead delivered 2-5x fewer
         cached tokens than predicted, and the request behind them lost a prefix the uncached demand alone
-        left whole."""
+        left whole. Requests held at the gateway's prefill gate come after the ones sent, shortest first (the
+        gate's order)."""
         now = self._clock() if now is None else now
         demand = lost = 0.0
-        for s in self._live.values():
+        live = self._live.values()
+        for s in chain((s for s in live if not s.gated),
+                       sorted((s for s in live if s.gated), key=lambda s: s.uncached)):
             if s.first_at is not None or s.admitted or now >= s.deadline:
                 continue
             if s.prefix_at is not None:

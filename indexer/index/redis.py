@@ -165,12 +165,13 @@ class RedisIndex(BlockIndex):
         return self._checked(int(await script([b + "n", b + "blocks"], [b, member, packed, worker, token])),
                              model, worker)
 
-    def _checked(self, n: int, model: str, worker: str) -> int:
+    def _checked(self, n: int, model: str, worker: str, token: str | None = None) -> int:
         if n == -1:
             self._forget_ids()
             raise self._StaleId(worker)
         if n == -2:
-            self._fences[(model, worker)] = _LOST  # fenced until this index takes the lease again
+            if token != "!free":  # the sweep holds no lease: a refusal says nothing of this index's own
+                self._fences[(model, worker)] = _LOST  # fenced until this index takes the lease again
             raise LeaseLost(f"{worker}: another gateway holds its lease")
         return n
 
@@ -216,7 +217,7 @@ class RedisIndex(BlockIndex):
         for start in range(0, BUCKETS, _CLEAR_CHUNK):
             n = int(await self._clear([b + "n", b + "blocks"],
                                       [b, member, start, start + _CLEAR_CHUNK, worker, token]))
-            removed += self._checked(n, model, worker)
+            removed += self._checked(n, model, worker, token)
         return removed
 
     async def clear_worker(self, model: str, worker: str, tier: Tier | None = None, *,
@@ -239,10 +240,11 @@ class RedisIndex(BlockIndex):
         return removed
 
     # -- handle maps, leases, sweep ---------------------------------------------------------------------
-    def _hkeys(self, model: str, worker: str) -> tuple[str, str, str, str]:
-        """The worker's handle map, the per-worker last sequence, map version and incarnation."""
+    def _hkeys(self, model: str, worker: str) -> tuple[str, str, str, str, str]:
+        """The worker's handle map, the per-worker last sequence, map version, incarnation and last lease
+        renewal (the sweep's)."""
         b = self.base(model)
-        return b + "h:" + worker, b + "hseq", b + "hver", b + "inc"
+        return b + "h:" + worker, b + "hseq", b + "hver", b + "inc", b + "seen"
 
     async def save_handles(self, model: str, worker: str, upserts: dict[HandleKey, Handle],
                            deletes, seq: int | None, *, replace: bool = False,
@@ -266,7 +268,7 @@ class RedisIndex(BlockIndex):
         block of Redis) between two reads of its version; when a writer changed it meanwhile (``tries``
         times), one script reads it whole instead. A torn read would start a gateway's state from a map
         that matches no sequence: later events then miss their parents and the state stays empty."""
-        hkey, seqkey, verkey, _ = self._hkeys(model, worker)
+        hkey, seqkey, verkey, *_ = self._hkeys(model, worker)
         for _ in range(tries):
             v0 = await self._r.hget(verkey, worker)
             out: dict[HandleKey, Handle] = {}
@@ -291,13 +293,14 @@ class RedisIndex(BlockIndex):
         return dict(zip(map(tuple, ks.tolist()), map(tuple, vs.tolist())))
 
     async def _drop_handles(self, model: str, worker: str, token: str = "", forget: bool = False) -> None:
-        """The map and its sequence (``forget``: the recorded incarnation too), in one step; ``token``
+        """The map and its sequence (``forget``: the recorded incarnation and lease renewal too, the sweep's:
+        the worker is gone), in one step; ``token``
         '!free' (the sweep's): only while nobody holds the lease, else LeaseLost (a writer that took it
         since keeps what it pushed)."""
         mode = "forget" if forget else "drop"
         self._checked(int(await self._save_h(list(self._hkeys(model, worker)),
                                              [self.base(model), worker, token, "", b"", b"", mode, ""])),
-                      model, worker)
+                      model, worker, token)
 
     async def incarnation(self, model: str, worker: str) -> str | None:
         inc = await self._r.hget(self.base(model) + "inc", worker)
@@ -335,7 +338,6 @@ class RedisIndex(BlockIndex):
                 await self.clear_worker(model, name, _token="!free")
             except LeaseLost:  # a writer took it meanwhile
                 continue
-            await self._r.hdel(b + "seen", name)
             gone.append(name)
         return gone
 

@@ -192,7 +192,6 @@ def add_routes(api: APIRouter) -> None:
 
 def _prepare_response(st):
     async def go(headers, raw):
-
         body = parse_json_object(raw)
         prev = body.get("previous_response_id")
         owner = history = None
@@ -220,7 +219,6 @@ def _prepare_response(st):
 
 def _prepare_messages(st, routed: bool):
     async def go(headers, raw):
-
         body = parse_json_object(raw)
         msg_api.validate(body) if routed else _require_model(body)
         view = None

@@ -261,6 +261,25 @@ def test_a_request_whose_first_new_blocks_vllm_stored_is_running_before_the_next
     assert held.admitted
 
 
+def test_a_held_request_loses_its_prefix_to_the_ones_sent_past_it():
+    """The queue's cascade follows the order vLLM will see: a request held at the prefill gate goes after
+    the shorter one sent past it, whose allocation reaches the held one's cached prefix first (its blocks
+    are the oldest free ones but a hundred tokens). In planning order the held one came first and kept it."""
+    a = ActiveSequences(clock=Clock())
+    doc = list(range(100, 140))  # 40 blocks of 16 tokens
+    first = a.add(50, 50.0, 1.0, streamed=True, tokens=40 * 16 + 50, max_tokens=1, hashes=doc + [1, 2, 3],
+                  block_size=16)
+    a.first_token(first)
+    a.finish(first, 1)  # its blocks are free now, the document the most recent of them
+    held = a.add(60, 60.0, 1.0, streamed=True, tokens=40 * 16 + 60, max_tokens=1, hashes=doc + [4, 5, 6],
+                 block_size=16, prefix_blocks=40)
+    held.gated = True
+    a.add(500, 500.0, 1.0, streamed=True, tokens=500, max_tokens=1, hashes=list(range(900, 931)), block_size=16)
+    assert a.queue_losses(free_tokens=40 * 16 + 100) == 400  # 500 allocated, 100 older than the document
+    held.gated = False  # sent: ahead of the other in arrival order, its prefix is read first
+    assert a.queue_losses(free_tokens=40 * 16 + 100) == 0
+
+
 def test_the_free_room_never_exceeds_the_capacity_less_what_running_requests_hold():
     """The scrape-corrected room counts the frees since the scrape at once, but a request vLLM admitted
     since is taken only at its first token: a busy worker could read as empty (6,538 of 6,560 tokens free

@@ -1,11 +1,12 @@
 -- include: locals owner
 -- KEYS[1] = the worker's handle map, KEYS[2] = last sequence per worker, KEYS[3] = map version per worker,
--- KEYS[4] = incarnation per worker; ARGV = key base, name, token, seq ("" = none: an update keeps the last
--- one, a replace drops it), deletes (12-byte keys), upserts (12-byte key + 16-byte value each), mode: ""
--- update, "replace" (the map becomes exactly the upserts), "drop" (map and sequence gone: a clear; the
--- process stays recorded), "forget" (the incarnation too: the worker is gone), both unfenced unless a
--- token is given (the sweep's '!free': nobody may hold the lease), incarnation ("" = the recorded one
--- stays: the engine process the map describes, set with it).
+-- KEYS[4] = incarnation per worker, KEYS[5] = last lease renewal per worker (the sweep's); ARGV = key base,
+-- name, token, seq ("" = none: an update keeps the last one, a replace drops it), deletes (12-byte keys),
+-- upserts (12-byte key + 16-byte value each), mode: "" update, "replace" (the map becomes exactly the
+-- upserts), "drop" (map and sequence gone: a clear; the process stays recorded), "forget" (the incarnation
+-- and renewal too: the worker is gone), both unfenced unless a token is given (the sweep's '!free': nobody
+-- may hold the lease), incarnation ("" = the recorded one stays: the engine process the map describes, set
+-- with it).
 -- -2 when fenced. Every call bumps the version, so a reader that scans the map in chunks (load_handles)
 -- can tell that it changed under it.
 local base, name, token, seq, dels, ups, mode = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
@@ -16,7 +17,10 @@ call('HINCRBY', KEYS[3], name, 1)
 if drop then
   call('DEL', KEYS[1])
   call('HDEL', KEYS[2], name)
-  if mode == 'forget' then call('HDEL', KEYS[4], name) end
+  if mode == 'forget' then
+    call('HDEL', KEYS[4], name)
+    call('HDEL', KEYS[5], name)
+  end
   return 0
 end
 if mode == 'replace' then call('DEL', KEYS[1]) end
