@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.chat_workload import Session, TextMaker, make_sessions
-from bench.replay_workloads import LRUPrefixCache, chained_hashes
+from bench.replay_workloads import chained_hashes, prefix_hit_rate
 
 
 @dataclass
@@ -145,14 +145,6 @@ def lru_reference(tokenizer_path: str, clients: list[Client], block_size: int, c
     per_client = [[(chained_hashes(ids, block_size), len(ids)) for sessions in c for ids in sessions]
                   for c in render_prompts(tokenizer_path, clients, answer_tokens)]
 
-    def rate(order: list[tuple[list[int], int]], capacity: int | None) -> float:
-        cache = LRUPrefixCache(capacity)
-        hit = total = 0
-        for hashes, n in order:
-            hit += cache.serve(hashes, (n - 1) // block_size) * block_size
-            total += n
-        return hit / total if total else 0.0
-
     rng = random.Random(seed)
     rates = []
     for _ in range(orders):
@@ -163,10 +155,10 @@ def lru_reference(tokenizer_path: str, clients: list[Client], block_size: int, c
             order.append(q.pop())
             if not q:
                 queues.remove(q)
-        rates.append(rate(order, max(1, capacity_blocks)))
+        rates.append(prefix_hit_rate(order, block_size, max(1, capacity_blocks)))
     rates.sort()
     return {"median": rates[len(rates) // 2], "min": rates[0], "max": rates[-1], "orders": orders,
-            "capacity_blocks": capacity_blocks, "ceiling": rate([r for q in per_client for r in q], None)}
+            "capacity_blocks": capacity_blocks, "ceiling": prefix_hit_rate([r for q in per_client for r in q], block_size)}
 
 
 def kv_blocks_for(distinct_blocks: int, ratio: float, block_size: int, max_model_len: int) -> int:

@@ -126,12 +126,18 @@ def trace_ceiling(rows: Iterable[TraceRow], capacity_tokens: int | None = None) 
 def token_ceiling(items: Sequence[WorkItem], block_size: int) -> float:
     """The same ceiling for any workload, at an engine's block size and with vLLM's rules (full blocks only,
     the last prompt token is never a hit): an unbounded single prefix cache over the prompts in order."""
-    cache = LRUPrefixCache()
-    total = hit = 0
-    for it in items:
-        t = np.asarray(it.tokens, dtype="<u4")
-        hit += cache.serve(chained_hashes(t, block_size), (len(t) - 1) // block_size) * block_size
-        total += len(t)
+    return prefix_hit_rate([(chained_hashes(it.tokens, block_size), len(it.tokens)) for it in items], block_size)
+
+
+def prefix_hit_rate(prompts: Iterable[tuple[Sequence[int], int]], block_size: int,
+                    capacity: int | None = None) -> float:
+    """Cached over prompt tokens of ``prompts`` ((chained block hashes, prompt length) in order) through one
+    :class:`LRUPrefixCache` of ``capacity`` blocks, with vLLM's rules (the last prompt token is never a hit)."""
+    cache = LRUPrefixCache(capacity)
+    hit = total = 0
+    for hashes, n in prompts:
+        hit += cache.serve(hashes, (n - 1) // block_size) * block_size
+        total += n
     return hit / total if total else 0.0
 
 

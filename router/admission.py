@@ -103,10 +103,9 @@ class PrefillGate:
             pass  # waited long enough: it goes whatever the queue
         finally:
             if seq.gated:  # its wait ran out (or the client left): it goes now
-                seq.gated = False
                 self._held = [e for e in self._held if e[4] is not seq]
                 heapq.heapify(self._held)
-                active.released(seq)
+                self._let_go(seq)
         waited = self._clock() - t0
         seq.sent_at += waited
         if seq.deadline != float("inf"):
@@ -135,20 +134,24 @@ class PrefillGate:
             return
         while self._held and self._fits(active, self._held[0][3], self._budget):
             seq, fut = heapq.heappop(self._held)[4:]
-            seq.gated = False  # counted as outstanding from now on, before its task runs
-            active.released(seq)  # and it reaches the worker after those sent while it was held
+            self._let_go(seq)
             if not fut.done():
                 fut.set_result(None)
         self._arm(active)
+
+    def _let_go(self, seq: Sequence) -> None:
+        """``seq`` is held no more: counted as outstanding from now on (before its task runs), and it reaches
+        the worker after those sent while it was held."""
+        seq.gated = False
+        if self._active is not None:
+            self._active.released(seq)
 
     def release_all(self) -> None:
         """The worker failed, drains or left: every held request goes now (the proxy sends it to its next
         candidate instead, router/proxy.py), not when a prefill there ends or its wait runs out."""
         held, self._held = self._held, []
         for *_, seq, fut in held:
-            seq.gated = False
-            if self._active is not None:
-                self._active.released(seq)
+            self._let_go(seq)
             if not fut.done():
                 fut.set_result(None)
         if self._timer is not None:

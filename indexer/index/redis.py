@@ -236,7 +236,7 @@ class RedisIndex(BlockIndex):
                 if attempt:
                     raise
         if tier is None:
-            await self._drop_handles(model, worker, _token or "", forget=_token == "!free")
+            await self._drop_handles(model, worker, _token or "")
         return removed
 
     # -- handle maps, leases, sweep ---------------------------------------------------------------------
@@ -292,12 +292,11 @@ class RedisIndex(BlockIndex):
         vs = np.frombuffer(b"".join(chunk.values()), dtype=_HVAL)
         return dict(zip(map(tuple, ks.tolist()), map(tuple, vs.tolist())))
 
-    async def _drop_handles(self, model: str, worker: str, token: str = "", forget: bool = False) -> None:
-        """The map and its sequence (``forget``: the recorded incarnation and lease renewal too, the sweep's:
-        the worker is gone), in one step; ``token``
-        '!free' (the sweep's): only while nobody holds the lease, else LeaseLost (a writer that took it
-        since keeps what it pushed)."""
-        mode = "forget" if forget else "drop"
+    async def _drop_handles(self, model: str, worker: str, token: str = "") -> None:
+        """The map and its sequence, in one step. ``token`` '!free' (the sweep's: the worker is gone): its
+        recorded incarnation and lease renewal too, and only while nobody holds the lease, else LeaseLost
+        (a writer that took it since keeps what it pushed)."""
+        mode = "forget" if token == "!free" else "drop"
         self._checked(int(await self._save_h(list(self._hkeys(model, worker)),
                                              [self.base(model), worker, token, "", b"", b"", mode, ""])),
                       model, worker, token)
