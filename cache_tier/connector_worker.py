@@ -400,5 +400,8 @@ class WorkerSide:
             logger.warning("kvgate G4: writer still busy at shutdown; pending saves are dropped")
         self._maybe_write_stats(force=True)
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.stager.close()
         if self.server is not None:
-            self.server.shutdown()
+            from cache_tier.prefetch_server import stop
+
+            stop(self.server)

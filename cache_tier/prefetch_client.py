@@ -66,7 +66,7 @@ class G4Prefetcher:
         try:
             r = await self._http().post(base + PREFETCH_PATH, json=body, timeout=self.timeout_s)
             ok = r.status_code == 202
-        except httpx.HTTPError as e:
+        except Exception as e:  # noqa: BLE001 - an order is advisory: a bad URL or a refused socket too
             log.debug("prefetch order to %s failed: %s", base, e)
             ok = False
         self.counters["sent" if ok else "failed"] += 1

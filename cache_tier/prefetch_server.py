@@ -31,6 +31,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 MAX_BODY = 1 << 20
+# A connection's socket timeout: a client that stalls mid-request (or never sends its body) frees its
+# handler thread after this long. The gateway sends a small body at once (router/prefetch.py).
+READ_TIMEOUT_S = 5.0
+# Connections served at once (one thread each, inside vLLM's worker process); more are closed unanswered:
+# an order is advisory (the gateway counts it failed and the load happens at prefill).
+MAX_CONNECTIONS = 16
 
 # (name, kind, help, path into the stats dict); a dict value is one series per key, labelled ``reason``
 _METRICS = (
@@ -110,6 +116,7 @@ def _error(msg: str, code: int, typ: str = "invalid_request_error") -> dict:
 def make_handler(worker) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = READ_TIMEOUT_S
 
         def log_message(self, fmt, *args):  # quiet: vLLM's logs are busy enough
             return
@@ -139,10 +146,17 @@ def make_handler(worker) -> type[BaseHTTPRequestHandler]:
                 n = int(self.headers.get("Content-Length") or 0)
             except ValueError:
                 return self._send(400, _error("bad Content-Length", 400))
+            if n < 0:  # rfile.read(-1) would read until the client closes: no limit at all
+                return self._send(400, _error("bad Content-Length", 400))
             if n > MAX_BODY:
                 return self._send(413, _error(f"body over {MAX_BODY} bytes", 413))
             try:
-                body = json.loads(self.rfile.read(n) or b"null")
+                raw = self.rfile.read(n)
+            except OSError:  # the client stalled past READ_TIMEOUT_S or went away: nobody to answer
+                self.close_connection = True
+                return None
+            try:
+                body = json.loads(raw or b"null")
                 if not isinstance(body, dict) or not isinstance(body.get("hashes"), list):
                     raise ValueError('expected {"model": str, "hashes": [...]}')  # noqa: TRY004
                 hashes = [_parse_hash(h) for h in body["hashes"]]
@@ -157,8 +171,39 @@ def make_handler(worker) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+class _BoundedServer(ThreadingHTTPServer):
+    """A thread per connection, at most ``max_connections`` at once (the rest are closed at once)."""
+
+    daemon_threads = True
+
+    def __init__(self, address, handler, max_connections: int) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(max(1, max_connections))
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 def serve_in_thread(worker, host: str, port: int) -> ThreadingHTTPServer:
-    srv = ThreadingHTTPServer((host, port), make_handler(worker))
-    srv.daemon_threads = True
+    srv = _BoundedServer((host, port), make_handler(worker), MAX_CONNECTIONS)
     threading.Thread(target=srv.serve_forever, name="kvgate-g4-http", daemon=True).start()
     return srv
+
+
+def stop(srv: ThreadingHTTPServer) -> None:
+    """Stop serving and release the port (``shutdown`` alone leaves the socket bound)."""
+    srv.shutdown()
+    srv.server_close()

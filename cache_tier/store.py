@@ -350,7 +350,11 @@ class G4Store:
         t0 = time.perf_counter()
         try:
             with open(p, "rb", buffering=0) as f:
-                n = f.readinto(view)
+                # one read(2) may return less than asked (FUSE and network mounts, a signal): read to the
+                # end, or a whole block would be taken for a truncated one and removed
+                n = 0
+                while n < len(buf) and (k := f.readinto(view[n:])):
+                    n += k
                 extra = f.read(1) if n == len(buf) else b""
         except FileNotFoundError:
             with self._lock:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
 import torch
 
@@ -108,6 +109,57 @@ async def test_prefetch_refusals_and_unreachable_worker(endpoint):
     assert not await pf.order(None, "tiny", [1])
     assert pf.counters == {"sent": 0, "failed": 1, "skipped": 1, "hashes": 0}
     await pf.aclose()
+
+
+def test_the_prefetch_endpoint_refuses_a_negative_length_and_frees_stalled_connections(tmp_path, monkeypatch):
+    """A negative Content-Length is a 400 (read(-1) would take the body to EOF, past MAX_BODY); a client
+    that stalls mid-body frees its handler thread after READ_TIMEOUT_S; past MAX_CONNECTIONS a connection is
+    closed unanswered; and stopping the server releases its port."""
+    import socket
+    import threading
+
+    from cache_tier import prefetch_server
+
+    monkeypatch.setattr(prefetch_server, "READ_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(prefetch_server, "MAX_CONNECTIONS", 4)
+    ep = Endpoint(G4Store(tmp_path, NS))
+    port = free_port()
+    srv = serve_in_thread(ep, "127.0.0.1", port)
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(b"POST /kvgate/prefetch HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n"
+                  + b'{"hashes": []}' + b" " * (prefetch_server.MAX_BODY + 10))
+        assert s.recv(64).startswith(b"HTTP/1.1 400 ")
+        s.close()
+        before = threading.active_count()
+        stalled = []
+        for _ in range(6):  # each sends half a body and stops
+            c = socket.create_connection(("127.0.0.1", port), timeout=5)
+            c.sendall(b"POST /kvgate/prefetch HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+            stalled.append(c)
+        time.sleep(0.1)
+        assert threading.active_count() - before <= 4  # the two past the cap were closed at once
+        assert wait_for(lambda: threading.active_count() <= before, timeout=5.0)  # the timeout freed the rest
+        for c in stalled:
+            c.close()
+        r = httpx.post(f"http://127.0.0.1:{port}/kvgate/prefetch", json={"hashes": []}, timeout=5)
+        assert r.status_code == 202  # and it still serves
+    finally:
+        prefetch_server.stop(srv)
+        ep.stager.close()
+    probe = socket.socket()
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past the test's own TIME_WAIT connections
+    probe.bind(("127.0.0.1", port))  # no listener left on it (shutdown alone kept it bound)
+    probe.close()
+
+
+async def test_a_prefetch_order_to_a_malformed_url_is_a_failure_not_an_exception():
+    p = G4Prefetcher(timeout_s=0.2)
+    try:
+        assert await p.order("http://[::1:8200", "m", [1]) is False
+        assert p.counters["failed"] == 1
+    finally:
+        await p.aclose()
 
 
 async def test_metrics_is_prometheus_text_with_failures_by_reason(endpoint):

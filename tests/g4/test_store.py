@@ -110,6 +110,31 @@ def test_truncated_and_wrong_block_detected(tmp_path):
         s.read(9)
 
 
+def test_a_read_that_returns_short_is_continued_not_taken_for_a_truncated_block(tmp_path, monkeypatch):
+    """One read(2) may return fewer bytes than asked (FUSE and network mounts, a signal): the store reads on
+    to the end of the file. Taking the short read for a truncated block made the connector remove a good
+    one. (The short-reading file is a stand-in: no mount here returns short reads on demand.)"""
+    import io
+
+    import cache_tier.store as store_mod
+
+    n = ns()
+    s = G4Store(tmp_path, n)
+    kv = block(4, n)
+    s.put(11, toks(0), None, kv)
+
+    class ShortReads(io.FileIO):
+        def readinto(self, b):
+            return super().readinto(memoryview(b)[:1000])
+
+    monkeypatch.setattr(store_mod, "open", lambda p, *a, **k: ShortReads(p, "rb"), raising=False)
+    assert torch.equal(torch.stack(s.get_layers(11, toks(0))), kv)
+    monkeypatch.undo()
+    os.truncate(s.path(11), 5000)  # a file that really is short is still caught
+    with pytest.raises(BlockTruncated):
+        s.read(11)
+
+
 def test_a_block_of_another_namespace_is_foreign_even_with_the_same_shape(tmp_path):
     """Sequence hashes depend on token ids only: another model's block of the same shape, copied to this
     namespace's file name, would pass every size check and the checksum; the header's namespace digest
