@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, quote
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -509,7 +509,11 @@ def build_router() -> APIRouter:
                    summary="Any other OpenAI path, forwarded to a healthy worker serving the model",
                    include_in_schema=False)
     async def other(request: Request, rest: str) -> Response:
-        return routed(request, "/v1/" + rest, need_model=False)
+        # forwarded as the client encoded it: the decoded path can hold characters an HTTP request line
+        # cannot (a 500 before) and separators that change what the worker reads (%3F, %2F)
+        raw = request.scope.get("raw_path") or b""
+        path = raw.decode("latin-1") if raw.startswith(b"/v1/") else quote("/v1/" + rest, safe="/")
+        return routed(request, path, need_model=False)
 
     @api.get("/health", summary="Liveness")
     async def health() -> Response:

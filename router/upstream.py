@@ -170,6 +170,7 @@ class _Conn(asyncio.Protocol):
         self.idle_since = 0.0
         self.uses = 0
         self._paused = False
+        self._interim = False  # parsing an interim (1xx) head's message
         self._name: bytes | None = None
 
     # asyncio.Protocol
@@ -206,7 +207,12 @@ class _Conn(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         r = self.resp
-        r.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:  # an interim head (100 Continue, 103 Early Hints)
+            r._raw_headers.clear()
+            self._interim = True  # its end is not the response's: the final head follows
+            return
+        r.status = status
         r.keep_alive = self.parser.should_keep_alive()  # valid here, not after the message
         r.headers = _Headers(r._raw_headers)
         r._head = True
@@ -216,6 +222,9 @@ class _Conn(asyncio.Protocol):
         self.resp._feed(body)
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
         r = self.resp
         r.complete = True
         r._wake()
@@ -223,6 +232,7 @@ class _Conn(asyncio.Protocol):
     # used by the pool and the response
     def send(self, head: bytes, body: bytes) -> UpstreamResponse:
         self.resp = UpstreamResponse(self)
+        self._interim = False
         self.uses += 1
         self.transport.write(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:

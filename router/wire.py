@@ -14,8 +14,10 @@ from router.errors import APIError, error_body
 from router.routing import Decision
 from router.upstream import UpstreamResponse
 
+# ``expect`` too: the gateway's server answers a client's ``Expect: 100-continue``; forwarded, the worker's
+# interim 100 would follow (router/upstream.py skips interim heads as well)
 HOP_BY_HOP = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te",
-                        "trailer", "upgrade", "proxy-authorization", "proxy-authenticate"})
+                        "trailer", "upgrade", "proxy-authorization", "proxy-authenticate", "expect"})
 _NOT_COPIED = HOP_BY_HOP | {"date", "server"}  # uvicorn sets its own
 JSON_HEADERS = [(b"content-type", b"application/json")]
 
@@ -61,6 +63,8 @@ def parse_json_object(raw: bytes) -> dict:
             body = json.loads(raw)  # the reference parser decides (msgspec refuses e.g. huge integers)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"Invalid JSON body: {e}", code="invalid_json") from None
+    except RecursionError:  # json.loads on a body nested thousands deep (msgspec refuses it first)
+        raise APIError(400, "Invalid JSON body: nested too deeply.", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
     return body
@@ -80,7 +84,10 @@ def client_headers(scope) -> dict[str, str]:
 
 
 def forward_headers(headers: dict[str, str], request_id: str) -> dict[str, str]:
-    out = {k: v for k, v in headers.items() if k not in HOP_BY_HOP}
+    """The client's headers to send the worker: not the hop-by-hop ones, nor those its ``Connection``
+    header names (RFC 9110 7.6.1)."""
+    named = {t.strip().lower() for t in headers.get("connection", "").split(",")}
+    out = {k: v for k, v in headers.items() if k not in HOP_BY_HOP and k not in named}
     out["x-request-id"] = request_id
     return out
 

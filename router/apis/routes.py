@@ -105,6 +105,10 @@ async def _serve(st, scope, receive, send, path: str, prepare, *, anthropic: boo
     except APIError as e:
         await send_err(send, e)
         return
+    except Exception as e:  # a bug answers in the API's shape (as router/proxy.py handle does)
+        log.exception("unhandled error planning %s: %s", path, e)
+        await send_err(send, APIError(500, "internal gateway error", type_="api_error"))
+        return
     status = await forward(fwd, receive, send, path, send_err)
     if after is not None and status is not None:
         await after(status)
@@ -203,6 +207,12 @@ def _prepare_response(st):
             rec = recs[0]
             owner, history = rec["worker"], resp_api.history_of(recs)
             model = body.get("model") if isinstance(body.get("model"), str) and body["model"] else rec.get("model")
+            w = st.registry.target(owner)
+            if model != rec.get("model") and w is not None and w.models and model not in w.models:
+                # the chain's state lives on its owner alone: no worker can ever answer this (not a 503)
+                raise APIError(400, f"Response '{prev}' was created with model `{rec.get('model')}` on a "
+                                    f"worker that does not serve `{model}`: continue it with its own model.",
+                               param="model", code="model_mismatch")
         else:
             model = require_model(body)
         view = None

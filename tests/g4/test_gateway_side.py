@@ -275,8 +275,6 @@ async def test_two_workers_on_one_host_each_get_their_own_prefetch_order(tmp_pat
     connector endpoints on different ports (real prefetch servers around real stores and stagers). Each
     plan's order goes to its own worker's endpoint; a worker without its own URL falls back to the
     fleet's g4.prefetch_port on its host; one with neither gets none. /admin/workers shows the URLs."""
-    import httpx
-
     from indexer.index.memory import MemoryIndex as Index
     from router.config import Settings, WorkerConfig
     from router.prefetch import make_prefetcher

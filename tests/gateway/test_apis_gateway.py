@@ -76,6 +76,23 @@ def test_owner_gone_is_410_and_owner_down_is_503(fleet, start_gateway):
     assert all(st.requests == [] for st in fleet.states)  # never sent to another worker
 
 
+def test_a_follow_up_for_a_model_its_owner_does_not_serve_is_a_400_not_a_retryable_503(fleet, start_gateway):
+    """A chain's state lives on its owner alone, so a follow-up for a model that worker does not serve can
+    never be answered: 400 ``model_mismatch`` (a 503 told clients to retry for ever). Naming the chain's own
+    model, or none, still goes to the owner."""
+    fleet.add("a")
+    fleet.add("b").model = "other"
+    gw = start_gateway(fleet)
+    gw.call(gw.state.owners.put("resp_a", {"worker": "a", "model": MODEL, "parent": None, "delta": []}))
+    with httpx.Client(base_url=gw.url, timeout=30) as c:
+        err = openai_error(c.post("/v1/responses", json={"model": "other", "input": "x",
+                                                         "previous_response_id": "resp_a"}), 400, "model_mismatch")
+        assert err["param"] == "model" and "resp_a" in err["message"]
+        r = c.post("/v1/responses", json={"model": MODEL, "input": "x", "previous_response_id": "resp_a"})
+        assert r.headers.get("x-kvgate-worker") == "a"
+    assert fleet.states[1].requests == []
+
+
 def test_malformed_messages_are_400_in_anthropic_shape(fleet, start_gateway):
     fleet.add("a")
     gw = start_gateway(fleet, max_body_bytes=10_000)

@@ -463,6 +463,26 @@ async def test_models_health_ready_and_other_paths(fleet, start_gateway):
         assert gw.state.registry.get("b").restarts == 0  # a flap is no restart
 
 
+async def test_expect_continue_nested_json_and_odd_paths_get_answers_not_500s(fleet, start_gateway):
+    """A client's ``Expect: 100-continue`` (curl sends it for large bodies) is answered by the gateway and not
+    forwarded: forwarded, the worker's interim 100 was relayed as the final answer (content-length 0) and
+    the real one dropped. A body nested thousands deep is a 400 on every JSON route (json.loads raised
+    RecursionError: a 500). A pass-through path is forwarded as the client encoded it (a decoded non-Latin-1
+    character could not be written in the request line: a 500)."""
+    fleet.add("a")
+    gw = start_gateway(fleet)
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(gw.url + "/v1/chat/completions", json=chat_body(), headers={"expect": "100-continue"})
+        assert r.status_code == 200 and r.json()["choices"]
+        deep = b'{"model":"' + MODEL.encode() + b'","input":' + b"[" * 3000 + b"]" * 3000 + b"}"
+        for path in ("/v1/chat/completions", "/v1/responses", "/v1/messages"):
+            r = await c.post(gw.url + path, content=deep, headers={"content-type": "application/json"})
+            assert r.status_code == 400, (path, r.status_code, r.text)
+        assert r.json()["type"] == "error"  # the Messages API's own error shape
+        r = await c.get(gw.url + "/v1/files/%E2%82%AC%3Fx", params={"model": MODEL})
+        assert r.status_code == 404 and r.headers["x-kvgate-worker"] == "a"  # the worker's answer
+
+
 async def test_token_id_prompt_and_session_policy(fleet, start_gateway):
     fleet.add("a")
     fleet.add("b")

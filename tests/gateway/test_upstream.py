@@ -227,3 +227,22 @@ async def test_control_get_reads_a_whole_answer_and_bounds_a_trickle():
         await up.get(url.rsplit(":", 1)[0] + ":1/health")
     assert e.value.kind == "connect"
     await up.close()
+
+
+async def test_an_interim_head_is_skipped_for_the_final_one():
+    """A worker may send interim heads (100 Continue, 103 Early Hints) before its answer: the response is
+    the final head and its body, not the first head (which has none)."""
+
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n"
+                     b"HTTP/1.1 103 Early Hints\r\nlink: </a>; rel=preload\r\n\r\n" + OK)
+        await writer.drain()
+
+    server, url = await serve(handler)
+    up = client()
+    r = await up.open("POST", url + "/v1/completions", b'{"a":1}', {"content-type": "application/json"})
+    assert r.status == 200 and r.headers.get("link") is None and await r.read() == b"{}"
+    r.close()
+    await up.close()
+    server.close()
