@@ -1,7 +1,8 @@
 """The worker half of kvgate's connector (one per TP rank): moves KV bytes between vLLM's paged tensors
 and the G4 store, serves prefetch orders and counters.
 
-Loads run on a bounded thread pool (``read_threads``). Asynchronous loads (the scheduler's choice per
+Loads run on bounded thread pools (``read_threads`` each: one for loads in the background, one for loads
+in the step, so these never wait behind those). Asynchronous loads (the scheduler's choice per
 request, ``load_async``) are reported through ``get_finished`` when every block of the request is in
 place, so a long G4 read never stalls the step of the other requests; a block that fails to load is
 reported through ``get_block_ids_with_load_errors`` no later than its request's completion, and vLLM
@@ -70,18 +71,32 @@ class _LoadJob:
             self.nbytes += res
 
 
+def parallel_rank() -> int:
+    """This worker's rank among its engine's tensor- and pipeline-parallel workers (stage x TP size + TP
+    rank, the namespace's ``tp_rank`` of ``tp_size`` = TP x PP): each holds its own slice of every block
+    (TP) or its own layers (PP), so each has its own namespace. The TP rank alone is the same in every
+    pipeline stage: two stages with as many layers shared one namespace (one loaded the other's layers,
+    checksums valid) and each stage's rank 0 started the prefetch endpoint on the same port."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        tp = get_tensor_model_parallel_rank()
+    except Exception:  # noqa: BLE001 - no TP group (single process): rank 0
+        return 0
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_world_size
+
+        return get_pp_group().rank_in_group * get_tensor_model_parallel_world_size() + tp
+    except Exception:  # noqa: BLE001 - no pipeline group: one stage
+        return tp
+
+
 class WorkerSide:
     """Copies blocks between vLLM's paged KV tensors and the store; serves prefetch and stats."""
 
     def __init__(self, vllm_config, kv_cache_config, cfg: ConnectorConfig):
         self.cfg = cfg
-        try:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-            rank = get_tensor_model_parallel_rank()
-        except Exception:  # noqa: BLE001 - no TP group (single process): rank 0
-            rank = 0
-        self.rank = rank
+        self.rank = rank = parallel_rank()
         self.ns, self.layer_names = namespace_for(vllm_config, kv_cache_config, cfg, tp_rank=rank)
         self.num_blocks = kv_cache_config.num_blocks
         self.lock = threading.Lock()
@@ -131,6 +146,9 @@ class WorkerSide:
         self._cuda = False
         self._tls = threading.local()
         self.pool = ThreadPoolExecutor(max(1, cfg.read_threads), thread_name_prefix="kvgate-g4-read")
+        # in-step loads have their own readers: on the one pool they queued behind every background load
+        # sent before them, and the forward pass waited for loads it had sent to the background
+        self.step_pool = ThreadPoolExecutor(max(1, cfg.read_threads), thread_name_prefix="kvgate-g4-step")
         self.q: queue.Queue = queue.Queue()  # bounded by the reservation in save()
         self._queued_blocks = 0
         self._queued_bytes = 0
@@ -211,7 +229,7 @@ class WorkerSide:
         t0 = time.perf_counter()
         ops = [op for lst in loads.values() for op in lst]
         job = _LoadJob(None, ops, left=0, t0=t0)
-        for op, res in zip(ops, self.pool.map(self._safe_load, ops)):
+        for op, res in zip(ops, self.step_pool.map(self._safe_load, ops)):
             job.add(op, res)
         bad = {id(op) for op in job.failed}
         job.failed_reqs = [r for r, lst in loads.items() if any(id(op) in bad for op in lst)]
@@ -400,6 +418,7 @@ class WorkerSide:
             logger.warning("kvgate G4: writer still busy at shutdown; pending saves are dropped")
         self._maybe_write_stats(force=True)
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.step_pool.shutdown(wait=False, cancel_futures=True)
         self.stager.close()
         if self.server is not None:
             from cache_tier.prefetch_server import stop
