@@ -240,6 +240,9 @@ class ResponsesConfig(BaseModel):
     # A record also keeps the messages its turn adds to the conversation (a follow-up is tokenized from
     # its chain's turns); a larger turn keeps the owner only (the chain stays pinned, routed on load).
     turn_max_bytes: int = Field(1024 * 1024, ge=0)
+    # ... and the turns kept take this much at most, all records together (their JSON); past it the least
+    # recently used records keep their owner only.
+    delta_max_bytes: int = Field(256 * 1024 * 1024, ge=0)
     # Longest chain walked to rebuild a follow-up's conversation (a longer one is routed on load, pinned).
     chain_max_depth: int = Field(1000, ge=1)
     # Largest streamed final event (response.completed) read for usage and the conversation.

@@ -37,7 +37,7 @@ class GatewayState:
         # Responses API: which worker created each response id (indexer/index/owners.py), on the index's
         # backend so every gateway replica shares it.
         self.owners = create_owners(settings.index, settings.responses.owner_ttl_s,
-                                    settings.responses.owner_max_entries)
+                                    settings.responses.owner_max_entries, settings.responses.delta_max_bytes)
         self.metrics = GatewayMetrics()
         ic = settings.index
         self.index_guard = LookupGuard(

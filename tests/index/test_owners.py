@@ -14,11 +14,12 @@ from router.config import IndexConfig
 async def make(request, redis_server):
     made = []
 
-    async def factory(ttl_s: float = 60.0, max_entries: int = 100):
+    async def factory(ttl_s: float = 60.0, max_entries: int = 100, delta_max_bytes: int = 1 << 30):
         if request.param == "memory":
-            store = MemoryOwners(ttl_s, max_entries)
+            store = MemoryOwners(ttl_s, max_entries, delta_max_bytes)
         else:
-            store = RedisOwners(redis_server, "t16", ttl_s=ttl_s, max_entries=max_entries)
+            store = RedisOwners(redis_server, "t16", ttl_s=ttl_s, max_entries=max_entries,
+                                delta_max_bytes=delta_max_bytes)
             if not made:
                 await store._r.flushall()
         made.append(store)
@@ -67,6 +68,27 @@ async def test_chain_walks_parents_newest_first(make):
     await store.delete("r2")
     assert [r["delta"] for r in await store.chain("r4", 100)] == [[4], [3]]  # stops where a record is gone
     assert await store.chain("nope", 10) == []
+
+
+async def test_turns_past_the_byte_bound_leave_their_owner_in_place(make):
+    """The deltas together stay within ``delta_max_bytes``: past it the least recently used records lose
+    their delta and keep their worker (a follow-up still reaches it, routed on load). A walk renews what
+    it visits; a delete or a replacement gives its bytes back."""
+    turn = ["x" * 96]  # 102 bytes of JSON
+    store = await make(delta_max_bytes=350)
+    for i in range(3):
+        await store.put(f"r{i}", {"worker": f"w{i}", "parent": None, "delta": turn})
+    assert [(await store.get(f"r{i}"))["delta"] for i in range(3)] == [turn] * 3  # 306 bytes
+    await store.chain("r0", 10)  # r0 used again: r1 is now the least recently used
+    await store.put("r3", {"worker": "w3", "parent": None, "delta": turn})  # 408 > 350
+    recs = [await store.get(f"r{i}") for i in range(4)]
+    assert [r["worker"] for r in recs] == ["w0", "w1", "w2", "w3"]  # every owner kept
+    assert [r["delta"] is None for r in recs] == [False, True, False, False]
+    await store.delete("r0")
+    await store.put("r3", {"worker": "w3", "parent": None, "delta": None})  # 102 bytes in use now
+    await store.put("r4", {"worker": "w4", "parent": None, "delta": turn})
+    await store.put("r5", {"worker": "w5", "parent": None, "delta": turn})
+    assert [(await store.get(f"r{i}"))["delta"] is None for i in (2, 4, 5)] == [False, False, False]
 
 
 async def test_redis_replicas_share_owners(redis_server):
