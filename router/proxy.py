@@ -108,8 +108,9 @@ class Forwarder:
     """Sends one planned request down the decision's candidate list and writes the response to ASGI ``send``."""
 
     def __init__(self, dp: DataPath, d: Decision, body: bytes, path: str, *, method: str, query: str,
-                 headers: dict[str, str], hooks=None):
+                 headers: dict[str, str], hooks=None, draining_ok: bool = False):
         self.st, self.d, self.body, self.path = dp, d, body, path
+        self.draining_ok = draining_ok  # a draining worker is sent it too (work of its own in flight)
         self.method, self.query, self.headers = method, query, headers
         self.hashes = d.hashes
         self.sent_text = d.sent_text  # the decision log drops it too
@@ -182,7 +183,7 @@ class Forwarder:
             if attempts >= max(1, st.routing.max_attempts):
                 break
             w = reg.target(cand.worker)  # a server, or one data-parallel rank of one
-            if w is None or not w.routable:
+            if w is None or not (w.routable or (self.draining_ok and w.healthy and w.lost_at is None)):
                 continue
             attempts += 1
             if attempts > 1:

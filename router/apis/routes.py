@@ -27,15 +27,19 @@ from router.apis import messages as msg_api
 from router.apis import responses as resp_api
 from router.apis.conversation import Unsupported
 from router.apis.hooks import MessagesHooks, ResponsesHooks
+from router.cost import Candidate
 from router.errors import APIError
+from router.routing import Decision
 from router.wire import ClientGone, client_headers, parse_json_object, read_body, require_model, send_error
 
 log = logging.getLogger("kvgate.apis")
 
 
-async def _owner(st, response_id: str, param: str, chain: bool = False) -> list[dict]:
+async def _owner(st, response_id: str, param: str, chain: bool = False,
+                 draining_ok: bool = False) -> list[dict]:
     """The owner record of ``response_id`` (with ``chain``: and its parents', newest first), or the
-    OpenAI-shaped error that says why not."""
+    OpenAI-shaped error that says why not. ``draining_ok``: a draining owner serves it (a GET, cancel or
+    delete of a response: its work there is in flight, and drain lets that finish)."""
     try:
         if chain:
             recs = await asyncio.wait_for(st.owners.chain(response_id, st.settings.responses.chain_max_depth),
@@ -56,7 +60,7 @@ async def _owner(st, response_id: str, param: str, chain: bool = False) -> list[
         raise APIError(410, f"Response '{response_id}' was stored by worker `{rec['worker']}`, which is no "
                             "longer in the fleet: the response is gone.", param=param,
                        code="response_owner_gone", type_="invalid_request_error")
-    if not w.routable:
+    if not (w.routable or (draining_ok and w.healthy and w.lost_at is None)):
         raise APIError(503, f"Response '{response_id}' is held by worker `{w.name}`, which is "
                             f"{'draining' if w.draining else 'unavailable'}; try again later.", param=param,
                        code="response_owner_unavailable")
@@ -78,10 +82,12 @@ async def _send_anthropic_error(send, err: APIError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-async def _serve(st, scope, receive, send, path: str, prepare, *, anthropic: bool = False, after=None) -> None:
+async def _serve(st, scope, receive, send, path: str, prepare, *, anthropic: bool = False, after=None,
+                 direct: bool = False) -> None:
     """One request of these APIs over plain ASGI (as ``router.proxy.handle`` serves chat): read the body,
     ``prepare(headers, raw)`` -> (model, body, plan keywords, owner, hooks factory), plan, pin to the
-    owner, forward. Errors go out in the API's shape; ``after(status)`` runs once the answer is sent."""
+    owner, forward. Errors go out in the API's shape; ``after(status)`` runs once the answer is sent.
+    ``direct``: no plan, straight to the owner, draining or not (a stored response's GET, cancel, delete)."""
     from router.proxy import Forwarder, arrived, forward  # proxy mounts these routes: imported late
 
     send_err = _send_anthropic_error if anthropic else send_error
@@ -92,13 +98,17 @@ async def _serve(st, scope, receive, send, path: str, prepare, *, anthropic: boo
         read_ms = (time.perf_counter() - received) * 1e3
         model, body, plan_kw, owner, hooks = await prepare(headers, raw)
         rid = headers.get("x-request-id") or uuid.uuid4().hex
-        d = await st.router.plan(model, body, headers, path, size=len(raw), request_id=rid, **plan_kw)
-        if owner is not None:
+        if direct:
+            d = Decision(request_id=rid, model=model or "", path=path, policy="owner",
+                         candidates=[Candidate(worker=owner)], chosen=owner)
+        else:
+            d = await st.router.plan(model, body, headers, path, size=len(raw), request_id=rid, **plan_kw)
+        if owner is not None and not direct:
             _pin(d, owner)
         arrived(d, received, read_ms)
         st.metrics.observe_stages(d.timings_ms)
         fwd = Forwarder(st.datapath, d, raw, path, method=scope["method"], query=scope.get("query_string", b"").decode(
-            "latin-1"), headers=headers, hooks=hooks(d) if hooks else None)
+            "latin-1"), headers=headers, hooks=hooks(d) if hooks else None, draining_ok=direct)
         st.decisions.add(d)
     except ClientGone:
         return
@@ -165,11 +175,11 @@ def add_routes(api: APIRouter) -> None:
 
         def prepare(st):
             async def go(headers, raw):
-                rec = (await _owner(st, response_id, "response_id"))[0]
+                rec = (await _owner(st, response_id, "response_id", draining_ok=True))[0]
                 return rec.get("model"), {}, {}, rec["worker"], None
             return go
 
-        return asgi(request, path, prepare, after=forget)
+        return asgi(request, path, prepare, after=forget, direct=True)
 
     @api.get("/v1/responses/{response_id}", summary="A stored response (from the worker that created it)")
     async def get_response(request: Request, response_id: str) -> Response:

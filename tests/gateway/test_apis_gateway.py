@@ -93,6 +93,23 @@ def test_a_follow_up_for_a_model_its_owner_does_not_serve_is_a_400_not_a_retryab
     assert fleet.states[1].requests == []
 
 
+def test_a_draining_owner_still_serves_its_stored_responses_but_takes_no_follow_up(fleet, start_gateway):
+    """Drain lets the work in flight on a worker finish: a background response there is collected with a
+    GET (or cancelled, or deleted), which must still reach it (they got a 503, and once the worker was
+    removed the result was gone). A follow-up is new work: it still gets the 503."""
+    fleet.add("a")
+    fleet.add("b")
+    gw = start_gateway(fleet)
+    gw.call(gw.state.owners.put("resp_bg", {"worker": "b", "model": MODEL, "parent": None, "delta": None}))
+    gw.call(gw.state.registry.drain("b"))
+    with httpx.Client(base_url=gw.url, timeout=30) as c:
+        for r in (c.get("/v1/responses/resp_bg"), c.post("/v1/responses/resp_bg/cancel")):
+            assert r.status_code == 404 and r.headers["x-kvgate-worker"] == "b"  # the fake's own answer
+        openai_error(c.post("/v1/responses", json={"model": MODEL, "input": "x", "previous_response_id": "resp_bg"}),
+                     503, "response_owner_unavailable")
+    assert fleet.states[0].requests == []
+
+
 def test_malformed_messages_are_400_in_anthropic_shape(fleet, start_gateway):
     fleet.add("a")
     gw = start_gateway(fleet, max_body_bytes=10_000)
