@@ -37,9 +37,8 @@ def scan_hashes(root: str, model: str) -> Iterator[int]:
 
 async def rebuild_index(index, model: str, root: str, *, batch: int = 2000) -> int:
     """Record every block of ``model`` found under ``root`` as on G4; returns how many."""
-    if not os.path.isdir(root):
-        return 0
-    hashes = await asyncio.to_thread(lambda: list(scan_hashes(root, model)))
+    # every filesystem call off the event loop: on a hung shared mount even a stat blocks
+    hashes = await asyncio.to_thread(lambda: list(scan_hashes(root, model)) if os.path.isdir(root) else [])
     for i in range(0, len(hashes), batch):
         await index.store_g4(model, hashes[i : i + batch])
     return len(hashes)
