@@ -285,18 +285,20 @@ class Settings(BaseSettings):
     g4: G4Config = Field(default_factory=G4Config)
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
-    max_body_bytes: int = 16 * 1024 * 1024
-    request_timeout_s: float = 600.0
-    connect_timeout_s: float = 5.0
-    health_interval_s: float = 5.0
+    # Bounds: a value outside passed validation and broke the fleet at run time (unhealthy_after 0: one
+    # failed check dropped a live worker's entries; a zero timeout: no worker ever became healthy).
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1)
+    request_timeout_s: float = Field(600.0, gt=0, allow_inf_nan=False)
+    connect_timeout_s: float = Field(5.0, gt=0, allow_inf_nan=False)
+    health_interval_s: float = Field(5.0, gt=0, allow_inf_nan=False)
     # How often the event loop's lag is sampled into kvgate_event_loop_lag_seconds (0: not sampled).
     loop_lag_interval_s: float = Field(0.25, ge=0)
-    health_timeout_s: float = 2.0
+    health_timeout_s: float = Field(2.0, gt=0, allow_inf_nan=False)
     # Consecutive failed health checks before a worker leaves the candidate set.
-    unhealthy_after: int = 2
-    max_connections: int = 1000
-    max_keepalive_connections: int = 200
-    refresh_interval_s: float = 30.0
+    unhealthy_after: int = Field(2, ge=1)
+    max_connections: int = Field(1000, ge=1)
+    max_keepalive_connections: int = Field(200, ge=0)
+    refresh_interval_s: float = Field(30.0, gt=0, allow_inf_nan=False)
     # A worker that leaves discovery (Kubernetes readiness) is out of routing at once but removed, with
     # its index entries, only after this long (0: at once).
     lost_grace_s: float = 60.0

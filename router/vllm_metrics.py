@@ -2,6 +2,7 @@
 (the engine wire format behind an adapter, as the KV events are in indexer/events/wire.py)."""
 from __future__ import annotations
 
+import math
 import time
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -48,6 +49,13 @@ def parse_metrics(text: str, engine: str | None = None, kept: bool = False) -> t
         name = fam.name
         if engine is not None:
             fam.samples = [s for s in fam.samples if s.labels.get("engine", engine) == engine]
+        # every series read here is a count, a share, a sum of durations or a time: one that is not a finite
+        # non-negative number is a broken exporter's, dropped (a +Inf running gauge made every plan over
+        # the model fail: int(inf)), and counted; the value stays at its default
+        good = [s for s in fam.samples if math.isfinite(s.value) and s.value >= 0]
+        if len(good) != len(fam.samples):
+            load.rejected += len(fam.samples) - len(good)
+            fam.samples = good
         if name == "vllm:num_requests_running":
             load.running += sum(s.value for s in fam.samples)
         elif name == "vllm:num_requests_waiting":

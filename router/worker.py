@@ -56,6 +56,7 @@ class WorkerLoad:
     steps: float = 0.0
     computed_tokens: float | None = None
     num_gpu_blocks: int | None = None  # vllm:cache_config_info
+    rejected: int = 0  # samples dropped from the page: not a finite, non-negative number
 
     def engine_since(self, before: WorkerLoad) -> EngineSample:
         """The engine's figures between two scrapes (router/calibrate.py says how each is used); a mean is

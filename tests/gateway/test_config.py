@@ -45,6 +45,13 @@ def test_no_file_means_defaults_and_an_empty_file_too(tmp_path):
     ("port: [1\n", "not valid YAML"),
     ("prot: 1\n", "prot"),  # an unknown key is refused, not ignored
     ("port: many\n", "port"),
+    # values that passed and broke the fleet at run time: one failed check dropped a live worker's
+    # entries; a zero timeout or connection pool kept every worker unhealthy
+    ("unhealthy_after: 0\n", "unhealthy_after"),
+    ("health_timeout_s: 0\n", "health_timeout_s"),
+    ("connect_timeout_s: -1\n", "connect_timeout_s"),
+    ("max_connections: 0\n", "max_connections"),
+    ("health_interval_s: .nan\n", "health_interval_s"),
 ])
 def test_bad_files_are_refused_with_the_reason(tmp_path, capsys, text, reason):
     bad = tmp_path / "bad.yaml"

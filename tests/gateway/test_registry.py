@@ -49,6 +49,13 @@ def test_parse_metrics():
             'vllm:cache_config_info{block_size="32",engine="0"} 1.0\n')
     load, bs = parse_metrics(text)
     assert (load.running, load.waiting, load.kv_usage, bs) == (3.0, 4.0, 0.5, 32)
+    # a broken exporter's +Inf, NaN or negative sample is dropped and counted: the others still count
+    # (a +Inf running gauge made every plan over the model a 500)
+    bad = text + ('vllm:num_requests_running{engine="2",model_name="m"} +Inf\n'
+                  'vllm:num_requests_waiting{engine="1",model_name="m"} NaN\n'
+                  'vllm:kv_cache_usage_perc{engine="1",model_name="m"} -0.5\n')
+    load, bs = parse_metrics(bad)
+    assert (load.running, load.waiting, load.kv_usage, bs, load.rejected) == (3.0, 4.0, 0.5, 32, 3)
 
 
 async def test_discovery_events_restart_and_runtime_changes(fleet, start_gateway):
