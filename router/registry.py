@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 
 from indexer.events.state import local_g4_member
@@ -33,6 +34,9 @@ from router.vllm_metrics import parse_metrics, wanted_metrics
 from router.worker import RankTarget, Worker, WorkerLoad, index_names, resolve_g4, worker_name
 
 log = logging.getLogger("kvgate.registry")
+
+
+_RANK_NAME = re.compile(r".+@dp\d+")
 
 
 class DuplicateWorker(ValueError):
@@ -171,8 +175,11 @@ class WorkerRegistry:
 
     async def add(self, cfg: WorkerConfig, *, probe: bool = True) -> Worker:
         name = worker_name(cfg)
-        if name in self._workers:
+        if name in self._workers or name in self._targets:
             raise DuplicateWorker(f"worker {name!r} already exists", "name")
+        if _RANK_NAME.fullmatch(name):  # <server>@dp<r> names a data-parallel rank's stream and index key
+            raise DuplicateWorker(f"worker name {name!r} is reserved for data-parallel ranks "
+                                  "(<server>@dp<r>)", "name")
         url = cfg.url.rstrip("/")
         same = next((o for o in self._workers.values() if o.url == url), None)
         if same is not None and same.lost_at is not None:
@@ -297,7 +304,9 @@ class WorkerRegistry:
             reason = None if ok else f"/health answered {status}"
         except UpstreamError as e:
             ok, reason = False, f"/health: {e.kind}: {e}"
-            refused = e.kind == "connect"
+            # only a refused port says the process is gone (its entries dropped, a restart counted when it
+            # answers again); a DNS or routing blip on a live worker did both
+            refused = e.refused
         else:
             refused = False
         if not ok:

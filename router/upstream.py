@@ -34,11 +34,14 @@ HIGH_WATER = 1 << 20
 
 
 class UpstreamError(Exception):
-    """A failure talking to a worker. ``kind``: "connect" (refused/unreachable), "timeout", "protocol"."""
+    """A failure talking to a worker. ``kind``: "connect" (refused/unreachable), "timeout", "protocol".
+    ``refused``: the host answered that nothing listens on the port (a process gone), not that it could not
+    be reached (a DNS or routing failure says nothing about the process)."""
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, refused: bool = False) -> None:
         super().__init__(message)
         self.kind = kind
+        self.refused = refused
 
 
 _EXPIRED = object()
@@ -338,7 +341,8 @@ class Upstream:
             raise UpstreamError("timeout", f"connecting to {host}:{port} took over {self.connect_timeout_s:g} s") from None
         except OSError as e:
             self._open -= 1
-            raise UpstreamError("connect", f"{type(e).__name__}: {e}") from None
+            raise UpstreamError("connect", f"{type(e).__name__}: {e}",
+                                refused=isinstance(e, ConnectionRefusedError)) from None
         return conn
 
     async def open(self, method: str, url: str, body: bytes, headers: dict[str, str],

@@ -121,8 +121,9 @@ async def g4_file_metadata(state, model: str, h: int) -> dict | None:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def _maintenance(state):
-    """(root, cache_tier.inventory) or a clear 409 saying why G4 maintenance cannot run here."""
+async def _maintenance(state):
+    """(root, cache_tier.inventory) or a clear 409 saying why G4 maintenance cannot run here. The root is
+    checked in a thread: on a hung shared mount a stat blocks, and on the loop it stalled every request."""
     root = state.settings.g4.path
     if not root:
         raise APIError(409, "no G4 store is configured (g4.path)", code="g4_not_configured")
@@ -131,7 +132,7 @@ def _maintenance(state):
     except ImportError as exc:
         raise APIError(409, f"the G4 store module is unavailable on this gateway: {exc}",
                        code="g4_unavailable") from None
-    if not os.path.isdir(root):
+    if not await asyncio.to_thread(os.path.isdir, root):
         raise APIError(409, f"{root} is not a directory on this gateway's host", code="g4_unavailable")
     return root, inventory
 
@@ -140,7 +141,7 @@ def _maintenance(state):
              summary="Record every block of the model found on G4 in the index (after an index loss)")
 async def rebuild(model: str, request: Request) -> schemas.G4Maintenance:
     state = kv_state(request)
-    root, inventory = _maintenance(state)
+    root, inventory = await _maintenance(state)
     n = await inventory.rebuild_index(state.index, model, root)
     log.info("admin: G4 rebuild of %s: %d blocks", model, n)
     return schemas.G4Maintenance(model=model, blocks=n)
@@ -152,7 +153,7 @@ async def gc(model: str, request: Request,
              capacity_bytes: int | None = Query(None, ge=0, description="default: g4.capacity_bytes"),
              ) -> schemas.G4Maintenance:
     state = kv_state(request)
-    root, inventory = _maintenance(state)
+    root, inventory = await _maintenance(state)
     cap = capacity_bytes if capacity_bytes is not None else state.settings.g4.capacity_bytes
     if cap is None:
         raise APIError(400, "no capacity: pass capacity_bytes or configure g4.capacity_bytes",

@@ -63,3 +63,26 @@ def test_g4_store_stats_block_metadata_rebuild_and_gc(admin_env, tmp_path):
     assert env.http.get(f"/admin/blocks/{MODEL}/{hashes[0]}").json()["g4"] is False
     bad = env.http.post(f"/admin/g4/{MODEL}/gc", params={"capacity_bytes": -1})
     assert bad.status_code == 422
+
+
+def test_g4_maintenance_checks_the_store_off_the_event_loop(admin_env, tmp_path, monkeypatch):
+    """The store's root is a shared mount: a stat of a hung one blocks, and on the event loop it stalled
+    every request the gateway serves. The maintenance routes check it in a thread."""
+    import asyncio
+
+    real, on_loop = os.path.isdir, []
+
+    def isdir(p):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(p)
+        except RuntimeError:  # a worker thread: fine
+            pass
+        return real(p)
+
+    env = admin_env(1, g4={"path": str(tmp_path / "missing"), "capacity_bytes": 1})
+    monkeypatch.setattr(os.path, "isdir", isdir)
+    for path in (f"/admin/g4/{MODEL}/rebuild", f"/admin/g4/{MODEL}/gc"):
+        r = env.http.post(path)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "g4_unavailable"
+    assert not [p for p in on_loop if "missing" in str(p)]

@@ -74,6 +74,10 @@ def test_add_worker_at_run_time_then_remove(admin_env, admin_tokenizer_dir):
         dup = env.http.post("/admin/workers", json={"url": extra.url + "/", "name": "w9-again"})
         assert dup.status_code == 409 and dup.json()["error"]["param"] == "url", dup.text
         assert "w9-again" not in {w["name"] for w in env.http.get("/admin/workers").json()["workers"]}
+        # A data-parallel rank's name (<server>@dp<r>: its event stream and index key) is reserved: a worker
+        # named so took over the rank's stream and shared its index entries
+        dup = env.http.post("/admin/workers", json={"url": "http://127.0.0.1:9", "name": "w9@dp1"})
+        assert dup.status_code == 409 and dup.json()["error"]["param"] == "name", dup.text
 
         r = env.http.delete("/admin/workers/w9")
         assert r.status_code == 200 and r.json() == {"removed": "w9"}

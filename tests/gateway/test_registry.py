@@ -242,3 +242,30 @@ async def test_discovery_readiness_flap_keeps_entries_and_a_long_absence_removes
     await wait_until(lambda: reg.get("a") is None)
     # out of the registry first; its entries go in the same removal, a few index calls later
     await wait_until(lambda: gw.call(gw.state.index.lookup(MODEL, hashes)).match("a").local == 0)
+
+
+async def test_a_name_that_stops_resolving_is_no_refused_port(fleet, start_gateway):
+    """Only a refused port says the worker's process is gone (its entries dropped, a restart counted when it
+    answers again). A DNS or routing failure says nothing about the process: two health checks during a
+    resolver blip took a live worker down, dropped its entries and counted a restart when it resolved."""
+    fleet.add("a")
+    gw = start_gateway(fleet)
+    reg = gw.state.registry
+    a = reg.get("a")
+    hashes = sequence_hashes(list(range(64)), 32)
+    gw.call(gw.state.index.store(MODEL, "a", Tier.GPU, hashes))
+    real = reg._get
+
+    async def unresolvable(w, path):
+        return await reg.control.get("http://kvgate-test.invalid:8000" + path)
+
+    reg._get = unresolvable
+    try:
+        await wait_until(lambda: not a.healthy and "gaierror" in (a.last_error or ""))
+        for _ in range(3):
+            gw.call(reg._probe(a, full=False))
+        assert not a.down
+    finally:
+        reg._get = real
+    await wait_until(lambda: a.healthy)
+    assert a.restarts == 0 and gw.call(gw.state.index.lookup(MODEL, hashes)).match("a").local == 2
