@@ -10,7 +10,7 @@ a payload that is not a batch at all raises :class:`DecodeError` (the caller cou
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -30,6 +30,11 @@ class DecodeError(ValueError):
     """A frame or payload that is not a vLLM KV-event batch."""
 
 
+# a KV cache group's index: the handle map packs it in 32 bits (indexer/index/redis.py); one outside is a
+# malformed event (it made every save of the worker's map fail, and the source never synced again)
+GroupIdx = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+
+
 class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
     block_hashes: list[int]
     parent_block_hash: int | None = None
@@ -38,7 +43,7 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False)
     medium: str | None = None
     lora_name: str | None = None
     extra_keys: list | None = None
-    group_idx: int = 0
+    group_idx: GroupIdx = 0
     kv_cache_spec_kind: str | None = None
     locality: str | None = None  # offload tiers: "LOCAL" | "REMOTE" (relative to the publisher), or None
     ownership: str | None = None  # offload tiers: the secondary tier's id (vLLM's fs tier sends None)
@@ -47,7 +52,7 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False)
 class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False):
     block_hashes: list[int]
     medium: str | None = None
-    group_idx: int = 0
+    group_idx: GroupIdx = 0
     locality: str | None = None
     ownership: str | None = None  # "kvgate-g4": a G4 store eviction carrying kvgate hashes (docs/g4.md)
 
@@ -102,6 +107,13 @@ def _opt_int(v: Any, default: int = 0) -> int:
     raise DecodeError("expected an int")
 
 
+def _group(v: Any) -> int:
+    g = _opt_int(v)
+    if not 0 <= g < 1 << 32:
+        raise DecodeError("group_idx out of range")
+    return g
+
+
 def _fields(ev: Any, names: tuple[str, ...]) -> tuple[str, dict]:
     if isinstance(ev, dict):
         tag = ev.get("type")
@@ -139,7 +151,7 @@ def decode_event(ev: Any) -> Event | None:
             medium=_opt_str(f.get("medium")),
             lora_name=_opt_str(f.get("lora_name")),
             extra_keys=extra if isinstance(extra, list) else None,
-            group_idx=_opt_int(f.get("group_idx")),
+            group_idx=_group(f.get("group_idx")),
             kv_cache_spec_kind=_opt_str(f.get("kv_cache_spec_kind")),
             locality=_opt_str(f.get("locality")),
             ownership=_opt_str(f.get("ownership")),
@@ -149,7 +161,7 @@ def decode_event(ev: Any) -> Event | None:
         return BlockRemoved(
             block_hashes=_hashes(f.get("block_hashes")),
             medium=_opt_str(f.get("medium")),
-            group_idx=_opt_int(f.get("group_idx")),
+            group_idx=_group(f.get("group_idx")),
             locality=_opt_str(f.get("locality")),
             ownership=_opt_str(f.get("ownership")),
         )
@@ -174,7 +186,7 @@ _typed_decoder = msgspec.msgpack.Decoder(_TypedBatch)
 def _fast(payload: bytes) -> Batch | None:
     try:
         b = _typed_decoder.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None
     for ev in b.events:
         if isinstance(ev, BlockStored):
@@ -196,6 +208,8 @@ def decode_batch(payload: bytes) -> Batch:
         raw = _decoder.decode(payload)
     except (msgspec.DecodeError, ValueError, TypeError) as e:
         raise DecodeError(f"not msgpack: {e}") from None
+    except RecursionError:  # nested past msgspec's depth limit: no batch either (it escaped the counting)
+        raise DecodeError("not a batch: nested too deeply") from None
     if isinstance(raw, dict):
         ts, events, dp = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
     elif isinstance(raw, list) and len(raw) >= 2:

@@ -88,6 +88,7 @@ def test_unknown_keys_and_types_are_ignored():
     b"", b"\xc1", b"not msgpack at all \xff\xff", msgspec.msgpack.encode(42),
     msgspec.msgpack.encode([1.0]), msgspec.msgpack.encode(["x", [], 0]),
     msgspec.msgpack.encode([1.0, "events", 0]),
+    b"\x91" * 200_000 + b"\xc0",  # nested past msgspec's depth limit (its RecursionError escaped the count)
 ])
 def test_malformed_payloads_raise(payload):
     with pytest.raises(DecodeError):
@@ -105,6 +106,17 @@ def test_malformed_events_are_counted_and_skipped():
     b = decode_batch(payload)
     assert b.malformed == 6
     assert [e.block_hashes for e in b.events] == [[3]]
+
+
+@pytest.mark.parametrize("group_idx", [-1, 1 << 32])
+def test_an_event_whose_group_does_not_fit_32_bits_is_malformed(group_idx):
+    """The handle map packs a KV cache group's index in 32 bits: a group outside made every save of the
+    worker's map fail (OverflowError) and kept the source from syncing again. Counted and skipped."""
+    good = {"type": "BlockStored", "block_hashes": [5], "token_ids": [1, 2], "block_size": 2}
+    for bad in ({**good, "block_hashes": [4], "group_idx": group_idx},
+                {"type": "BlockRemoved", "block_hashes": [4], "medium": "GPU", "group_idx": group_idx}):
+        b = decode_batch(msgspec.msgpack.encode([1.0, [bad, good], 0]))
+        assert b.malformed == 1 and [e.block_hashes for e in b.events] == [[5]]
 
 
 def test_seq_frame():
