@@ -283,7 +283,9 @@ class WorkerRegistry:
                     continue
                 full = now - self._last_refresh.get(w.name, 0.0) >= self.settings.refresh_interval_s
                 jobs.append(self._probe(w, full=full))
-            await asyncio.gather(*jobs, return_exceptions=True)
+            for res in await asyncio.gather(*jobs, return_exceptions=True):
+                if isinstance(res, Exception):  # a bug: said, not swallowed (the next tick probes again)
+                    log.error("health check failed: %s: %s", type(res).__name__, res, exc_info=res)
 
     async def _remove_lost(self, name: str) -> None:
         w = self._workers.get(name)
@@ -356,9 +358,11 @@ class WorkerRegistry:
             if status != 200:
                 raise ValueError(f"answered {status}")
             data = json.loads(body).get("data", [])
+            if not isinstance(data, list):
+                raise ValueError("`data` is not a list")
             w.models = {m["id"]: {"parent": m.get("parent"), "root": m.get("root"),
                                   "max_model_len": m.get("max_model_len"), "card": m}
-                        for m in data if isinstance(m, dict) and m.get("id")}
+                        for m in data if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]}
         except (UpstreamError, ValueError, AttributeError) as e:
             w.last_error = f"/v1/models: {e}"
         if w.config.events_endpoint:

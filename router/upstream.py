@@ -287,9 +287,14 @@ class Upstream:
 
     def _base(self, url: str) -> tuple[str, int, str]:
         u = urlsplit(url)
-        if u.scheme != "http" or not u.hostname:
+        try:
+            port = u.port  # raises for a port that is no number in 0-65535
+            u.hostname.encode("ascii") if u.hostname else None  # the request line is Latin-1: IDNA hosts only
+        except (ValueError, UnicodeError):
+            port = -1
+        if u.scheme != "http" or not u.hostname or port == -1:
             raise UpstreamError("connect", f"unsupported worker URL {url!r} (http://host:port only)")
-        return u.hostname, u.port or 80, u.path or "/"
+        return u.hostname, port or 80, u.path or "/"
 
     def _idle_put(self, conn: _Conn) -> None:
         conn.idle_since = time.monotonic()

@@ -173,10 +173,19 @@ class AddWorker(BaseModel):
     def _http_url(cls, v: str | None, info: ValidationInfo) -> str | None:
         from urllib.parse import urlsplit
 
-        parts = urlsplit(v) if v is not None else None
-        if parts is not None and (parts.scheme not in ("http", "https") or not parts.hostname):
-            raise ValueError(f"{info.field_name} must be an http(s) URL with a host, "
-                             "e.g. http://10.0.0.7:8000")
+        if v is None:
+            return v
+        parts = urlsplit(v)
+        # the data path speaks plain HTTP to workers; the connector's endpoint may be https (httpx)
+        schemes = ("http",) if info.field_name == "url" else ("http", "https")
+        try:
+            parts.port  # noqa: B018 - raises for a port that is no number in 0-65535
+            ascii_host = (parts.hostname or "").isascii()
+        except ValueError:
+            ascii_host = False
+        if parts.scheme not in schemes or not parts.hostname or not ascii_host:
+            raise ValueError(f"{info.field_name} must be an {'/'.join(schemes)} URL with an ASCII host "
+                             "(IDNA) and a numeric port, e.g. http://10.0.0.7:8000")
         return v
 
     @field_validator("events_endpoint", "replay_endpoint")

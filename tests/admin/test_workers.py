@@ -78,6 +78,14 @@ def test_add_worker_at_run_time_then_remove(admin_env, admin_tokenizer_dir):
         # named so took over the rank's stream and shared its index entries
         dup = env.http.post("/admin/workers", json={"url": "http://127.0.0.1:9", "name": "w9@dp1"})
         assert dup.status_code == 409 and dup.json()["error"]["param"] == "name", dup.text
+        # URLs the data path cannot use are refused up front: a port that is no number (the probe raised a
+        # ValueError: a 500, and the worker stayed registered), a non-ASCII host (the request line is
+        # Latin-1), https (workers are spoken to in plain HTTP)
+        for url in ("http://127.0.0.1:99999", "http://127.0.0.1:abc", "http://\u65e5\u672c:8000",
+                    "https://127.0.0.1:8000"):
+            r = env.http.post("/admin/workers", json={"url": url, "name": "w-bad"})
+            assert r.status_code == 422, (url, r.status_code, r.text)
+        assert "w-bad" not in {w["name"] for w in env.http.get("/admin/workers").json()["workers"]}
 
         r = env.http.delete("/admin/workers/w9")
         assert r.status_code == 200 and r.json() == {"removed": "w9"}

@@ -269,3 +269,22 @@ async def test_a_name_that_stops_resolving_is_no_refused_port(fleet, start_gatew
         reg._get = real
     await wait_until(lambda: a.healthy)
     assert a.restarts == 0 and gw.call(gw.state.index.lookup(MODEL, hashes)).match("a").local == 2
+
+
+@pytest.mark.parametrize("models", [b'{"data": null}', b'{"data": 5}', b'{"data": [{"id": ["x"]}]}',
+                                    b'{"data": [{"id": 5}]}'])
+async def test_a_malformed_model_list_leaves_the_worker_out_and_says_why(fleet, start_gateway, models):
+    """A /v1/models answer of another shape raised out of the probe (TypeError): the health loop swallowed
+    it, and an admin add answered 500 and kept the worker. Now the worker serves nothing known and stays
+    out of routing."""
+    fleet.add("a")
+    gw = start_gateway(fleet)
+    reg = gw.state.registry
+    w = gw.call(reg.add(WorkerConfig(url="http://127.0.0.1:9", name="odd"), probe=False))
+
+    async def answers(w, path):
+        return {"/v1/models": (200, models), "/health": (200, b"")}.get(path, (404, b""))
+
+    reg._get = answers
+    gw.call(reg._probe(w, full=True))  # raised before
+    assert not w.healthy and not w.models
