@@ -195,6 +195,8 @@ class WorkerRegistry:
         self._workers[name] = w
         if probe:
             await self._probe(w, full=True)
+            if not self._present(w):
+                raise DuplicateWorker(f"worker {name!r} was removed while it was being added", "name")
         return w
 
     @staticmethod
@@ -334,6 +336,8 @@ class WorkerRegistry:
             await self._refresh_models(w)
             self._last_refresh[w.name] = time.monotonic()
         await self._scrape(w)
+        if not self._present(w):
+            return  # removed while this probe waited on the worker: nothing more to do for it
         if returning:
             if not w.models:
                 return  # healthy but serves nothing we know yet: try again next tick
@@ -468,7 +472,7 @@ class WorkerRegistry:
         made. A stream that fails to subscribe leaves the others subscribed; a stream no longer listed
         (a rank gone, or left without an endpoint) is unsubscribed and its entries dropped."""
         model = w.base_model()
-        if self.ingestor is None or model is None:
+        if self.ingestor is None or model is None or not self._present(w):
             return False
         from indexer.events import EventSource
 
@@ -493,9 +497,18 @@ class WorkerRegistry:
                 w.last_error = f"events of {name}: {type(e).__name__}: {e}"
                 log.warning("subscribing to the events of %s: %s", name, e)
                 continue
+            if not self._present(w):  # removed while this subscribed: nothing would ever unsubscribe it
+                await self._remove_source(have, name, clear=True)
+                return False
             have[name] = key
             new = True
         return new
+
+    def _present(self, w: Worker) -> bool:
+        """``w`` is still this registry's worker of its name: a probe in flight when it was removed (an admin
+        add's own, or a health check of a worker coming back) resumes after the removal and must not
+        subscribe it again (its source would write entries for a worker nobody knows)."""
+        return self._workers.get(w.name) is w
 
     @staticmethod
     def _target(w: Worker, name: str) -> Worker:

@@ -2,6 +2,8 @@
 router's plan (explain) without sending; metrics scraped and parsed."""
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -288,3 +290,32 @@ async def test_a_malformed_model_list_leaves_the_worker_out_and_says_why(fleet, 
     reg._get = answers
     gw.call(reg._probe(w, full=True))  # raised before
     assert not w.healthy and not w.models
+
+
+async def test_a_worker_removed_while_its_probe_waits_is_not_subscribed_again(fleet, start_gateway):
+    """DELETE /admin/workers/{name} can land while that worker's probe waits on it (the admin add's own, or a
+    health check of a worker coming back). The probe then resumed and subscribed the removed worker's events:
+    a source nothing would remove, writing entries for a worker nobody knows, and the add answered 201."""
+    fleet.add("a")
+    rec = RecordingIngestor()
+    gw = start_gateway(fleet, ingestor=rec)
+    fleet.add("b")
+    reg = gw.state.registry
+    real, entered, gate = reg._get, asyncio.Event(), asyncio.Event()
+
+    async def slow_models(w, path):
+        if w.name == "b" and path == "/v1/models":
+            entered.set()
+            await gate.wait()
+        return await real(w, path)
+
+    reg._get = slow_models
+    loop = gw.server.loop
+    adding = asyncio.run_coroutine_threadsafe(
+        reg.add(WorkerConfig(url=fleet.url(1), name="b", events_endpoint="tcp://*:5558")), loop)
+    await wait_until(entered.is_set)
+    gw.call(reg.remove("b"))
+    loop.call_soon_threadsafe(gate.set)
+    with pytest.raises(Exception, match="removed while it was being added"):
+        adding.result(10)
+    assert reg.get("b") is None and not [s for s in rec.added if s.worker == "b"]
