@@ -156,13 +156,19 @@ class GatewayMetrics:
         return c
 
     def forget_worker(self, worker: str) -> None:
-        """Drop a removed worker's per-worker series (and their cached children)."""
+        """Drop a removed worker's series, of every metric labelled by worker (and their cached children):
+        with Kubernetes discovery (a name per pod) they grew with every rollout."""
         self._children = {k: v for k, v in self._children.items() if worker not in k[1]}
-        for metric in (self.inflight,):
-            try:
-                metric.remove(worker)
-            except KeyError:
-                pass
+        for metric in vars(self).values():
+            names = getattr(metric, "_labelnames", ())
+            if "worker" not in names:
+                continue
+            i = names.index("worker")
+            for labels in [k for k in list(getattr(metric, "_metrics", {})) if k[i] == worker]:
+                try:
+                    metric.remove(*labels)
+                except KeyError:
+                    pass
 
     def observe_stages(self, timings: dict[str, float]) -> None:
         for stage, ms in timings.items():

@@ -65,6 +65,7 @@ class WorkerRegistry:
         # Called with a worker each time it becomes routable (first time, or back after a failure), once
         # its events are subscribed: the gateway runs the parity check there (router/parity.py).
         self.on_ready = None
+        self.on_removed = None  # called with each index name of a removed worker (the parity checker's)
         # Called with a worker's name whenever its index entries are dropped (restart, removal).
         self.on_cleared = None
         # Called with (worker, computed tokens, seconds, requests, prompt tokens) of prefills vLLM finished
@@ -214,9 +215,11 @@ class WorkerRegistry:
         self._unhold(w)
         await self._unsubscribe(w)
         await self._clear_index(w, local_g4=True)
-        if self.metrics is not None:
-            for n in index_names(w):
+        for n in index_names(w):
+            if self.metrics is not None:
                 self.metrics.forget_worker(n)
+            if self.on_removed is not None:
+                self.on_removed(n)
         for t in w.ranks:
             self._targets.pop(t.name, None)
         return w

@@ -65,6 +65,7 @@ class GatewayState:
         if self.ingestor is not None and getattr(self.ingestor, "observer", False) is None:
             self.ingestor.observer = self._observe_events  # an ingestor passed in by the caller
         self.registry = WorkerRegistry(settings, self.index, self.ingestor, self.metrics)
+        self.registry.on_removed = self.parity.forget
         if settings.routing.parity_check and self.ingestor is not None:
             self.registry.on_ready = self._check_parity
             self.parity.recheck = self._recheck_parity

@@ -213,3 +213,25 @@ def test_event_loop_lag_shows_a_stall(admin_env):
     env.call(block())
     until(lambda: late(scrape(env)) >= before + 1, what="the stall counted")
     assert value(scrape(env), "kvgate_event_loop_lag_seconds", "kvgate_event_loop_lag_seconds_sum") >= 0.3
+
+
+def test_a_removed_workers_series_leave_metrics(admin_env):
+    """Every metric labelled by worker drops a removed worker's series (only the in-flight gauge did: with
+    Kubernetes discovery, a name per pod, the others grew with every rollout)."""
+    env = admin_env(2)
+    hot = prompt(51, 4)
+    env.publish("w1", hot)
+    streamed = {"model": MODEL, "prompt": hot, "max_tokens": 4, "stream": True,
+                "stream_options": {"include_usage": True}}
+    for _ in range(2):
+        with env.anon.stream("POST", "/v1/completions", json=streamed) as r:
+            assert r.status_code == 200
+            list(r.iter_lines())
+
+    def labelled_w1(fams) -> set[str]:
+        return {f.name for f in fams.values() for s in f.samples if s.labels.get("worker") == "w1"}
+
+    before = labelled_w1(scrape(env))
+    assert {"kvgate_requests", "kvgate_ttft_seconds"} <= before, before
+    assert env.http.delete("/admin/workers/w1").status_code == 200
+    assert labelled_w1(scrape(env)) == set()
