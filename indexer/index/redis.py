@@ -223,6 +223,10 @@ class RedisIndex(BlockIndex):
     async def clear_worker(self, model: str, worker: str, tier: Tier | None = None, *,
                            _token: str | None = None) -> int:
         tiers = (Tier(tier),) if tier is not None else (Tier.GPU, Tier.CPU)
+        # A gateway that holds no lease on the worker clears only while nobody does ('!free'): the holder's
+        # ingestor clears and rebuilds on its own. Unfenced, another gateway's registry noticing the same
+        # restart cleared after the holder's rebuild: the holder's state counted blocks the index had lost.
+        token = _token if _token is not None else self._fences.get((model, worker)) or "!free"
         removed = 0
         for attempt in (0, 1):
             wid = await self._known_worker_id(model, worker)
@@ -230,13 +234,13 @@ class RedisIndex(BlockIndex):
                 break
             try:
                 for t in tiers:
-                    removed += await self._clear_member(model, wid * 2 + _TIER_CODE[t], worker, _token)
+                    removed += await self._clear_member(model, wid * 2 + _TIER_CODE[t], worker, token)
                 break
             except self._StaleId:
                 if attempt:
                     raise
         if tier is None:
-            await self._drop_handles(model, worker, _token or "")
+            await self._drop_handles(model, worker, token, forget=_token == "!free")
         return removed
 
     # -- handle maps, leases, sweep ---------------------------------------------------------------------
@@ -292,11 +296,11 @@ class RedisIndex(BlockIndex):
         vs = np.frombuffer(b"".join(chunk.values()), dtype=_HVAL)
         return dict(zip(map(tuple, ks.tolist()), map(tuple, vs.tolist())))
 
-    async def _drop_handles(self, model: str, worker: str, token: str = "") -> None:
-        """The map and its sequence, in one step. ``token`` '!free' (the sweep's: the worker is gone): its
-        recorded incarnation and lease renewal too, and only while nobody holds the lease, else LeaseLost
-        (a writer that took it since keeps what it pushed)."""
-        mode = "forget" if token == "!free" else "drop"
+    async def _drop_handles(self, model: str, worker: str, token: str = "", forget: bool = False) -> None:
+        """The map and its sequence, in one step, fenced by ``token`` ('!free': only while nobody holds the
+        lease, else LeaseLost: a writer that took it since keeps what it pushed). ``forget`` (the sweep's:
+        the worker is gone): its recorded incarnation and lease renewal too."""
+        mode = "forget" if forget else "drop"
         self._checked(int(await self._save_h(list(self._hkeys(model, worker)),
                                              [self.base(model), worker, token, "", b"", b"", mode, ""])),
                       model, worker, token)

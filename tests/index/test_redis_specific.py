@@ -34,6 +34,48 @@ async def test_a_stale_writer_is_fenced_off(redis_url):
         await b.close()
 
 
+async def test_a_stale_writer_is_fenced_off_after_redis_lost_its_data(redis_url):
+    """A fencing token was a count alone: after Redis came back empty (no persistence, a failover that lost
+    the key) it started again at 1, equal to the stale holder's token, and that holder's writes passed the
+    fence. The token names its holder now."""
+    a, b = RedisIndex(redis_url, key_prefix="fl"), RedisIndex(redis_url, key_prefix="fl")
+    try:
+        assert await a.acquire_lease(M, "w1", "gw-a", ttl_s=30)
+        await a.store(M, "w1", Tier.GPU, H[:2])
+        await a._r.flushall()  # the test's redis-server keeps nothing on disk: a restart without persistence
+        assert await b.acquire_lease(M, "w1", "gw-b", ttl_s=30)
+        await b.store(M, "w1", Tier.GPU, H)
+        with pytest.raises(LeaseLost):
+            await a.store(M, "w1", Tier.GPU, H[:1])
+        with pytest.raises(LeaseLost):
+            await a.clear_worker(M, "w1")
+        assert (await b.lookup(M, H)).match("w1").gpu == 4
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_gateway_without_the_lease_cannot_clear_the_holders_entries(redis_url):
+    """Every gateway's registry clears a worker it sees restart; the lease holder's ingestor also resets and
+    rebuilds on its own. Unfenced, a non-holder's clear could land after that rebuild and wipe it (the
+    holder's state then counted blocks the index no longer had). Without a lease a clear goes through only
+    while nobody holds one."""
+    a, b = RedisIndex(redis_url, key_prefix="nf"), RedisIndex(redis_url, key_prefix="nf")
+    try:
+        assert await a.acquire_lease(M, "w1", "gw-a", ttl_s=30)
+        await a.store(M, "w1", Tier.GPU, H)
+        with pytest.raises(LeaseLost):
+            await b.clear_worker(M, "w1")
+        assert (await a.lookup(M, H)).match("w1").gpu == 4
+        await a.store(M, "w1", Tier.GPU, H[:1])  # b's refusal did not fence a
+        await a.release_lease(M, "w1", "gw-a")
+        assert await b.clear_worker(M, "w1") == 4  # nobody holds it: the clear goes through
+        assert (await a.lookup(M, H)).match("w1").gpu == 0
+    finally:
+        await a.close()
+        await b.close()
+
+
 @pytest.mark.parametrize("same_gateway", [False, True])
 async def test_a_sweep_racing_a_new_writer_leaves_what_the_writer_pushed(redis_url, same_gateway):
     """The sweep checks that nobody holds an idle worker's lease, then drops its entries, map and recorded
