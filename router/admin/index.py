@@ -6,7 +6,7 @@ import logging
 from fastapi import APIRouter, Query, Request
 
 from indexer.events.state import entries_per_tier
-from indexer.index.base import Tier
+from indexer.index.base import LeaseLost, Tier
 from router.admin import schemas
 from router.admin.common import index_stats, ingestor_statuses, kv_state, not_found
 from router.errors import APIError
@@ -81,6 +81,9 @@ async def flush_model(model: str, request: Request) -> schemas.Flushed:
 async def _guard(coro):
     try:
         return await coro
+    except LeaseLost as exc:  # another gateway writes this worker's entries: its state would push them back
+        raise APIError(409, f"another gateway holds this worker's lease and writes its entries ({exc}); flush "
+                            "it there", code="worker_lease_held") from None
     except Exception as exc:
         raise APIError(503, f"the index is unavailable: {type(exc).__name__}: {exc}",
                        code="index_unavailable") from None

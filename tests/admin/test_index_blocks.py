@@ -1,7 +1,7 @@
 """``/admin/index`` and ``/admin/blocks`` on a live gateway over a real Redis index."""
 from __future__ import annotations
 
-from tests.admin.conftest import MODEL
+from tests.admin.conftest import BLOCK, MODEL
 from tests.admin.test_workers import prompt
 
 
@@ -117,3 +117,32 @@ def test_index_down_is_503_not_500(admin_env):
     # Explain degrades like routing does: load-only, with the index error recorded.
     ex = env.http.post("/admin/explain", json={"body": {"model": MODEL, "prompt": prompt(3, 2)}}).json()
     assert ex["chosen"] == "w1" and ex["index_error"]
+
+
+def test_flushing_a_worker_another_gateway_writes_is_a_409(admin_env):
+    """Another gateway holds the worker's lease and writes its entries (its state would push them back):
+    a flush here is refused with a 409 that says so, not a 503 "index unavailable", and nothing is lost."""
+    import asyncio
+
+    from indexer.hashing import sequence_hashes
+    from indexer.index.base import Tier
+    from indexer.index.redis import RedisIndex
+
+    env = admin_env(1)
+    hashes = sequence_hashes(prompt(7, 3), BLOCK)
+
+    async def other_gateway(op):
+        idx = RedisIndex(env.index_url)
+        try:
+            return await op(idx)
+        finally:
+            await idx.close()
+
+    async def take_and_store(idx):
+        assert await idx.acquire_lease(MODEL, "elsewhere", "other-gw", ttl_s=60)
+        await idx.store(MODEL, "elsewhere", Tier.GPU, hashes)
+
+    asyncio.run(other_gateway(take_and_store))
+    r = env.http.delete(f"/admin/index/{MODEL}/workers/elsewhere")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "worker_lease_held", r.text
+    assert model_stats(env)[MODEL]["workers"]["elsewhere"] == {"GPU": 3}
