@@ -144,6 +144,7 @@ class EventIngestor:
         self.sweep_idle_s = sweep_idle_s
         self.sweep_interval_s = sweep_interval_s
         self._last_sweep = time.monotonic()
+        self._sweeping: asyncio.Task | None = None
         self._stopping = False
         self._ctx: zmq.asyncio.Context | None = None
         self._sources: dict[str, _Source] = {}
@@ -165,8 +166,8 @@ class EventIngestor:
     async def stop(self) -> None:
         if self._watch is not None:
             self._stopping = True  # the watch loop ends at its next turn even if a cancel is swallowed
-            await _cancel_until_done([self._watch])
-            self._watch = None
+            await _cancel_until_done([self._watch] + ([self._sweeping] if self._sweeping else []))
+            self._watch = self._sweeping = None
         for worker in list(self._sources):
             try:
                 await self.remove_source(worker, clear=False)
@@ -290,9 +291,12 @@ class EventIngestor:
             for s in list(self._sources.values()):
                 if now >= s.lease_at:
                     await self._take_lease(s)
-            if now - self._last_sweep >= self.sweep_interval_s:
+            if now - self._last_sweep >= self.sweep_interval_s and (
+                    self._sweeping is None or self._sweeping.done()):
+                # its own task: a sweep of idle workers with a million entries each took longer than
+                # the leases' renewal margin, and this gateway's live leases lapsed behind it
                 self._last_sweep = now
-                await self._sweep()
+                self._sweeping = asyncio.create_task(self._sweep(), name="kv-events-sweep")
             await asyncio.sleep(self.retry_s)
 
     def _unsync(self, s: _Source) -> None:

@@ -502,3 +502,29 @@ async def test_a_gateway_that_cannot_tell_the_process_adopts_nothing_recorded_fo
 
         await until(recorded, what="the writer pushed its state with the process start")
         assert (await index.load_handles(M, "w1"))[1] == 0 and (await index.stats(M))[M]["blocks"] == 2
+
+
+async def test_a_long_sweep_does_not_hold_up_the_lease_renewals():
+    """Lease renewal and the sweep of idle workers ran one after the other: a sweep clearing idle workers
+    with a million entries each (seconds in Redis) outlasted the renewal margin, this gateway's live leases
+    lapsed and another gateway took them over. The sweep runs in its own task. (The slow sweep is a stand-in
+    on the memory index: the timing is the point, and a million-entry Redis sweep is too long for a test.)"""
+    from indexer.index.memory import MemoryIndex
+
+    class SlowSweep(MemoryIndex):
+        async def models(self):
+            return [M]
+
+        async def sweep(self, model, idle_s):
+            await asyncio.sleep(1.0)
+            return []
+
+    idx = SlowSweep()
+    a = EventIngestor(idx, owner="A", retry_s=0.05, lease_ttl_s=0.6, sweep_interval_s=0.1)
+    try:
+        await a.add_source(EventSource("w", M, f"tcp://127.0.0.1:{free_port()}", None, block_size=B))
+        assert a.status("w")["writer"]
+        await asyncio.sleep(0.8)  # the first sweep runs from ~0.1 s to ~1.1 s
+        assert not await idx.acquire_lease(M, "w", "B", 0.6)  # A renewed meanwhile: B does not get it
+    finally:
+        await a.stop()
