@@ -94,6 +94,56 @@ class NotText(Exception):
     pass
 
 
+_BOOL = None
+
+
+def flag(body: dict, key: str, default: bool) -> bool:
+    """A request's boolean field read as vLLM's pydantic models read it (``"false"``, ``"0"``, ``"off"`` are
+    False: ``bool("false")`` rendered a generation prompt or a BOS token vLLM did not, and every block
+    differed). A value they refuse (vLLM answers 400) is routed on load."""
+    global _BOOL
+    v = body.get(key, default)
+    if isinstance(v, bool):
+        return v
+    if _BOOL is None:
+        from pydantic import TypeAdapter
+
+        _BOOL = TypeAdapter(bool)
+    try:
+        return _BOOL.validate_python(v)
+    except ValueError:
+        raise NotText from None
+
+
+def vllm_tools(tools):
+    """``tools`` as vLLM hands them to the chat template: each parsed into its request models and dumped
+    (``ChatCompletionToolsParam.model_dump()``, vLLM 0.32): ``type``, then ``function`` with ``name``,
+    ``description`` and ``parameters`` in that order (null when absent), ``strict`` and ``defer_loading``
+    only when set (a tool's ``defer_loading`` given to its function too), other keys dropped. The client's
+    own dicts rendered other text for a tool without a description or with its keys in another order, and
+    every block from the tools on missed. A shape vLLM refuses is routed on load."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise NotText
+    out = []
+    for t in tools:
+        f = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(f, dict) or t.get("type", "function") != "function" or not isinstance(f.get("name"), str):
+            raise NotText
+        fn = {"name": f["name"], "description": f.get("description"), "parameters": f.get("parameters")}
+        if f.get("strict") is not None:
+            fn["strict"] = f["strict"]
+        defer = f.get("defer_loading") if f.get("defer_loading") is not None else t.get("defer_loading")
+        if defer is not None:
+            fn["defer_loading"] = defer
+        tool = {"type": "function", "function": fn}
+        if t.get("defer_loading") is not None:
+            tool["defer_loading"] = t["defer_loading"]
+        out.append(tool)
+    return out
+
+
 _PLAIN_KEYS = frozenset({"role", "content", "name"})
 
 
@@ -215,11 +265,11 @@ class LocalTokenizer:
         (see ``_plain_chat``) and only when a start-up check shows identical output."""
         from transformers.utils.chat_template_utils import _compile_jinja_template
 
-        tools = body.get("tools")
+        tools = vllm_tools(body.get("tools"))
         template = self.hf.get_chat_template(body.get("chat_template"), tools)
         return _compile_jinja_template(template).render(
             messages=messages, tools=tools, documents=body.get("documents"),
-            add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+            add_generation_prompt=flag(body, "add_generation_prompt", True),
             **{**self.special_map, **kwargs})
 
     def _render_check(self) -> bool:
@@ -393,15 +443,15 @@ class LocalTokenizer:
         if self.fast_render and _plain_chat(messages, body):
             return self._render_fast(messages, body, kwargs)
         return self.hf.apply_chat_template(
-            messages, tools=body.get("tools"), documents=body.get("documents"),
+            messages, tools=vllm_tools(body.get("tools")), documents=body.get("documents"),
             chat_template=body.get("chat_template"),
-            add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-            continue_final_message=bool(body.get("continue_final_message", False)),
+            add_generation_prompt=flag(body, "add_generation_prompt", True),
+            continue_final_message=flag(body, "continue_final_message", False),
             tokenize=False, **kwargs)
 
     def tokenize_chat(self, body: dict) -> Tokenized:
         """A chat request's ids, synchronously (the request path uses :class:`Tokenizers`)."""
-        return self.tokenize_text_sync(self.render_chat(body), bool(body.get("add_special_tokens", False)))
+        return self.tokenize_text_sync(self.render_chat(body), flag(body, "add_special_tokens", False))
 
     def tokenize_text(self, text: str, add_special_tokens: bool) -> Tokenized:
         return self.tokenize_text_sync(text, add_special_tokens)

@@ -117,6 +117,7 @@ class Forwarder:
         self.after = d.after  # and this
         self.hooks = hooks  # router/apis/hooks.py: another API's usage, error events and response ids
         self._finished = False
+        self._settled = False  # the pending record of the prompt's blocks is settled (the worker has them)
         self._events = 0  # SSE events passed (an OpenAI stream's answer length when it reports no usage)
 
     def finish(self, outcome: str, status: int | None, usage: dict | None = None) -> None:
@@ -240,6 +241,7 @@ class Forwarder:
                 elif recorded:
                     st.pending.settle(d.namespace, self.hashes, w.name, cand.local_blocks,
                                       text=self.sent_text)
+                    self._settled = True
                 self.finish("ok" if ok else f"http_{resp.status}", resp.status, usage)
                 hdrs = response_headers(resp, d)
                 hdrs.append((b"content-length", str(len(raw)).encode()))
@@ -255,6 +257,8 @@ class Forwarder:
                 last_status = 504 if e.kind == "timeout" else 502
                 continue
             except asyncio.CancelledError:
+                if not self._settled:  # held at the gate or waiting for the head: the worker got none of
+                    self._withdraw(w, cand, recorded)  # it or aborts it now; no claim on its blocks
                 self.finish("client_disconnected", 499)
                 raise
             finally:
@@ -343,6 +347,7 @@ class Forwarder:
         if recorded:
             self.st.pending.settle(self.d.namespace, self.hashes, w.name, cand.local_blocks,
                                    text=self.sent_text)
+            self._settled = True
         self._observe_ttft(w, cand, time.perf_counter() - t_send)
         await send({"type": "http.response.start", "status": resp.status, "headers": response_headers(resp, self.d)})
         tail = bytearray(first[-_TAIL_KEEP:])
@@ -368,6 +373,9 @@ class Forwarder:
         except UpstreamError as e:
             outcome = "upstream_error_mid_stream"
             log.warning("worker %s failed mid-stream: %s", self.d.chosen, e)
+            if self._finished:  # the client has the whole answer ([DONE] passed): an error event after it
+                await send({"type": "http.response.body", "body": b""})  # would break the stream's framing
+                return
             sep = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
             msg = f"The worker failed during the response ({type(e).__name__})."
             await send({"type": "http.response.body", "more_body": True,

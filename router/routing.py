@@ -213,6 +213,7 @@ class Router:
         g4_names = [m for r in reads.values() for m in r if m]
         names = list(dict.fromkeys([w.name for w in workers] + g4_names))
         probed: list = []  # the last reach lookup: (hashes, result), reused when the plan ends on them
+        outage: list = []  # the index outage a reach lookup met
 
         async def reach(hashes: list[int]) -> int:
             """Leading blocks of ``hashes`` the index shows on any candidate or G4 tier. Not the pending
@@ -220,7 +221,8 @@ class Router:
             so extending through them would encode one more stage per request and learn nothing."""
             try:
                 r = await self.index_guard.lookup(ns, hashes, names)
-            except IndexUnavailable:
+            except IndexUnavailable as e:
+                outage[:] = [e]  # the plan's own lookup is not tried again (one timeout, one breaker count)
                 return 0
             probed[:] = [hashes, r]
             return max([r.g4, *(r.match(n).local for n in names)])
@@ -263,6 +265,8 @@ class Router:
         result = LookupResult(num_blocks=len(d.hashes))
         if probed and probed[0] == d.hashes:
             result = probed[1]
+        elif outage:
+            d.index_error = str(outage[0])
         elif d.hashes:
             try:  # deadline, breaker, degraded counter and rate-limited log: router/index_guard.py
                 result = await self.index_guard.lookup(ns, d.hashes, names)

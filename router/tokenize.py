@@ -29,7 +29,7 @@ import jinja2
 
 from router.config import Settings
 from router.errors import APIError
-from router.local_tokenizer import LocalTokenizer, NotText, Tokenized
+from router.local_tokenizer import LocalTokenizer, NotText, Tokenized, flag
 from router.prefix_cache import Lookup, Record
 
 log = logging.getLogger("kvgate.tokenize")
@@ -98,6 +98,11 @@ class Tokenizers:
         Returns ``tokens=None`` for a prompt it cannot
         tokenize (the request is routed on load alone); raises a 400 for a template that refuses the
         conversation or a prompt that is not valid UTF-8."""
+        if body.get("truncate_prompt_tokens") is not None:
+            # vLLM prefills only the prompt's last tokens then: the whole prompt's blocks are not what it
+            # computes or caches (a lookup would match nothing it holds, and the pending record would claim
+            # blocks it never computed)
+            return Tokenized(None, "none", error="truncate_prompt_tokens: vLLM keeps only the prompt's end")
         if kind == "completion":
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt:
@@ -116,14 +121,16 @@ class Tokenizers:
         if local is None:
             if worker_url is None or self.client is None:
                 return Tokenized(None, "none", error="no tokenizer and no worker")
+            if kind == "chat" and body.get("documents"):  # vLLM's /tokenize takes none: other ids
+                return Tokenized(None, "none", error="documents: the worker's /tokenize cannot render them")
             return await self._remote(model, kind, body, worker_url)
         try:
             if kind == "chat":
                 text = (await self._off_loop(local.render_chat, body)
                         if size > self.settings.tokenizer.offload_render_chars else local.render_chat(body))
-                add_special = bool(body.get("add_special_tokens", False))
+                add_special = flag(body, "add_special_tokens", False)
             else:
-                text, add_special = prompt, bool(body.get("add_special_tokens", True))
+                text, add_special = prompt, flag(body, "add_special_tokens", True)
             return await self._encode(local, text, add_special, hashing, reach, sent)
         except NotText:
             return Tokenized(None, "none", error="non-text content")
@@ -305,8 +312,7 @@ class Tokenizers:
             prompt = body["prompt"]
             if isinstance(prompt, list):
                 prompt = prompt[0]
-            req = {"model": model, "prompt": prompt,
-                   "add_special_tokens": bool(body.get("add_special_tokens", True))}
+            req = {"model": model, "prompt": prompt, "add_special_tokens": body.get("add_special_tokens", True)}
         try:
             r = await self.client.post(worker_url + "/tokenize", content=json.dumps(req),
                                        headers={"content-type": "application/json"},

@@ -38,3 +38,24 @@ async def test_paused_redis_degrades_routing_without_failing_requests(fleet, sta
     finally:
         await admin.execute_command("CLIENT", "UNPAUSE")
         await admin.aclose()
+
+
+async def test_one_request_meets_an_index_outage_once(fleet, start_gateway):
+    """A long new prompt is encoded in stages, each probing the index for how far a cached prefix reaches.
+    With the index down the probe's failure left nothing to reuse, and the plan looked up again: two
+    lookup timeouts of latency, two degraded requests counted and two breaker failures for one request."""
+    from tests.gateway.conftest import MODEL
+
+    fleet.add("a")
+    gw = start_gateway(fleet)
+    calls = []
+
+    async def down(*a, **kw):
+        calls.append(1)
+        raise ConnectionError("redis down")
+
+    gw.state.index.lookup = down
+    doc = " ".join(f"section {i} of the operations manual covers topic {i * 7} in depth" for i in range(400))
+    d = gw.call(gw.state.router.plan(MODEL, {"model": MODEL, "prompt": doc + " Q?"}, {}, "/v1/completions"))
+    assert d.index_error
+    assert (len(calls), gw.state.index_guard.degraded, gw.state.index_guard.breaker.count) == (1, 1, 1)

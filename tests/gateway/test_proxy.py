@@ -498,3 +498,40 @@ async def test_token_id_prompt_and_session_policy(fleet, start_gateway):
         assert len(seen) == 1
         d = gw.state.decisions.get("t0")
         assert d.tokenizer == "ids" and d.num_tokens == 100 and d.num_blocks == routable_blocks(100, BLOCK)
+
+
+async def test_a_request_abandoned_at_the_prefill_gate_leaves_no_claim_on_the_workers_blocks(fleet, start_gateway):
+    """The pending record (blocks sent, not yet indexed) is written before the prefill gate. A client that
+    left while its request was held there (or before the worker's first byte) kept the worker credited
+    with the whole prompt for pending_ttl_s, though the worker got none of it: later requests were sent
+    there for a prefix it did not have."""
+    st = fleet.add("a", mode="hang")
+    gw = start_gateway(fleet, pending=True,
+                       routing={"prefill_gate": True, "prefill_gate_tokens": 1, "prefill_gate_max_wait_s": 60.0})
+    other = " ".join(f"zebra quantum walrus {i} marmalade" for i in range(80))
+    async with httpx.AsyncClient(timeout=30) as c:
+        first = asyncio.create_task(c.post(gw.url + "/v1/chat/completions", json=chat_body(LONG, stream=True)))
+        await wait_until(lambda: st.active == 1)
+        body = chat_body(other, stream=True)
+        held = asyncio.create_task(c.post(gw.url + "/v1/chat/completions", json=body))
+        await wait_until(lambda: len(gw.state.registry.get("a").gate) == 1)
+        held.cancel()
+        await asyncio.gather(held, return_exceptions=True)
+        await wait_until(lambda: len(gw.state.registry.get("a").gate) == 0)
+        await asyncio.sleep(0.2)
+        assert len(st.requests) == 1  # the worker never got it
+        d = gw.call(gw.state.router.plan(MODEL, body, {}, "/v1/chat/completions"))
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+    assert d.candidate("a").cached_tokens == 0
+
+
+async def test_no_error_event_follows_the_last_event_a_client_already_has(fleet, start_gateway):
+    """The worker's connection failing after its ``[DONE]`` passed (a read timeout while it holds the stream
+    open) appended an error event and a second ``[DONE]`` to a stream the client had whole."""
+    fleet.add("a", done_delay_s=3.0, words=3)
+    gw = start_gateway(fleet, request_timeout_s=1.0)
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(gw.url + "/v1/chat/completions", json=chat_body("Hello the gateway", stream=True))
+    assert r.content.endswith(b"data: [DONE]\n\n") and r.content.count(b"data: [DONE]") == 1
+    assert b'"error"' not in r.content

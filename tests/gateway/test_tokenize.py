@@ -210,3 +210,68 @@ async def test_a_prompt_sharing_a_deferred_prompt_in_flight_is_encoded_as_far_as
 
 async def _all(hashes):
     return len(hashes)
+
+
+def test_tools_are_rendered_as_vllm_dumps_them(tokenizer_dir):
+    """vLLM renders ``tools`` from its request models (``tool.model_dump()``): ``type``, then the function's
+    ``name``, ``description`` and ``parameters`` in that order, null when absent, unknown keys dropped.
+    The client's own dicts rendered other text for a tool without a description or with its keys in
+    another order, and every block from the tools on missed vLLM's. (vLLM's models are not importable
+    here: the dump below is what vLLM 0.32's ChatCompletionToolsParam gives for these tools.)"""
+    lt = LocalTokenizer(tokenizer_dir, TokenizerConfig())
+    msgs = [{"role": "system", "content": "You are a helpful agent. " * 20},
+            {"role": "user", "content": "What is the weather in Paris?"}]
+    client_tools = [{"function": {"parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+                                  "name": "get_weather", "x-extra": 1}, "type": "function"}]
+    vllm_dump = [{"type": "function", "function": {
+        "name": "get_weather", "description": None,
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    theirs = lt.hf.apply_chat_template(msgs, tools=vllm_dump, add_generation_prompt=True, tokenize=False)
+    assert lt.render_chat({"messages": msgs, "tools": client_tools}) == theirs
+    assert "null" in theirs or "None" in theirs  # the template prints the tool: the dump's shape shows
+
+
+@pytest.mark.parametrize("path,body,key", [
+    ("/v1/completions", {"prompt": "the cache block prefix number is long " * 40}, "add_special_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "the cache block prefix " * 40}]},
+     "add_generation_prompt"),
+])
+async def test_request_flags_are_read_as_vllm_reads_them(fleet, start_gateway, path, body, key):
+    """vLLM reads its boolean fields in pydantic's lax mode: the string "false" is False. ``bool("false")``
+    is True: a BOS token or a generation prompt vLLM did not render, and every block differed. A value
+    vLLM refuses is routed on load."""
+    fleet.add("a")
+    gw = start_gateway(fleet)
+
+    def plan(b):
+        return gw.call(gw.state.router.plan(MODEL, {"model": MODEL, **b}, {}, path))
+
+    want = plan({**body, key: False})
+    got = plan({**body, key: "false"})
+    assert got.hashes and (got.num_tokens, got.hashes) == (want.num_tokens, want.hashes)
+    assert plan({**body, key: "perhaps"}).tokenize_error
+
+
+async def test_a_truncated_prompt_is_routed_on_load(fleet, start_gateway):
+    """vLLM prefills only the last ``truncate_prompt_tokens`` ids: the whole prompt's blocks are neither
+    what it computes nor what it caches. Hashing them matched nothing and recorded a pending claim on
+    blocks never computed; the request is routed on load and the decision says why."""
+    fleet.add("a")
+    gw = start_gateway(fleet)
+    ids = list(range(10, 10 + 20 * BLOCK))
+    d = gw.call(gw.state.router.plan(MODEL, {"model": MODEL, "prompt": ids, "truncate_prompt_tokens": 100},
+                                     {}, "/v1/completions"))
+    assert d.hashes == [] and "truncate_prompt_tokens" in d.tokenize_error
+    d = gw.call(gw.state.router.plan(MODEL, {"model": MODEL, "prompt": ids}, {}, "/v1/completions"))
+    assert len(d.hashes) == 19
+
+
+async def test_a_chat_with_documents_is_not_tokenized_by_a_workers_tokenize(fleet, start_gateway):
+    """Without a local tokenizer the chat's ids come from a worker's /tokenize, which takes no documents:
+    they were the ids of another prompt (the documents left out), routed on and recorded as sent."""
+    fleet.add("a")
+    gw = start_gateway(fleet, local_tokenizer=False)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "What does the manual say?"}],
+            "documents": [{"title": "Manual", "text": "the cache block prefix number is long " * 30}]}
+    d = gw.call(gw.state.router.plan(MODEL, body, {}, "/v1/chat/completions"))
+    assert d.hashes == [] and "documents" in d.tokenize_error

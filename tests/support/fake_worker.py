@@ -59,6 +59,51 @@ class FakeState:
     started: float = field(default_factory=time.time)  # process_start_time_seconds; set it anew = a restart
 
 
+def _vllm_tools(tools):
+    """``tools`` as vLLM 0.32 hands them to the chat template: parsed into its request models and dumped
+    (its FunctionDefinition / ChatCompletionToolsParam, their fields and serializers, rebuilt here with
+    pydantic: vLLM is not importable in this environment)."""
+    if tools is None:
+        return None
+    from typing import Any, Literal
+
+    from pydantic import BaseModel, ConfigDict, model_serializer
+
+    class _Base(BaseModel):
+        model_config = ConfigDict(extra="allow")
+
+    class FunctionDefinition(_Base):
+        name: str
+        description: str | None = None
+        parameters: dict[str, Any] | None = None
+        strict: bool | None = None
+        defer_loading: bool | None = None
+
+        @model_serializer(mode="wrap")
+        def _serialize(self, handler):
+            data = {k: v for k, v in handler(self).items() if k in type(self).model_fields}
+            for k in ("strict", "defer_loading"):
+                if getattr(self, k) is None:
+                    data.pop(k, None)
+            return data
+
+    class ChatCompletionToolsParam(_Base):
+        type: Literal["function"] = "function"
+        function: FunctionDefinition
+        defer_loading: bool | None = None
+
+        @model_serializer(mode="wrap")
+        def _serialize(self, handler):
+            if self.defer_loading is not None and self.function.defer_loading is None:
+                self.function.defer_loading = self.defer_loading
+            data = {k: v for k, v in handler(self).items() if k in type(self).model_fields}
+            if self.defer_loading is None:
+                data.pop("defer_loading", None)
+            return data
+
+    return [ChatCompletionToolsParam.model_validate(t).model_dump() for t in tools]
+
+
 def _reply_words(st: FakeState, n_prompt: int) -> list[str]:
     return [f"{st.name}-says-{i}" if i else f"Hello({n_prompt})" for i in range(st.words)]
 
@@ -80,7 +125,8 @@ def create_fake_worker(state: FakeState, tokenizer_dir: str | None = None) -> Fa
             msgs = [{**m, "content": "\n".join(p["text"] for p in m["content"])}
                     if isinstance(m.get("content"), list) else m for m in body["messages"]]
             text = tok.apply_chat_template(
-                msgs, tools=body.get("tools"), chat_template=body.get("chat_template") or st.chat_template,
+                msgs, tools=_vllm_tools(body.get("tools")),
+                chat_template=body.get("chat_template") or st.chat_template,
                 add_generation_prompt=body.get("add_generation_prompt", True),
                 continue_final_message=body.get("continue_final_message", False), tokenize=False,
                 **(body.get("chat_template_kwargs") or {}))
