@@ -112,7 +112,7 @@ def flag(body: dict, key: str, default: bool) -> bool:
     try:
         return _BOOL.validate_python(v)
     except ValueError:
-        raise NotText from None
+        raise NotText(f"{key}: not a boolean vLLM accepts") from None
 
 
 def vllm_tools(tools):
@@ -125,12 +125,12 @@ def vllm_tools(tools):
     if tools is None:
         return None
     if not isinstance(tools, list):
-        raise NotText
+        raise NotText("tools: a shape vLLM refuses")
     out = []
     for t in tools:
         f = t.get("function") if isinstance(t, dict) else None
         if not isinstance(f, dict) or t.get("type", "function") != "function" or not isinstance(f.get("name"), str):
-            raise NotText
+            raise NotText("tools: a shape vLLM refuses")
         fn = {"name": f["name"], "description": f.get("description"), "parameters": f.get("parameters")}
         if f.get("strict") is not None:
             fn["strict"] = f["strict"]

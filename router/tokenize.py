@@ -132,8 +132,8 @@ class Tokenizers:
             else:
                 text, add_special = prompt, flag(body, "add_special_tokens", True)
             return await self._encode(local, text, add_special, hashing, reach, sent)
-        except NotText:
-            return Tokenized(None, "none", error="non-text content")
+        except NotText as e:
+            return Tokenized(None, "none", error=str(e) or "non-text content")
         except APIError:
             raise
         except jinja2.TemplateError as e:  # the template itself refused the conversation (vLLM answers 400 too)

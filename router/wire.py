@@ -100,10 +100,13 @@ def kvgate_headers(d: Decision) -> dict[str, str]:
 
 
 def response_headers(resp: UpstreamResponse, d: Decision) -> list[tuple[bytes, bytes]]:
-    """The worker's headers (less hop-by-hop ones) and kvgate's, as ASGI header pairs."""
+    """The worker's headers (less hop-by-hop ones and those kvgate sets itself: a worker that echoes
+    ``x-request-id``, vLLM's ``--enable-request-id-headers``, gave the client two) and kvgate's, as ASGI
+    header pairs."""
+    own = kvgate_headers(d)
     out = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers.items()
-           if k.lower() not in _NOT_COPIED]
-    out += [(k.encode(), v.encode("latin-1")) for k, v in kvgate_headers(d).items()]
+           if k.lower() not in _NOT_COPIED and k.lower() not in own]
+    out += [(k.encode(), v.encode("latin-1")) for k, v in own.items()]
     return out
 
 

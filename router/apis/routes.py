@@ -244,8 +244,8 @@ def _prepare_messages(st, routed: bool):
         view = None
         if routed:
             local = _local(st, body["model"])
-            merge, effort = template_traits(local)
-            try:
+            try:  # the template's traits too: a template that raises other than TemplateError there was a 500
+                merge, effort = template_traits(local)
                 view = fit_template(local, msg_api.chat_view(body, merge, effort))
             except Unsupported as e:
                 log.debug("messages body routed on load: %s", e)

@@ -172,6 +172,25 @@ def test_a_non_streamed_messages_answer_counts_towards_the_workers_answer_length
     assert tracker.mean_completion == 5
 
 
+def test_a_template_that_fails_its_messages_check_is_routed_on_load(fleet, start_gateway, monkeypatch):
+    """Which template traits vLLM's Messages serving uses is read from the model's chat templates; a template
+    that raised there other than jinja2's TemplateError (a filter on an undefined variable) made every
+    /v1/messages request of the model a 500. It is routed on load instead (vLLM judges the request). The
+    failing template is a stand-in: the traits check is made to raise."""
+    import router.apis.routes as routes
+
+    def broken(local):
+        raise TypeError("Object of type Undefined is not JSON serializable")
+
+    monkeypatch.setattr(routes, "template_traits", broken)
+    fleet.add("a", messages=True, words=5)
+    gw = start_gateway(fleet)
+    with httpx.Client(base_url=gw.url, timeout=30) as c:
+        r = c.post("/v1/messages", json={"model": MODEL, "max_tokens": 16,
+                                         "messages": [{"role": "user", "content": LONG}]})
+    assert r.status_code == 200 and r.headers["x-kvgate-worker"] == "a", r.text
+
+
 # schemathesis --------------------------------------------------------------------------------------------
 def error_shape(ctx, response, case):
     """The gateway's own errors (no ``x-kvgate-worker``: nothing was forwarded) keep the API's shape."""

@@ -535,3 +535,13 @@ async def test_no_error_event_follows_the_last_event_a_client_already_has(fleet,
         r = await c.post(gw.url + "/v1/chat/completions", json=chat_body("Hello the gateway", stream=True))
     assert r.content.endswith(b"data: [DONE]\n\n") and r.content.count(b"data: [DONE]") == 1
     assert b'"error"' not in r.content
+
+
+async def test_a_worker_that_echoes_the_request_id_gives_the_client_one(fleet, start_gateway):
+    """vLLM with --enable-request-id-headers answers with the request's x-request-id; kvgate sets its own too:
+    the client got the header twice."""
+    fleet.add("a", echo_request_id=True)
+    gw = start_gateway(fleet)
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(gw.url + "/v1/chat/completions", json=chat_body(), headers={"x-request-id": "rid-1"})
+    assert r.status_code == 200 and r.headers.get_list("x-request-id") == ["rid-1"]

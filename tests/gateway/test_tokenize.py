@@ -249,7 +249,7 @@ async def test_request_flags_are_read_as_vllm_reads_them(fleet, start_gateway, p
     want = plan({**body, key: False})
     got = plan({**body, key: "false"})
     assert got.hashes and (got.num_tokens, got.hashes) == (want.num_tokens, want.hashes)
-    assert plan({**body, key: "perhaps"}).tokenize_error
+    assert plan({**body, key: "perhaps"}).tokenize_error == f"{key}: not a boolean vLLM accepts"
 
 
 async def test_a_truncated_prompt_is_routed_on_load(fleet, start_gateway):

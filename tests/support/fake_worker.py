@@ -49,6 +49,7 @@ class FakeState:
     sources_status: int = 200  # what /kv_event_sources answers (a 503: its config cannot be read yet)
     sources: object = None  # when set, /kv_event_sources answers this verbatim (odd or malformed input)
     messages: bool = False  # answer non-streamed /v1/messages (usage only); else 404 as before
+    echo_request_id: bool = False  # answer with the request's x-request-id (vLLM --enable-request-id-headers)
     requests: list = field(default_factory=list)
     cancelled: int = 0
     active: int = 0
@@ -200,7 +201,8 @@ def create_fake_worker(state: FakeState, tokenizer_dir: str | None = None) -> Fa
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
                       if kind == "chat" else {"index": 0, "text": text, "finish_reason": "length"})
             return JSONResponse({"id": prefix + rid, "object": obj, "created": created, "model": body["model"],
-                                 "choices": [choice], "usage": usage})
+                                 "choices": [choice], "usage": usage},
+                                headers={"x-request-id": rid} if st.echo_request_id else None)
 
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
