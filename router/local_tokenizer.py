@@ -23,6 +23,7 @@ from itertools import islice
 from pathlib import Path
 
 from cachetools import LRUCache
+from pydantic import TypeAdapter
 
 from indexer.hashing import routable_blocks, sequence_hashes
 from router.config import TokenizerConfig
@@ -94,21 +95,16 @@ class NotText(Exception):
     pass
 
 
-_BOOL = None
+_BOOL = TypeAdapter(bool)
 
 
 def flag(body: dict, key: str, default: bool) -> bool:
     """A request's boolean field read as vLLM's pydantic models read it (``"false"``, ``"0"``, ``"off"`` are
     False: ``bool("false")`` rendered a generation prompt or a BOS token vLLM did not, and every block
     differed). A value they refuse (vLLM answers 400) is routed on load."""
-    global _BOOL
     v = body.get(key, default)
     if isinstance(v, bool):
         return v
-    if _BOOL is None:
-        from pydantic import TypeAdapter
-
-        _BOOL = TypeAdapter(bool)
     try:
         return _BOOL.validate_python(v)
     except ValueError:

@@ -184,7 +184,7 @@ class Forwarder:
             if attempts >= max(1, st.routing.max_attempts):
                 break
             w = reg.target(cand.worker)  # a server, or one data-parallel rank of one
-            if w is None or not (w.routable or (self.draining_ok and w.healthy and w.lost_at is None)):
+            if w is None or not (w.reachable if self.draining_ok else w.routable):
                 continue
             attempts += 1
             if attempts > 1:

@@ -289,10 +289,10 @@ class Upstream:
         u = urlsplit(url)
         try:
             port = u.port  # raises for a port that is no number in 0-65535
-            u.hostname.encode("ascii") if u.hostname else None  # the request line is Latin-1: IDNA hosts only
-        except (ValueError, UnicodeError):
+        except ValueError:
             port = -1
-        if u.scheme != "http" or not u.hostname or port == -1:
+        # the request line is Latin-1: IDNA hosts only
+        if u.scheme != "http" or not u.hostname or not u.hostname.isascii() or port == -1:
             raise UpstreamError("connect", f"unsupported worker URL {url!r} (http://host:port only)")
         return u.hostname, port or 80, u.path or "/"
 

@@ -196,8 +196,14 @@ class Worker:
         return self.g4_member if self.g4_tier else local_g4_member(self.name)
 
     @property
+    def reachable(self) -> bool:
+        """Healthy and in the fleet: it serves the work it has (a draining one too)."""
+        return self.healthy and self.lost_at is None
+
+    @property
     def routable(self) -> bool:
-        return self.healthy and not self.draining and self.lost_at is None
+        """Reachable and not draining: it takes new work."""
+        return self.reachable and not self.draining
 
     def base_model(self) -> str | None:
         for mid, info in self.models.items():

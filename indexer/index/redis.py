@@ -209,10 +209,8 @@ class RedisIndex(BlockIndex):
     async def remove_g4(self, model: str, hashes: Sequence[int]) -> None:
         await self._write(self._remove, model, G4_MEMBER, hashes)
 
-    async def _clear_member(self, model: str, member: int, worker: str = "", token: str | None = None) -> int:
+    async def _clear_member(self, model: str, member: int, worker: str, token: str) -> int:
         b = self.base(model)
-        if token is None:
-            token = self._fences.get((model, worker), "") if worker else ""
         removed = 0
         for start in range(0, BUCKETS, _CLEAR_CHUNK):
             n = int(await self._clear([b + "n", b + "blocks"],

@@ -60,7 +60,7 @@ async def _owner(st, response_id: str, param: str, chain: bool = False,
         raise APIError(410, f"Response '{response_id}' was stored by worker `{rec['worker']}`, which is no "
                             "longer in the fleet: the response is gone.", param=param,
                        code="response_owner_gone", type_="invalid_request_error")
-    if not (w.routable or (draining_ok and w.healthy and w.lost_at is None)):
+    if not (w.reachable if draining_ok else w.routable):
         raise APIError(503, f"Response '{response_id}' is held by worker `{w.name}`, which is "
                             f"{'draining' if w.draining else 'unavailable'}; try again later.", param=param,
                        code="response_owner_unavailable")
@@ -103,8 +103,8 @@ async def _serve(st, scope, receive, send, path: str, prepare, *, anthropic: boo
                          candidates=[Candidate(worker=owner)], chosen=owner)
         else:
             d = await st.router.plan(model, body, headers, path, size=len(raw), request_id=rid, **plan_kw)
-        if owner is not None and not direct:
-            _pin(d, owner)
+            if owner is not None:
+                _pin(d, owner)
         arrived(d, received, read_ms)
         st.metrics.observe_stages(d.timings_ms)
         fwd = Forwarder(st.datapath, d, raw, path, method=scope["method"], query=scope.get("query_string", b"").decode(
