@@ -41,12 +41,15 @@ G4_OWNERSHIP = "kvgate-g4"
 # ---------------------------------------------------------------------------------------------------------
 @dataclass
 class BlockOp:
-    """One block to load or save: vLLM's block id, kvgate hash, parent hash and token ids."""
+    """One block to load or save: vLLM's block id, kvgate hash, parent hash and token ids. ``overwrite``: a
+    save that replaces the block's file if there is one (a block a rank may have written from a step whose
+    KV was wrong: connector_scheduler.py ``tainted``)."""
 
     block_id: int
     hash: int
     parent: int | None
     token_ids: list[int]
+    overwrite: bool = False
 
 
 @dataclass

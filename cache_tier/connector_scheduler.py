@@ -55,6 +55,7 @@ class SchedulerSide:
     """Decides loads and saves; turns the workers' confirmations into STORAGE events."""
 
     PENDING_TIMEOUT_S = 60.0
+    TAINTED_MAX = 1 << 16
 
     def __init__(self, vllm_config, kv_cache_config, cfg: ConnectorConfig):
         self.cfg = cfg
@@ -70,6 +71,10 @@ class SchedulerSide:
         self.pending: dict[int, list] = {}
         self.events: list = []
         self.async_reqs: set[str] = set()  # of this step's loads, the ones in the background
+        # blocks a rank may have written wrong: computed in a step whose in-step load failed (on another
+        # pipeline stage the hidden states were wrong, and its save went on). Their next save replaces
+        # the file (a save never replaces a file otherwise, so the wrong copy would stay for good).
+        self.tainted: dict[int, None] = {}  # insertion-ordered, the oldest dropped past TAINTED_MAX
         self.load_rate = LoadRate()  # the workers' finished loads, recent ones weighing most
 
     # -- request tracking --
@@ -189,7 +194,7 @@ class SchedulerSide:
                 if h in self.pending or self.present.contains(h):
                     continue
                 tk = list(toks[i * B : (i + 1) * B])
-                ops.append(BlockOp(block_ids[i], h, hs[i - 1] if i else None, tk))
+                ops.append(BlockOp(block_ids[i], h, hs[i - 1] if i else None, tk, h in self.tainted))
                 eh = _engine_hash(engine[i]) if i < len(engine) else h
                 ep = (_engine_hash(engine[i - 1]) if i - 1 < len(engine) else hs[i - 1]) if i else None
                 # what the ingestion needs to re-derive kvgate's hash: the LoRA name, and block 0's salt
@@ -223,6 +228,7 @@ class SchedulerSide:
                 del self.pending[h]
                 stored.append(p)
                 self.present.add(h)
+                self.tainted.pop(h, None)
         for h in wm.dropped:
             self.pending.pop(h, None)
         for h in wm.evicted:
@@ -237,6 +243,7 @@ class SchedulerSide:
                 # vLLM recomputes from the first failed block: save the recomputed blocks again
                 bad = [i for i, h in enumerate(st.hashes) if h in lost]
                 if bad:
+                    self._taint(st.hashes[bad[0]:st.saved_upto])
                     st.saved_upto = min(st.saved_upto, bad[0])
         if BlockStored is None:
             return
@@ -258,6 +265,15 @@ class SchedulerSide:
             self.events.append(
                 BlockRemoved(block_hashes=sorted(gone), medium=MEDIUM_STORAGE, ownership=G4_OWNERSHIP)
             )
+
+    def _taint(self, hashes: list[int]) -> None:
+        """Blocks from a request's first failed load on: the step of the failure computed them from a
+        block that was not there, so a rank that saved them saved wrong KV."""
+        for h in hashes:
+            self.tainted.pop(h, None)
+            self.tainted[h] = None
+        while len(self.tainted) > self.TAINTED_MAX:
+            del self.tainted[next(iter(self.tainted))]
 
     def take_events(self):
         ev, self.events = self.events, []

@@ -16,7 +16,11 @@ Bad G4 state never yields a wrong token: a block that is missing, truncated, cor
 namespace or unreadable is reported to vLLM (which recomputes it), counted by reason, removed when the
 file is bad, and reported to the scheduler (which stops offering it and rewinds the request's saves so
 the recomputed blocks are written again). In sync mode the blocks a request computes in the step of its
-failed load attended to the unloaded block, so that step's saves of the request are dropped. A write
+failed load attended to the unloaded block, so that step's saves of the request are dropped, on every
+tensor-parallel rank: the ranks' partial results are summed every layer, so a block missing on one rank
+makes that step's new KV of the request wrong on all of them (the ranks agree on the step's failures with
+one small all-reduce). A pipeline stage after the failing one computes from its wrong hidden states and
+saves; the scheduler's re-save of those blocks overwrites them. A write
 that fails (full disk, unwritable or vanished directory) is a dropped save, counted by reason; the next
 writes retry, so saves resume when the store is writable again.
 """
@@ -71,6 +75,19 @@ class _LoadJob:
             self.nbytes += res
 
 
+def step_group():
+    """The process group of the ranks that run every step together (the tensor-parallel group, CPU side),
+    when it has more than one rank; None otherwise. Every rank gets the same step metadata, so all of
+    them reach the agreement on a step's failed loads, or none does."""
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        g = get_tp_group()
+        return g.cpu_group if g.world_size > 1 else None
+    except Exception:  # noqa: BLE001 - no TP group (single process)
+        return None
+
+
 def parallel_rank() -> int:
     """This worker's rank among its engine's tensor- and pipeline-parallel workers (stage x TP size + TP
     rank, the namespace's ``tp_rank`` of ``tp_size`` = TP x PP): each holds its own slice of every block
@@ -108,6 +125,7 @@ class WorkerSide:
         self.failed_loads: list[str] = []  # requests with a failed block, for the scheduler
         self.loaded_reqs: set[str] = set()  # async loads finished since the last get_finished
         self._failed_this_step: set[str] = set()  # sync loads that failed in this step: no saves
+        self.group = step_group()  # the TP ranks that agree on a step's failed loads (None: one rank)
         self._reported = (0, 0.0)  # the load counters as of the last worker meta (blocks, seconds)
         self.counters = {
             "loads": 0,
@@ -122,6 +140,7 @@ class WorkerSide:
             "saves_dropped": 0,
             "save_copy_seconds": 0.0,
             "save_failures": 0,
+            "agree_failures": 0,
         }
         self.load_failure_reasons = dict.fromkeys(LOAD_FAILURE_REASONS, 0)
         self.save_failure_reasons = dict.fromkeys(SAVE_FAILURE_REASONS, 0)
@@ -232,9 +251,27 @@ class WorkerSide:
         for op, res in zip(ops, self.step_pool.map(self._safe_load, ops)):
             job.add(op, res)
         bad = {id(op) for op in job.failed}
-        job.failed_reqs = [r for r, lst in loads.items() if any(id(op) in bad for op in lst)]
-        self._failed_this_step = set(job.failed_reqs)
+        failed = {r for r, lst in loads.items() if any(id(op) in bad for op in lst)}
+        agreed = self._agree(sorted(loads), failed)
+        job.failed_reqs = sorted(agreed)
+        self._failed_this_step = agreed
         self._settle(job)
+
+    def _agree(self, reqs: list[str], failed: set[str]) -> set[str]:
+        """The step's requests whose in-step load failed on any tensor-parallel rank (their new KV is wrong
+        on every rank). If the ranks cannot agree, no save of this step's loading requests is kept."""
+        if self.group is None or not reqs:
+            return failed
+        flags = torch.tensor([r in failed for r in reqs], dtype=torch.int32)
+        try:
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        except Exception as e:  # noqa: BLE001 - never keep a save that may be wrong
+            self._warn_once("agree", "kvgate G4: the ranks could not agree on the step's failed loads (%s); "
+                            "the step's saves of its loading requests are dropped", e)
+            with self.lock:
+                self.counters["agree_failures"] += 1
+            return failed | set(reqs)
+        return {r for r, f in zip(reqs, flags.tolist()) if f}
 
     def _load_in_job(self, job: _LoadJob, op: BlockOp) -> None:
         res = self._safe_load(op)
@@ -334,7 +371,7 @@ class WorkerSide:
                 return
             op, payload = item
             try:
-                self.store.put(op.hash, op.token_ids, op.parent, payload)
+                self.store.put(op.hash, op.token_ids, op.parent, payload, overwrite=op.overwrite)
                 with self.lock:
                     self.saved.append(op.hash)
                     self.counters["saves_written"] += 1

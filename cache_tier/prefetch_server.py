@@ -16,7 +16,7 @@ nothing to vLLM's environment:
   ``kvgate_g4_loads_in_flight``, ``kvgate_g4_prefetch_hits_total``, ``kvgate_g4_saves_planned_total``,
   ``kvgate_g4_saves_written_total``, ``kvgate_g4_saves_dropped_total`` (every planned save not written:
   writer queue full or write failed), ``kvgate_g4_save_failures_total{reason="disk_full|unwritable|
-  io_error|error"}``, ``kvgate_g4_save_copy_seconds_total``, ``kvgate_g4_writer_queue_blocks``,
+  io_error|error"}``, ``kvgate_g4_agree_failures_total``, ``kvgate_g4_save_copy_seconds_total``, ``kvgate_g4_writer_queue_blocks``,
   ``kvgate_g4_writer_queue_bytes``, ``kvgate_g4_store_blocks``, ``kvgate_g4_store_bytes``,
   ``kvgate_g4_store_evictions_total``, ``kvgate_g4_prefetch_orders_total``,
   ``kvgate_g4_prefetch_staged_total``, ``kvgate_g4_staging_bytes``;
@@ -53,6 +53,8 @@ _METRICS = (
     ("saves_dropped", "counter", "planned saves not written (writer queue full or write failed)",
      ("saves_dropped",)),
     ("save_failures", "counter", "G4 block writes that failed, by reason", ("save_failures_by_reason",)),
+    ("agree_failures", "counter", "steps whose tensor-parallel ranks could not agree on their failed loads "
+     "(the saves of the step's loading requests dropped)", ("agree_failures",)),
     ("save_copy_seconds", "counter", "seconds copying saved blocks out of the KV cache",
      ("save_copy_seconds",)),
     ("writer_queue_blocks", "gauge", "blocks waiting for the G4 writer", ("writer_queue",)),

@@ -112,3 +112,136 @@ def test_each_pipeline_stage_has_its_own_namespace_and_only_the_first_serves_pre
         res.append(json.loads(out.stdout.strip().splitlines()[-1]))
     assert res[0]["digest"] != res[1]["digest"] and [r["rank"] for r in res] == [0, 1]
     assert [r["serves"] for r in res] == [True, False]
+
+
+# one step on tensor-parallel rank argv[2] of 2 (gloo on this host): request R loads block 0xA0 in the step
+# (only rank 1 has its file) and computes 0xA1; request S computes 0xB0 and loads nothing
+TP_STEP = r"""
+import json, os, sys
+from types import SimpleNamespace as NS
+
+import torch
+import torch.distributed as dist
+import vllm.distributed.parallel_state as ps
+
+from cache_tier.connector import BlockOp, ConnectorConfig
+from cache_tier.connector_worker import WorkerSide
+
+root, rank = sys.argv[1], int(sys.argv[2])
+dist.init_process_group("gloo", init_method=sys.argv[3], world_size=2, rank=rank)
+ps.get_tensor_model_parallel_rank = lambda: rank
+ps.get_tensor_model_parallel_world_size = lambda: 2
+ps.get_pp_group = lambda: NS(rank_in_group=0)
+ps.get_tp_group = lambda: NS(world_size=2, cpu_group=dist.group.WORLD)
+B = 4
+spec = NS(dtype=torch.float32, block_size=B, num_kv_heads=1, head_size=4, page_size_bytes=2 * B * 4 * 4)
+kvc = NS(kv_cache_groups=[NS(kv_cache_spec=spec, layer_names=["l0", "l1"])], num_blocks=16,
+         kv_cache_layout=None)
+vc = NS(parallel_config=NS(tensor_parallel_size=2, pipeline_parallel_size=1), attention_config=None)
+w = WorkerSide(vc, kvc, ConnectorConfig(g4_path=root, model="m", kv_layout="test"))
+w.register({n: torch.zeros(2, 16, B, 1, 4) for n in ("l0", "l1")})
+if rank == 1:
+    w.store.put(0xA0, [1] * B, None, torch.ones(w.ns.payload_bytes // 4))
+w.load({"R": [BlockOp(3, 0xA0, None, [1] * B)]})
+w.save({"R": [BlockOp(4, 0xA1, 0xA0, [2] * B)], "S": [BlockOp(5, 0xB0, None, [3] * B)]})
+w.shutdown()  # the writer is done
+m = w.take_worker_meta()
+print(json.dumps({"rank": w.rank, "failed_loads": m.failed_loads, "saved": m.saved, "dropped": m.dropped,
+                  "files": sorted(h for h in (0xA1, 0xB0) if os.path.exists(w.store.path(h)))}))
+dist.destroy_process_group()
+"""
+
+
+def test_a_load_that_fails_on_one_tensor_parallel_rank_drops_the_step_s_saves_on_every_rank(tmp_path):
+    """The ranks' partial results are summed every layer, so the KV a request computes in the step of a
+    load that failed on one rank is wrong on all of them. Rank 1 loaded the block fine and used to save
+    the request's new block from that step: with rank 0's correct copy written later (a save never
+    replaces a file), G4 served the pair, rank 1's half wrong. Two real processes, gloo all-reduce."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    init = f"file://{tmp_path}/pg"
+    procs = [subprocess.Popen([str(vllm_python()), "-c", TP_STEP, str(tmp_path / "g4"), str(r), init], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    res = []
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-3000:]
+        res.append(json.loads(out.strip().splitlines()[-1]))
+    for r in res:
+        assert r["failed_loads"] == ["R"], r  # both report it: the scheduler rewinds R's saves
+        assert r["dropped"] == [0xA1] and r["saved"] == [0xB0], r  # S's save is untouched
+        assert r["files"] == [0xB0], r  # no rank wrote R's block of the failed step
+
+
+# pipeline stage 1's worker (of 2) and the engine's scheduler side, one request R of four full blocks: block
+# 0 loads from G4 in the step, 1-3 are computed. Stage 0's load of block 0 fails and stage 1 (its layers'
+# copy loaded fine) computes 1-3 from stage 0's wrong hidden states and saves them; vLLM then recomputes R.
+PP_RESAVE = r"""
+import json, sys, time
+from types import SimpleNamespace as NS
+
+import torch
+import vllm.distributed.parallel_state as ps
+
+from cache_tier.connector import ConnectorConfig, KvgateWorkerMeta
+from cache_tier.connector_scheduler import SchedulerSide
+from cache_tier.connector_worker import WorkerSide
+
+root = sys.argv[1]
+B, N = 4, 4
+spec = NS(dtype=torch.float32, block_size=B, num_kv_heads=1, head_size=4, page_size_bytes=2 * B * 4 * 4)
+vc = NS(parallel_config=NS(tensor_parallel_size=1, pipeline_parallel_size=2), attention_config=None)
+cfg = ConnectorConfig(g4_path=root, model="m", kv_layout="test", load_async=False)
+sched = SchedulerSide(vc, NS(kv_cache_groups=[NS(kv_cache_spec=spec, layer_names=["l0", "l1"])], num_blocks=16,
+                             kv_cache_layout=None), cfg)
+ps.get_tensor_model_parallel_rank = lambda: 0
+ps.get_tensor_model_parallel_world_size = lambda: 1
+ps.get_pp_group = lambda: NS(rank_in_group=1)
+w = WorkerSide(vc, NS(kv_cache_groups=[NS(kv_cache_spec=spec, layer_names=["l2", "l3"])], num_blocks=16,
+                      kv_cache_layout=None), cfg)
+kv = {n: torch.zeros(2, 16, B, 1, 4) for n in ("l2", "l3")}
+w.register(kv)
+req = NS(request_id="R", all_token_ids=list(range(N * B + 1)), num_tokens=N * B + 1, num_prompt_tokens=N * B + 1,
+         block_hashes=[], lora_request=None, cache_salt=None, mm_features=None, prompt_embeds=None)
+ids = [10, 11, 12, 13, 14]
+st = sched.track(req)
+h = sched._hashes(st, N)
+sched.store.put(h[0], req.all_token_ids[:B], None, torch.ones(sched.ns.payload_bytes // 4))
+assert sched.get_num_new_matched_tokens(req, 0) == (B, False)
+sched.update_state_after_alloc(req, NS(get_block_ids=lambda: [ids]), B)
+kvm = NS(get_block_ids=lambda rid: [ids])
+so = NS(scheduled_new_reqs=[NS(req_id="R", num_computed_tokens=B)],
+        scheduled_cached_reqs=NS(req_ids=[], num_computed_tokens=[]), num_scheduled_tokens={"R": (N - 1) * B + 1})
+meta = sched.build_meta(so, kvm)
+for t in kv.values():
+    t.fill_(-1.0)  # the failed step's KV on this stage: wrong
+w.save(meta.saves)
+t0 = time.time()
+while w.counters["saves_written"] < N - 1 and time.time() - t0 < 30:  # stage 1's wrong blocks are written
+    time.sleep(0.01)
+mine = w.take_worker_meta()
+sched.update_output(NS(kv_connector_worker_meta=KvgateWorkerMeta(  # stage 0 and this stage, aggregated
+    saved=mine.saved, dropped=[x.hash for x in meta.saves["R"]], failed_loads=["R"], lost=[h[0]])))
+so = NS(scheduled_new_reqs=[], scheduled_cached_reqs=NS(req_ids=["R"], num_computed_tokens=[0]),
+        num_scheduled_tokens={"R": N * B + 1})
+meta = sched.build_meta(so, kvm)  # the recompute's step
+for t in kv.values():
+    t.fill_(2.0)  # the recomputed KV: right
+w.save(meta.saves)
+w.shutdown()
+print(json.dumps({"resaved": [x.hash for x in meta.saves.get("R", [])], "hashes": h,
+                  "values": [float(w.store.read(x).view(torch.float32).mean()) for x in h[1:]]}))
+"""
+
+
+def test_a_pipeline_stage_s_blocks_from_a_failed_load_step_are_overwritten_by_the_recompute(tmp_path):
+    """A later pipeline stage cannot know that an earlier one's in-step load failed: it computes the
+    request's new blocks from wrong hidden states and saves them. The scheduler hears of the failure
+    after the step and has vLLM's recompute save the blocks again; that save used to leave an existing
+    file alone, so the wrong copy stayed on G4 for good (and was served once stage 0 saved its half)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([str(vllm_python()), "-c", PP_RESAVE, str(tmp_path)], env=env, capture_output=True,
+                         text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["resaved"] == res["hashes"][1:], res  # all it computed is saved again (block 0 is on G4)
+    assert res["values"] == [2.0, 2.0, 2.0], res  # stage 1's files hold the recomputed KV
