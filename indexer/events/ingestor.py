@@ -93,6 +93,9 @@ class _Source:
         # Sequence numbers applied ahead of the live stream by a resync replay: their live copies are
         # duplicates, not a restart.
         self.ahead: tuple[int, int] | None = None
+        # The ``ahead`` window comes from a handle map another gateway saved (adopted): the first live
+        # message inside it is checked against the publisher before it is taken for a duplicate.
+        self.ahead_adopted = False
         self.writer = False  # holds the worker's lease: the only gateway that writes its entries
         # Replaying what the publisher buffers on a first message: the state only, the worker's local-tier
         # entries written once at its end (:meth:`EventIngestor._catch_up`).
@@ -359,6 +362,7 @@ class EventIngestor:
         s.last_seq = seq
         if seq is not None:
             s.ahead = (0, seq)  # live messages the writer had already applied are not a restart
+            s.ahead_adopted = True
         log.info("%s: adopted %d handles up to seq %s", s.src.worker, len(handles), seq)
 
     async def _sweep(self) -> None:
@@ -423,10 +427,16 @@ class EventIngestor:
             return
         if s.ahead is not None:
             lo, hi = s.ahead
-            if lo <= seq <= hi:  # already applied by a resync replay
+            if lo <= seq <= hi and s.ahead_adopted:
+                s.ahead_adopted = False
+                if not await self._publisher_reached(s, hi):
+                    log.info("%s: its publisher is at seq %d, below the adopted map's %d (restarted unseen)",
+                             s.src.worker, seq, hi)
+                    s.ahead = None  # and the restart is handled below: seq <= last_seq
+            if s.ahead is not None and lo <= seq <= hi:  # already applied (a resync replay, the writer)
                 s.counters["duplicates"] += 1
                 return
-            if seq > hi:
+            if s.ahead is not None and seq > hi:
                 s.ahead = None
         if s.last_seq is None:
             if seq > 0 and s.sub.replay_endpoint:
@@ -441,6 +451,21 @@ class EventIngestor:
             if not await self._fill(s, s.last_seq + 1, seq):
                 await self._reset(s, "unfillable gap")
         await self._apply_payload(s, seq, payload)
+
+    async def _publisher_reached(self, s: _Source, seq: int) -> bool:
+        """Whether the publisher has published ``seq`` (its replay ring holds it or a later batch). After
+        adopting a map saved up to ``seq``, a live message at or below it is either one the writer applied
+        already (it was published between this subscription and the adoption) or the first batches of an
+        engine that restarted while no gateway watched and counts from 0 again (a process start that vLLM
+        does not export, ``--api-server-count > 1``, cannot tell). Without an answer: the former."""
+        if not s.sub.replay_endpoint:
+            return True
+        try:
+            got = await s.sub.replay(seq)
+        except ReplayError as e:
+            log.warning("%s: %s", s.src.worker, e)
+            return True
+        return any(q >= seq for q, _ in got)
 
     async def _catch_up(self, s: _Source, upto: int) -> None:
         """A source's first message (or a restarted publisher's) with ``seq > 0``: replay what the publisher

@@ -528,3 +528,48 @@ async def test_a_long_sweep_does_not_hold_up_the_lease_renewals():
         assert not await idx.acquire_lease(M, "w", "B", 0.6)  # A renewed meanwhile: B does not get it
     finally:
         await a.stop()
+
+
+def _handles(n):
+    """The handle map a writer saves for blocks 0..n-1 of TOK on the GPU (engine hashes as :func:`blk`)."""
+    return {(0, (2**63 + 500 + j) if j % 2 else 500 + j): (SEQ[j], 1, 0) for j in range(n)}
+
+
+async def test_an_engine_that_restarted_unseen_is_not_read_as_duplicates_of_the_adopted_map(index):
+    """A map saved up to seq 40 by a gateway that is gone, for an engine that exports no process start
+    (vLLM with ``--api-server-count > 1``), which restarted while no gateway watched. Its new process counts
+    from 0: every live batch up to 40 used to be dropped as already applied, and the index kept the old
+    process's blocks while missing the new one's. The publisher's replay ring says it has not reached 40."""
+    await index.save_handles(M, "w1", _handles(2), [], seq=40, replace=True)
+    await index.store(M, "w1", Tier.GPU, SEQ[:2])
+    async with Rig(index) as r:
+        assert len(r.ing.held("w1")["GPU"]) == 2  # adopted
+        r.pub.publish([blk(0, 3)])  # seq 0 of the new process, whose cache holds three blocks
+        r.pub.publish([removed(0)])
+        await r.wait_seq(1)
+        st = r.ing.status("w1")
+        assert st["duplicates"] == 0 and st["resets"] == 1
+        assert len(r.ing.held("w1")["GPU"]) == 2  # blocks 1 and 2 of the new process: nothing of the old
+        assert (await index.stats(M))[M]["workers"] == {"w1": {"GPU": 2}}
+
+
+async def test_live_batches_the_adopted_map_already_holds_are_duplicates(index):
+    """The other side of the check above: batches the writer had applied before this gateway adopted its
+    map, received live because they were published between the subscription and the adoption, are not
+    applied twice (a block stored twice would outlive its one removal)."""
+    async with Rig(index) as r:
+        for i in range(4):  # seq 0-3: the writer applied them; this gateway never sees them live
+            r.pub.publish([blk(i)], send=False)
+        await r.ing.remove_source("w1", clear=False)
+        await index.save_handles(M, "w1", _handles(6), [], seq=5, replace=True)
+        await index.store(M, "w1", Tier.GPU, SEQ[:6])
+        await r.ing.add_source(r.src)
+        await until(lambda: r.ing.status("w1")["connected"], what="SUB connected")
+        await asyncio.sleep(0.3)  # the new subscription reaches the publisher
+        r.pub.publish([blk(4)])  # seq 4 and 5: live, already in the map
+        r.pub.publish([blk(5)])
+        r.pub.publish([removed(5)])  # seq 6
+        await r.wait_seq(6)
+        st = r.ing.status("w1")
+        assert st["duplicates"] == 2 and st["resets"] == 0
+        assert len(r.ing.held("w1")["GPU"]) == 5  # block 5 removed: it was counted once
