@@ -458,14 +458,18 @@ class EventIngestor:
         already (it was published between this subscription and the adoption) or the first batches of an
         engine that restarted while no gateway watched and counts from 0 again (a process start that vLLM
         does not export, ``--api-server-count > 1``, cannot tell). Without an answer: the former."""
+        got = await self._replay(s, seq)
+        return got is None or any(q >= seq for q, _ in got)
+
+    async def _replay(self, s: _Source, start: int) -> list[tuple[int, bytes]] | None:
+        """The publisher's buffered batches from ``start``; None without a replay endpoint or an answer."""
         if not s.sub.replay_endpoint:
-            return True
+            return None
         try:
-            got = await s.sub.replay(seq)
+            return await s.sub.replay(start)
         except ReplayError as e:
             log.warning("%s: %s", s.src.worker, e)
-            return True
-        return any(q >= seq for q, _ in got)
+            return None
 
     async def _catch_up(self, s: _Source, upto: int) -> None:
         """A source's first message (or a restarted publisher's) with ``seq > 0``: replay what the publisher
@@ -499,12 +503,8 @@ class EventIngestor:
     async def _fill(self, s: _Source, start: int, upto: int | None, first: bool = False) -> bool:
         """Replay ``start .. upto-1`` (``upto`` None: all the publisher buffers); True when all of it
         was applied."""
-        if not s.sub.replay_endpoint:
-            return False
-        try:
-            got = await s.sub.replay(start)
-        except ReplayError as e:
-            log.warning("%s: %s", s.src.worker, e)
+        got = await self._replay(s, start)
+        if got is None:
             return False
         batches = [(q, p) for q, p in got if start <= q and (upto is None or q < upto)]
         if upto is None and not batches:
