@@ -47,14 +47,17 @@ for i in range(30):
     background.append(BlockOp(i, 0x100 + i, None, toks))
 w.store.put(0x999, [7] * B, None, payload)
 w.store._pace = _Pace(w.store.file_bytes / 0.02)  # 20 ms a block, all readers together
+done = []  # blocks in the order their reads completed
+read = w.store.read
+w.store.read = lambda h, toks=None: (read(h, toks), done.append(h))[0]
 w.load({"A": background}, True)
-t0 = time.perf_counter()
 w.load({"B": [BlockOp(40, 0x999, None, [7] * B)]})  # returns when B's block is in place
-in_step = time.perf_counter() - t0
+before = len(done) - 1  # background blocks read before B's
+t0 = time.perf_counter()
 while w.counters["loads"] < 31 and time.perf_counter() - t0 < 10:
     time.sleep(0.01)
 c = w.counters
-print(json.dumps({"in_step_s": in_step, "loads": c["loads"], "failures": c["load_failures"]}))
+print(json.dumps({"before": before, "loads": c["loads"], "failures": c["load_failures"]}))
 w.shutdown()
 """
 
@@ -63,14 +66,14 @@ def test_an_in_step_load_does_not_wait_behind_the_background_loads(tmp_path):
     """With ``load_async: auto`` one step can hold both: a long load in the background (its request waits)
     and a short one in the step (the forward pass waits for it). On one thread pool the in-step block
     queued behind the 30 background ones: 0.6 s at 20 ms a block, the whole step stalled on the load it
-    had sent to the background."""
+    had sent to the background. Counted in blocks read before it (not seconds: the host is shared)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([str(vllm_python()), "-c", STEP, str(tmp_path)], env=env, capture_output=True,
                          text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["loads"] == 31 and res["failures"] == 0  # every block loaded, the background ones too
-    assert res["in_step_s"] < 0.3, res  # its own block and a couple already being read, not the 30
+    assert res["before"] <= 4, res  # the couple already being read, not the 30
 
 
 # the namespace and the prefetch endpoint of a worker in pipeline stage `stage` (of 2, TP 1 in each)
