@@ -31,8 +31,9 @@ class SSEReader:
             end = self._buf.find(b"\n\n")
             if end < 0:
                 if len(self._buf) > self.max_event:
-                    self._buf.clear()
-                    self._skip = True  # the rest of this event is dropped
+                    # the rest of this event is dropped; a trailing newline may be half of its end
+                    del self._buf[:-1 if self._buf.endswith(b"\n") else None]
+                    self._skip = True
                 return
             if self._skip or end > self.max_event:
                 del self._buf[:end + 2]

@@ -28,6 +28,17 @@ def test_sse_reader_splits_anywhere_and_skips_oversized_events():
         assert [(n, json.loads(d)) for n, d in got] == [("a", {"x": 1}), ("b", {"y": 2}), ("a", {"x": 3})], step
 
 
+def test_an_oversized_event_cut_between_the_newlines_of_its_end_does_not_take_the_next_event_with_it():
+    # the first chunk outgrows the limit and ends with the first newline of the event's blank line: the
+    # newline that starts the next chunk ends the skipped event, not the normal one after it
+    big = sse("big", {"pad": "p" * 2000})
+    stream = big + sse("a", {"x": 1}) + sse("b", {"y": 2})
+    for cut in (len(big) - 1, len(big) - 2, len(big), 1500):
+        r = SSEReader((b"a", b"b", b"big"), max_event=1024)
+        got = list(r.feed(stream[:cut])) + list(r.feed(stream[cut:]))
+        assert [(n, json.loads(d)) for n, d in got] == [("a", {"x": 1}), ("b", {"y": 2})], cut
+
+
 async def test_responses_stream_records_the_owner_before_the_id_is_seen_and_the_usage_at_the_end():
     st = state()
     d = SimpleNamespace(chosen="w1", model="m")
