@@ -288,6 +288,9 @@ class Settings(BaseSettings):
     # Bounds: a value outside passed validation and broke the fleet at run time (unhealthy_after 0: one
     # failed check dropped a live worker's entries; a zero timeout: no worker ever became healthy).
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1)
+    # A request's whole body must arrive within this long (a 408 past it): neither uvicorn nor the reads
+    # bound it, and a client trickling its body held the request and its connection for as long as it liked.
+    body_timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False)
     request_timeout_s: float = Field(600.0, gt=0, allow_inf_nan=False)
     connect_timeout_s: float = Field(5.0, gt=0, allow_inf_nan=False)
     health_interval_s: float = Field(5.0, gt=0, allow_inf_nan=False)

@@ -58,6 +58,7 @@ class DataPath:
     spawn: Callable  # fire-and-forget tasks kept referenced by the gateway
     routing: object  # RoutingConfig
     max_body_bytes: int
+    body_timeout_s: float
 
     @property
     def policy(self):
@@ -397,7 +398,7 @@ async def handle(st: DataPath, scope, receive, send, path: str, need_model: bool
     received = time.perf_counter()
     try:
         headers = client_headers(scope)
-        raw = await read_body(headers, receive, st.max_body_bytes)
+        raw = await read_body(headers, receive, st.max_body_bytes, st.body_timeout_s)
         read_ms = (time.perf_counter() - received) * 1e3
         body: dict = {}
         model = None

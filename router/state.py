@@ -83,7 +83,8 @@ class GatewayState:
         self.datapath = DataPath(registry=self.registry, upstream=self.upstream, router=self.router,
                                  pending=self.pending, metrics=self.metrics, decisions=self.decisions,
                                  prefetcher=self.prefetcher, spawn=self.spawn, routing=settings.routing,
-                                 max_body_bytes=settings.max_body_bytes)
+                                 max_body_bytes=settings.max_body_bytes,
+                                 body_timeout_s=settings.body_timeout_s)
         self.started = False
 
     def set_policy(self, name: str) -> Policy:

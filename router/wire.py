@@ -26,8 +26,9 @@ class ClientGone(Exception):
     """The client disconnected before the response started."""
 
 
-async def read_body(headers: dict[str, str], receive, limit: int) -> bytes:
-    """The request body from ASGI ``receive``, refusing more than ``limit`` bytes (declared or streamed)."""
+async def read_body(headers: dict[str, str], receive, limit: int, timeout_s: float) -> bytes:
+    """The request body from ASGI ``receive``, refusing more than ``limit`` bytes (declared or streamed)
+    and a body still arriving ``timeout_s`` after the request's headers (a 408)."""
     cl = headers.get("content-length")
     if cl is not None:
         try:
@@ -39,17 +40,23 @@ async def read_body(headers: dict[str, str], receive, limit: int) -> bytes:
                            code="request_too_large")
     chunks: list[bytes] = []
     total = 0
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            raise ClientGone()
-        chunk = msg.get("body", b"")
-        total += len(chunk)
-        if total > limit:
-            raise APIError(413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large")
-        chunks.append(chunk)
-        if not msg.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    raise ClientGone()
+                chunk = msg.get("body", b"")
+                total += len(chunk)
+                if total > limit:
+                    raise APIError(413, f"Request body exceeds the limit of {limit} bytes.",
+                                   code="request_too_large")
+                chunks.append(chunk)
+                if not msg.get("more_body", False):
+                    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    except TimeoutError:
+        raise APIError(408, f"The request body did not arrive within {timeout_s:g} s.",
+                       code="request_timeout") from None
 
 
 _decode_json = msgspec.json.Decoder().decode
@@ -151,10 +158,17 @@ def completion_of(usage: dict | None) -> int | None:
     return n if type(n) is int and n >= 0 else None
 
 
+def error_headers(status: int, length: int) -> list[tuple[bytes, bytes]]:
+    """An error's headers; a 408 closes the connection (the rest of a body too slow to wait for is not
+    read: kept open, the connection stayed the slow client's)."""
+    out = JSON_HEADERS + [(b"content-length", str(length).encode())]
+    return out + [(b"connection", b"close")] if status == 408 else out
+
+
 async def send_error(send, err: APIError) -> None:
     body = json.dumps(error_body(err.status, err.message, param=err.param, code=err.code, type_=err.type))
     await send({"type": "http.response.start", "status": err.status,
-                "headers": JSON_HEADERS + [(b"content-length", str(len(body)).encode())]})
+                "headers": error_headers(err.status, len(body))})
     await send({"type": "http.response.body", "body": body.encode()})
 
 

@@ -29,8 +29,8 @@ BLOCK_TYPES = frozenset({"text", "image", "tool_use", "tool_result", "thinking",
                          "tool_reference", "tool_addition", "tool_removal", "server_tool_use",
                          "web_search_tool_result", "document", "search_result"})
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                503: "overloaded_error", 529: "overloaded_error"}
+                404: "not_found_error", 408: "invalid_request_error", 413: "request_too_large",
+                429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
 
 
 def error_body(status: int, message: str) -> dict:

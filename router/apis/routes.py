@@ -30,7 +30,8 @@ from router.apis.hooks import MessagesHooks, ResponsesHooks
 from router.cost import Candidate
 from router.errors import APIError
 from router.routing import Decision
-from router.wire import ClientGone, client_headers, parse_json_object, read_body, require_model, send_error
+from router.wire import (ClientGone, client_headers, error_headers, parse_json_object, read_body,
+                         require_model, send_error)
 
 log = logging.getLogger("kvgate.apis")
 
@@ -78,7 +79,7 @@ def _pin(d, worker: str) -> None:
 async def _send_anthropic_error(send, err: APIError) -> None:
     body = json.dumps(msg_api.error_body(err.status, err.message)).encode()
     await send({"type": "http.response.start", "status": err.status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                "headers": error_headers(err.status, len(body))})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -94,7 +95,7 @@ async def _serve(st, scope, receive, send, path: str, prepare, *, anthropic: boo
     received = time.perf_counter()
     try:
         headers = client_headers(scope)
-        raw = await read_body(headers, receive, st.settings.max_body_bytes)
+        raw = await read_body(headers, receive, st.settings.max_body_bytes, st.settings.body_timeout_s)
         read_ms = (time.perf_counter() - received) * 1e3
         model, body, plan_kw, owner, hooks = await prepare(headers, raw)
         rid = headers.get("x-request-id") or uuid.uuid4().hex

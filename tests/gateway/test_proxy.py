@@ -377,6 +377,43 @@ async def test_the_next_turn_does_not_find_the_last_one_in_flight(fleet, start_g
     assert (cand.inflight, cand.pending_requests, cand.decodes) == (0, 0, 0)
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+async def test_a_trickled_body_is_a_408_at_body_timeout_s_and_closes(fleet, start_gateway, path):
+    """A client sending its body a byte at a time, each well within any read timeout: the request gets a 408
+    at body_timeout_s (it waited for the whole body before) and the gateway closes the connection."""
+    st = fleet.add("a")
+    gw = start_gateway(fleet, body_timeout_s=0.5)
+    body = json.dumps(chat_body(max_tokens=4)).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.server.port)
+    writer.write(b"POST %s HTTP/1.1\r\nhost: kvgate\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n" % (path.encode(), len(body)))
+
+    async def trickle():
+        for i in range(len(body)):  # ~0.05 s a byte: the body would take several seconds
+            writer.write(body[i:i + 1])
+            await writer.drain()
+            await asyncio.sleep(0.05)
+
+    sender = asyncio.create_task(trickle())
+    try:
+        t0 = time.monotonic()
+        raw = await asyncio.wait_for(reader.read(), 10)  # to EOF: the gateway closed the connection
+        took = time.monotonic() - t0
+    finally:
+        sender.cancel()
+        writer.close()
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), raw
+    assert b"connection: close" in head.lower() and 0.4 < took < 0.05 * len(body) / 2
+    err = json.loads(payload)
+    if path == "/v1/messages":
+        assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+    else:
+        assert set(err["error"]) == {"message", "type", "param", "code"}
+        assert err["error"]["code"] == "request_timeout"
+    assert st.requests == []
+
+
 @pytest.mark.parametrize("case", ["invalid_json", "not_object", "missing_model", "unknown_model",
                                   "too_large_declared", "too_large_streamed", "no_healthy", "lone_surrogate",
                                   "template_raises"])
