@@ -112,7 +112,7 @@ class RedisIndex(BlockIndex):
         self._store, self._remove, self._clear = reg(source("store")), reg(source("remove")), reg(source("clear"))
         self._lookup, self._wid = reg(source("lookup")), reg(source("worker_id"))
         self._save_h, self._lease = reg(source("save_handles")), reg(source("lease"))
-        self._load_h = reg(source("load_handles"))
+        self._load_h, self._release = reg(source("load_handles")), reg(source("release"))
 
     # -- keys -------------------------------------------------------------------------------------------
     def base(self, model: str) -> str:
@@ -319,10 +319,7 @@ class RedisIndex(BlockIndex):
         return True
 
     async def release_lease(self, model: str, worker: str, owner: str) -> None:
-        b = self.base(model)
-        key = b + "lease:" + worker
-        if await self._r.get(key) == owner.encode():
-            await self._r.delete(key)
+        await self._release([self.base(model) + "lease:" + worker], [owner])  # compare and delete, atomic
         self._fences.pop((model, worker), None)
 
     async def sweep(self, model: str, idle_s: float) -> list[str]:

@@ -336,6 +336,8 @@ async def test_lease_expires(index):
     assert await index.acquire_lease(M, "w1", "gw-a", ttl_s=0.1)
     await asyncio.sleep(0.25)
     assert await index.acquire_lease(M, "w1", "gw-b", ttl_s=30)
+    await index.release_lease(M, "w1", "gw-a")  # the lapsed owner's release leaves the new holder's lease
+    assert not await index.acquire_lease(M, "w1", "gw-c", ttl_s=30)
 
 
 async def test_sweep_drops_workers_nobody_writes_for(index):

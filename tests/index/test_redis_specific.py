@@ -76,6 +76,36 @@ async def test_a_gateway_without_the_lease_cannot_clear_the_holders_entries(redi
         await b.close()
 
 
+async def test_releasing_a_lapsed_lease_leaves_the_owner_that_took_it_over(redis_url):
+    """A gateway releasing a lease read its holder, then deleted the key: when its lease lapsed and another
+    gateway took it between the two, that gateway's lease went (a third could take the worker, the sweep saw
+    it idle). The race is forced: right after the release's first call to Redis, a's lease lapses and b
+    takes it."""
+    a, b, c = (RedisIndex(redis_url, key_prefix="rl") for _ in range(3))
+    try:
+        assert await a.acquire_lease(M, "w1", "gw-a", ttl_s=30)
+        key = a.base(M) + "lease:w1"
+        run = a._r.execute_command
+        raced = []
+
+        async def call_then_b_takes_over(*args, **kw):
+            out = await run(*args, **kw)
+            if not raced:
+                raced.append(1)
+                await b._r.delete(key)  # a's lease lapses ...
+                assert await b.acquire_lease(M, "w1", "gw-b", ttl_s=30)  # ... and b takes it
+            return out
+
+        a._r.execute_command = call_then_b_takes_over
+        await a.release_lease(M, "w1", "gw-a")
+        assert raced
+        assert await b._r.get(key) == b"gw-b"
+        assert not await c.acquire_lease(M, "w1", "gw-c", ttl_s=30)
+    finally:
+        for idx in (a, b, c):
+            await idx.close()
+
+
 @pytest.mark.parametrize("same_gateway", [False, True])
 async def test_a_sweep_racing_a_new_writer_leaves_what_the_writer_pushed(redis_url, same_gateway):
     """The sweep checks that nobody holds an idle worker's lease, then drops its entries, map and recorded
