@@ -35,6 +35,12 @@ from router.worker import RankTarget, Worker, WorkerLoad, index_names, resolve_g
 
 log = logging.getLogger("kvgate.registry")
 
+# The most entries of one worker's ``/kv_event_sources`` read. Each rank is a routing target with its own
+# event subscription (two ZMQ sockets) and its own parse of every ``/metrics`` scrape, and each left-out
+# entry a line in ``skipped_sources``: a malformed or hostile worker listing millions took the gateway's
+# memory and loop with it. vLLM's data-parallel sizes behind one API server are far below this.
+MAX_DP_RANKS = 1024
+
 
 _RANK_NAME = re.compile(r".+@dp\d+")
 
@@ -216,13 +222,18 @@ class WorkerRegistry:
         await self._unsubscribe(w)
         await self._clear_index(w, local_g4=True)
         for n in index_names(w):
-            if self.metrics is not None:
-                self.metrics.forget_worker(n)
-            if self.on_removed is not None:
-                self.on_removed(n)
+            self._forget(n)
         for t in w.ranks:
             self._targets.pop(t.name, None)
         return w
+
+    def _forget(self, name: str) -> None:
+        """A routing target gone (a removed worker, a rank its server no longer lists): its metric series
+        and parity verdict go with it."""
+        if self.metrics is not None:
+            self.metrics.forget_worker(name)
+        if self.on_removed is not None:
+            self.on_removed(name)
 
     async def drain(self, name: str, draining: bool = True) -> Worker:
         """No new requests go to a draining worker; in-flight ones finish."""
@@ -389,10 +400,15 @@ class WorkerRegistry:
         with more than one rank listed a :class:`RankTarget` per rank. A rank that cannot be subscribed (no
         endpoint, events off, a value that is no object) stays a target without events; a key that is no
         rank number is ignored. Each left-out rank is listed in ``w.skipped_sources`` and logged when that
-        list changes; the other ranks stand."""
+        list changes; the other ranks stand. Only the first ``MAX_DP_RANKS`` entries are read; a rank no
+        longer listed loses its metric series."""
         srcs: dict[int, dict] = {}
         skipped: list[dict] = []
-        for key, cfg in (data.items() if isinstance(data, dict) else [(None, data)]):
+        for i, (key, cfg) in enumerate(data.items() if isinstance(data, dict) else [(None, data)]):
+            if i == MAX_DP_RANKS:
+                skipped.append({"rank": None, "reason": f"{len(data) - i} more entries not read (at most "
+                                                        f"{MAX_DP_RANKS})"})
+                break
             if not (isinstance(key, str) and key.isascii() and key.isdigit()):
                 skipped.append({"rank": key, "reason": "not a data-parallel rank"})
                 continue
@@ -421,6 +437,8 @@ class WorkerRegistry:
         w.ranks = [] if len(srcs) < 2 else [old.get(r) or RankTarget(w, r) for r in sorted(srcs)]
         for t in old.values():
             self._targets.pop(t.name, None)
+            if t.dp_rank not in srcs or not w.ranks:
+                self._forget(t.name)
         for t in w.ranks:
             t.event_sources = [srcs[t.dp_rank]] if srcs[t.dp_rank] else []
             self._targets[t.name] = t

@@ -171,3 +171,55 @@ def test_odd_source_lists_are_read_without_raising():
             assert w.ranks[2].event_sources == []  # events off: routed by load only
             assert w.ranks[1].pin({"X-Data-Parallel-Rank": "0"}) == {"x-data-parallel-rank": "1"}
             assert reg.target("w@dp1") is w.ranks[1] and reg.get("w@dp1") is w
+
+
+def test_a_source_list_naming_too_many_ranks_is_read_up_to_the_bound():
+    """A malformed or hostile ``/kv_event_sources`` naming thousands of ranks: each rank read became a
+    routing target with an event subscription and its own parse of every scrape, each left-out key a line
+    of ``skipped_sources``. Only the first ``MAX_DP_RANKS`` entries are read; the rest is one line."""
+    from router.config import Settings, WorkerConfig
+    from router.registry import MAX_DP_RANKS, WorkerRegistry
+    from router.worker import Worker
+
+    reg = WorkerRegistry(Settings(), index=None)
+    for data in ({str(r): {"endpoint": f"tcp://*:{5000 + r}"} for r in range(MAX_DP_RANKS + 4000)},
+                 {f"x{r}": {} for r in range(MAX_DP_RANKS + 4000)}):
+        w = Worker(name="w", url="http://10.0.0.9:8000", config=WorkerConfig(url="http://10.0.0.9:8000"))
+        reg._set_sources(w, data)
+        assert len(w.ranks) in (0, MAX_DP_RANKS) and len(w.event_sources) <= MAX_DP_RANKS
+        assert len(w.skipped_sources) <= MAX_DP_RANKS + 1
+        assert w.skipped_sources[-1] == {"rank": None, "reason": f"4000 more entries not read (at most "
+                                                                 f"{MAX_DP_RANKS})"}
+
+
+def test_a_rank_no_longer_listed_loses_its_metric_series():
+    """Ranks dropped from ``/kv_event_sources`` (a server restarted with fewer) left the routing targets but
+    kept their Prometheus series (and parity verdicts) for good: removing the worker later forgot only the
+    ranks it still had."""
+    from router.config import Settings, WorkerConfig
+    from router.metrics import GatewayMetrics
+    from router.registry import WorkerRegistry
+    from router.worker import Worker
+
+    metrics = GatewayMetrics()
+    reg = WorkerRegistry(Settings(), index=None, metrics=metrics)
+    removed = []
+    reg.on_removed = removed.append
+    w = Worker(name="w", url="http://10.0.0.9:8000", config=WorkerConfig(url="http://10.0.0.9:8000"))
+    src = {"endpoint": "tcp://*:5611"}
+
+    def series() -> set[str]:
+        return {s.labels["worker"] for fam in metrics.registry.collect() for s in fam.samples
+                if "worker" in s.labels}
+
+    reg._set_sources(w, {"0": src, "1": src, "2": src})
+    for t in w.ranks:
+        metrics.child(metrics.inflight, t.name).set(1)
+        metrics.child(metrics.ttft, MODEL, t.name).observe(0.1)
+    assert series() == {"w@dp0", "w@dp1", "w@dp2"}
+    reg._set_sources(w, {"0": src, "1": src})
+    assert series() == {"w@dp0", "w@dp1"} and removed == ["w@dp2"]
+    reg._set_sources(w, {"0": src, "1": src})  # listed again: nothing more goes
+    assert series() == {"w@dp0", "w@dp1"} and removed == ["w@dp2"]
+    reg._set_sources(w, {"0": src})  # one rank: the server is the target, under its own name
+    assert series() == set() and removed == ["w@dp2", "w@dp0", "w@dp1"]
