@@ -70,8 +70,9 @@ class Tokenized:
 
 
 def normalize_messages(messages: list) -> list[dict]:
-    """vLLM's "string" content format: text parts joined with newlines. Other parts cannot be rendered
-    here (their placeholder tokens come from the multimodal processor)."""
+    """vLLM's "string" content format: text parts joined with newlines, empty ones left out (vLLM keeps only
+    non-empty parts). Other parts cannot be rendered here (their placeholder tokens come from the
+    multimodal processor)."""
     out = []
     for m in messages:
         if not isinstance(m, dict):
@@ -81,11 +82,13 @@ def normalize_messages(messages: list) -> list[dict]:
             texts = []
             for part in content:
                 if isinstance(part, str):
-                    texts.append(part)
+                    text = part
                 elif isinstance(part, dict) and part.get("type") == "text":
-                    texts.append(str(part.get("text", "")))
+                    text = str(part.get("text", ""))
                 else:
                     raise NotText()
+                if text:
+                    texts.append(text)
             m = {**m, "content": "\n".join(texts)}
         out.append(m)
     return out

@@ -3,8 +3,9 @@
 
 - content: None -> ""; a string stays; a list of parts -> its text parts joined with newlines (``text``,
   ``input_text``, ``output_text`` use ``text``, ``refusal`` and ``thinking`` their own key; a text or
-  refusal part without its text is skipped). Any other part (images, audio, embeddings) has placeholder
-  tokens only the multimodal processor knows: :class:`Unsupported`, and the request is routed on load;
+  refusal part without its text is skipped, and so is an empty part: vLLM keeps only non-empty ones).
+  Any other part (images, audio, embeddings) has placeholder tokens only the multimodal processor knows:
+  :class:`Unsupported`, and the request is routed on load;
 - a system message drops Claude Code's ``x-anthropic-billing-header`` line;
 - an assistant message keeps ``tool_calls`` (arguments decoded to an object, ``{}`` when empty or not a
   JSON object; an empty list is dropped) and ``reasoning`` (also as ``reasoning_content``); a tool
@@ -53,7 +54,8 @@ def _text(parts: list) -> str:
     texts = []
     for p in parts:
         if isinstance(p, str):
-            texts.append(p)
+            if p:
+                texts.append(p)
             continue
         if not isinstance(p, dict):
             raise Unsupported("a content part that is not an object")
@@ -65,7 +67,8 @@ def _text(parts: list) -> str:
             continue
         if not isinstance(value, str):
             raise Unsupported(f"{p.get('type')} part without text")
-        texts.append(value)
+        if value:
+            texts.append(value)
     return "\n".join(texts)
 
 

@@ -26,6 +26,9 @@ RESPONSES = [
     {"model": "m", "input": [{"role": "user", "content": "hi"}]},
     {"model": "m", "input": [{"type": "message", "role": "user",
                               "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]}]},
+    {"model": "m", "input": [{"type": "message", "role": "user", "content": [  # vLLM leaves empty parts out
+        {"type": "input_text", "text": ""}, {"type": "input_text", "text": "a"},
+        {"type": "input_text", "text": ""}, {"type": "input_text", "text": "b"}]}]},
     {"model": "m", "input": [{"role": "system", "content": "sys"}, {"role": "developer", "content": "dev"},
                              {"role": "user", "content": "q"}]},
     {"model": "m", "input": [

@@ -231,6 +231,27 @@ def test_tools_are_rendered_as_vllm_dumps_them(tokenizer_dir):
     assert "null" in theirs or "None" in theirs  # the template prints the tool: the dump's shape shows
 
 
+def test_empty_text_parts_are_left_out_as_vllm_leaves_them_out(local):
+    """vLLM's "string" content format keeps only non-empty parts (``if parse_res:`` in its
+    ``_parse_chat_message_content_parts``): an empty text part adds no line. kvgate joined it, one
+    newline more, and the prompt's tokens parted from vLLM's from there (the cache after it never matched).
+    The expected contents are what vLLM 0.32 renders for these messages (tests/support/vllm_reference.py
+    for Responses; ChatCompletionRequest then parse_chat_messages for chat)."""
+    from router.apis import responses as resp_api
+    from router.local_tokenizer import normalize_messages
+
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": ""}, "", {"type": "text", "text": "b"}]
+    assert normalize_messages([{"role": "user", "content": parts}]) == [{"role": "user", "content": "a\nb"}]
+    assert normalize_messages([{"role": "user", "content": parts[1:]}]) == [{"role": "user", "content": "b"}]
+    texts = [{"type": "input_text", "text": t} for t in ("a", "", "b")]
+    body = {"model": MODEL, "input": [{"type": "message", "role": "user", "content": texts}]}
+    assert resp_api.chat_view(body)["messages"] == [{"role": "user", "content": "a\nb"}]
+    body["input"][0]["content"] = body["input"][0]["content"][1:]
+    assert resp_api.chat_view(body)["messages"] == [{"role": "user", "content": "b"}]
+    rendered = local.render_chat({"messages": [{"role": "user", "content": parts}]})
+    assert rendered == local.render_chat({"messages": [{"role": "user", "content": "a\nb"}]})
+
+
 @pytest.mark.parametrize("path,body,key", [
     ("/v1/completions", {"prompt": "the cache block prefix number is long " * 40}, "add_special_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "the cache block prefix " * 40}]},
