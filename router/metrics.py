@@ -34,7 +34,7 @@ class _Snapshot:
             blocks.add_metric([model, tier], v)
         yield blocks
         fams = {k: CounterMetricFamily(f"kvgate_events_{k}", f"KV events {k} per worker", labels=["worker"])
-                for k in ("applied", "dropped", "replays", "resets", "gaps")}
+                for k in ("applied", "dropped", "replays", "resets", "gaps", "g4_backlog_dropped")}
         for worker, st in self.events.items():
             for k, fam in fams.items():
                 fam.add_metric([worker], float(st.get(k, 0) or 0))

@@ -51,7 +51,7 @@ log = logging.getLogger("kvgate.events")
 YIELD_EVERY_S = 0.0005
 
 _COUNTERS = ("applied", "blocks_stored", "blocks_removed", "dropped", "gaps", "replays", "resets", "errors",
-             "resyncs", "duplicates", "capped", "takeovers", "pushes")
+             "resyncs", "duplicates", "capped", "takeovers", "pushes", "g4_backlog_dropped")
 _RESYNC = object()  # queue item: replay from last_seq + 1 now (a flap ended)
 _WAKE = object()  # queue item: look at the synced flag now (the index restarted)
 _PUSH_CHUNK = 50_000  # hashes per store call when the state is pushed back into the index
@@ -78,7 +78,7 @@ class EventSource:
 
 
 class _Source:
-    def __init__(self, src: EventSource, sub: Subscriber, queue_size: int) -> None:
+    def __init__(self, src: EventSource, sub: Subscriber, queue_size: int, g4_backlog: int = 10_000) -> None:
         self.src = src
         self.sub = sub
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=queue_size)
@@ -89,7 +89,8 @@ class _Source:
         # state is pushed back once the index answers.
         self.synced = True
         self.retry_at = 0.0
-        self.g4_backlog: deque = deque(maxlen=10_000)  # G4 writes missed while unsynced, in order
+        self.g4_backlog: deque = deque(maxlen=g4_backlog)  # G4 writes missed while unsynced, in order
+        self.g4_overflow = False  # the backlog dropped writes since it was last replayed (warned once)
         # Sequence numbers applied ahead of the live stream by a resync replay: their live copies are
         # duplicates, not a restart.
         self.ahead: tuple[int, int] | None = None
@@ -134,6 +135,7 @@ class EventIngestor:
         max_handles: int = 2_000_000,
         sweep_idle_s: float = 600.0,
         sweep_interval_s: float = 60.0,
+        g4_backlog: int = 10_000,
     ) -> None:
         self.index = index
         self.queue_size = queue_size
@@ -146,6 +148,7 @@ class EventIngestor:
         self.max_handles = max_handles  # per source: past it the state is suspect (lost removals): reset
         self.sweep_idle_s = sweep_idle_s
         self.sweep_interval_s = sweep_interval_s
+        self.g4_backlog = g4_backlog  # per source: G4 writes kept while the index is out
         self._last_sweep = time.monotonic()
         self._sweeping: asyncio.Task | None = None
         self._stopping = False
@@ -188,7 +191,7 @@ class EventIngestor:
         endpoint = resolve_endpoint(src.endpoint, src.worker_url)
         replay = resolve_endpoint(src.replay_endpoint, src.worker_url) if src.replay_endpoint else None
         sub = Subscriber(self._ctx, endpoint, src.topic, replay, timeout_s=self.replay_timeout_s)
-        s = _Source(src, sub, self.queue_size)
+        s = _Source(src, sub, self.queue_size, self.g4_backlog)
         self._sources[src.worker] = s
         await self._adopt(s)
         await self._take_lease(s)
@@ -590,6 +593,7 @@ class EventIngestor:
         if not s.writer:  # a follower keeps its state and leaves the index to the writer
             s.synced = True
             s.g4_backlog.clear()
+            s.g4_overflow = False
             return
         now = time.monotonic()
         if now < s.retry_at:
@@ -601,6 +605,7 @@ class EventIngestor:
             while s.g4_backlog:
                 await self._g4_call(model, *s.g4_backlog[0])
                 s.g4_backlog.popleft()
+            s.g4_overflow = False
         except asyncio.CancelledError:
             raise
         except LeaseLost:
@@ -645,7 +650,7 @@ class EventIngestor:
                     continue
                 member = local_g4_member(worker) if tier == LOCAL else s.src.g4_member
                 if not s.synced or not await self._index_call(s, self._g4_call(model, op, member, hashes)):
-                    s.g4_backlog.append((op, member, hashes))
+                    self._keep_g4(s, (op, member, hashes))
                 continue
             if op == "store":
                 s.counters["blocks_stored"] += len(hashes)
@@ -660,6 +665,21 @@ class EventIngestor:
                 await self._index_call(s, self.index.remove(model, worker, tier, hashes))
             elif op == "clear":
                 await self._index_call(s, self.index.clear_worker(model, worker))
+
+    @staticmethod
+    def _keep_g4(s: _Source, write: tuple) -> None:
+        """Keep a G4 write the index missed, to replay it with the push. A full backlog drops its oldest
+        write: counted (blocks), and said once per outage, as the index's G4 entries then differ from the
+        files until a rebuild."""
+        if len(s.g4_backlog) == s.g4_backlog.maxlen:
+            s.counters["g4_backlog_dropped"] += len(s.g4_backlog[0][2]) if s.g4_backlog else len(write[2])
+            if not s.g4_overflow:
+                s.g4_overflow = True
+                log.warning("%s: G4 backlog full (%d writes kept while the index is out): dropping the "
+                            "oldest; the index's G4 entries will differ from the files until a rebuild "
+                            "(POST /admin/g4/%s/rebuild)",
+                            s.src.worker, s.g4_backlog.maxlen, s.src.model)
+        s.g4_backlog.append(write)
 
     def _g4_call(self, model: str, op: str, member: str | None, hashes: list[int]):
         """The index write of a G4 op: the model-wide set (member None) or a G4 pseudo-worker entry."""

@@ -30,6 +30,9 @@ class EventsStatus(_Open):
     skipped: int = Field(0, description="events of a medium or KV cache kind kvgate does not index, dropped")
     bad_locality: int = Field(0, description="STORAGE events whose locality is neither LOCAL nor REMOTE, "
                                              "dropped")
+    g4_backlog_dropped: int = Field(0, description="G4 blocks whose index write was dropped from the full "
+                                    "backlog kept during an index outage (the G4 entries then need a "
+                                    "rebuild)")
 
 
 class WorkerLoadOut(BaseModel):

@@ -350,6 +350,44 @@ async def test_index_failure_keeps_the_state_and_pushes_it_back(index):
         assert r.resets == []
 
 
+async def test_a_full_g4_backlog_counts_and_says_what_it_drops(index, caplog):
+    """Mock: an index whose G4 writes fail for a while. The backlog of G4 writes kept meanwhile is bounded;
+    past it the oldest write is dropped, and the index's G4 set no longer matches the files: that used to
+    happen silently (no counter, no log). Now its blocks are counted and one warning says so."""
+
+    class Flaky:
+        def __init__(self, inner):
+            self.inner, self.fail = inner, True
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        async def store_g4(self, *a):
+            if self.fail:
+                raise ConnectionError("boom")
+            return await self.inner.store_g4(*a)
+
+        async def clear_worker(self, *a, **kw):
+            if self.fail:
+                raise ConnectionError("boom")
+            return await self.inner.clear_worker(*a, **kw)
+
+    flaky = Flaky(index)
+    caplog.set_level("WARNING", logger="kvgate.events")
+    async with Rig(flaky, retry_s=0.05, g4_backlog=2) as r:
+        for i in range(5):
+            r.pub.publish([blk(i, 1, medium="STORAGE")])
+        await r.wait_seq(4)
+        st = r.ing.status("w1")
+        assert not st["synced"] and st["g4_backlog_dropped"] == 3  # one block each, the three oldest
+        full = [rec for rec in caplog.records if "G4 backlog full" in rec.getMessage()]
+        assert len(full) == 1  # once per outage, not per dropped write
+        flaky.fail = False
+        await until(lambda: r.ing.status("w1")["synced"], what="state pushed back")
+        assert (await index.lookup(M, SEQ[3:5])).g4 == 2  # the writes kept are replayed
+        assert (await index.lookup(M, SEQ)).g4 == 0  # the dropped ones are missing, as counted
+
+
 async def test_resync_after_a_flap_replays_what_was_missed(index):
     async with Rig(index) as r:
         r.pub.publish([blk(0, 2)])
