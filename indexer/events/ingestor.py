@@ -6,15 +6,16 @@ task applies the queue in order. Sources never wait on each other.
 
 Sequence numbers (vllm-interface.md 1.2, 1.7):
 - ``seq == last + 1``: apply;
-- ``seq > last + 1`` (lost messages): ask the replay endpoint for ``last + 1 ..`` and apply the missing
-  batches first; if it cannot fill the gap (no endpoint, timeout, ring already past it), reset;
+- ``seq > last + 1`` (lost messages): ask the replay endpoint for ``last ..`` and apply the missing
+  batches first; if it cannot fill the gap (no endpoint, timeout, ring already past it), reset; if its
+  batch ``last`` is not the one applied, the publisher restarted unseen: reset and replay its ring;
 - ``seq <= last`` (vLLM restarted: its counter starts at 0 again): reset.
 Reset = drop the worker's local-tier index entries and its state, call ``on_reset(worker, reason)``, and
 rebuild from the events that follow. The reset is the only clear: ``on_reset`` must not clear the index
 again (a second clear, scheduled later, would wipe what the apply loop stored after the reset). On the
 first message of a source with ``seq > 0`` the ingestor replays what the publisher still buffers, best
 effort (no reset if it cannot). ``resync(worker)`` (a health flap ended) asks for a replay from
-``last + 1`` without waiting for the next live message.
+``last`` (checked the same way) without waiting for the next live message.
 
 Index errors (a Redis outage) never reset a source: the state is exact whatever the index does, so the
 source is marked *unsynced*, events keep updating the state (writes skipped), and once the index answers
@@ -57,6 +58,10 @@ _WAKE = object()  # queue item: look at the synced flag now (the index restarted
 _PUSH_CHUNK = 50_000  # hashes per store call when the state is pushed back into the index
 
 
+class _Restarted(Exception):
+    """A replay's copy of the last applied batch differs from it: another process publishes now."""
+
+
 @dataclass
 class EventSource:
     """One vLLM event stream (one worker, one data-parallel rank). ``worker_url`` (optional) fills in a
@@ -85,6 +90,7 @@ class _Source:
         self.state = WorkerState(block_size=src.block_size)
         self.counters = dict.fromkeys(_COUNTERS, 0)
         self.last_seq: int | None = None
+        self.last_payload: bytes | None = None  # the batch applied at last_seq (None: unknown, e.g. adopted)
         # False while the index may disagree with the state (an index error): writes are skipped and the
         # state is pushed back once the index answers.
         self.synced = True
@@ -446,13 +452,16 @@ class EventIngestor:
                 await self._catch_up(s, seq)
         elif seq <= s.last_seq:
             log.info("%s: sequence went from %d to %d (restart)", s.src.worker, s.last_seq, seq)
-            await self._reset(s, "restart")
-            if seq > 0 and s.sub.replay_endpoint:  # the restarted publisher's first batches were missed
-                await self._catch_up(s, seq)
+            await self._restart(s, seq)
         elif seq > s.last_seq + 1:
             s.counters["gaps"] += 1
-            if not await self._fill(s, s.last_seq + 1, seq):
-                await self._reset(s, "unfillable gap")
+            try:
+                if not await self._fill(s, s.last_seq + 1, seq):
+                    await self._reset(s, "unfillable gap")
+            except _Restarted:
+                log.info("%s: a gap, and the publisher's batch %d is not the one applied (restart)",
+                         s.src.worker, s.last_seq)
+                await self._restart(s, seq)
         await self._apply_payload(s, seq, payload)
 
     async def _publisher_reached(self, s: _Source, seq: int) -> bool:
@@ -473,6 +482,13 @@ class EventIngestor:
         except ReplayError as e:
             log.warning("%s: %s", s.src.worker, e)
             return None
+
+    async def _restart(self, s: _Source, upto: int | None) -> None:
+        """The publisher restarted: reset, then replay what the new process buffers before ``upto`` (None:
+        all of it), as its first batches were missed."""
+        await self._reset(s, "restart")
+        if (upto is None or upto > 0) and s.sub.replay_endpoint:
+            await self._catch_up(s, upto)
 
     async def _catch_up(self, s: _Source, upto: int) -> None:
         """A source's first message (or a restarted publisher's) with ``seq > 0``: replay what the publisher
@@ -505,10 +521,16 @@ class EventIngestor:
 
     async def _fill(self, s: _Source, start: int, upto: int | None, first: bool = False) -> bool:
         """Replay ``start .. upto-1`` (``upto`` None: all the publisher buffers); True when all of it
-        was applied."""
-        got = await self._replay(s, start)
+        was applied. Raises :class:`_Restarted` when the publisher's copy of the last applied batch differs
+        from it: the replay is asked from that batch on, as a process restarted unseen (its first batches
+        missed) that has published past ``last_seq`` answers with batches of its own, which would be applied
+        on top of the old process's state (a ring already past that batch cannot tell: as before)."""
+        check = not first and s.last_payload is not None and start == s.last_seq + 1
+        got = await self._replay(s, start - 1 if check else start)
         if got is None:
             return False
+        if check and got and got[0][0] == start - 1 and got[0][1] != s.last_payload:
+            raise _Restarted
         batches = [(q, p) for q, p in got if start <= q and (upto is None or q < upto)]
         if upto is None and not batches:
             return True  # nothing was published meanwhile
@@ -546,7 +568,15 @@ class EventIngestor:
             return
         s.counters["resyncs"] += 1
         before = s.last_seq
-        if await self._fill(s, before + 1, None):
+        try:
+            filled = await self._fill(s, before + 1, None)
+        except _Restarted:
+            log.info("%s: the publisher's batch %d is not the one applied (restart)", s.src.worker, before)
+            await self._restart(s, None)
+            if s.last_seq is not None:  # their live copies (queued meanwhile) are not another restart
+                s.ahead = (0, s.last_seq)
+            return
+        if filled:
             if s.last_seq > before:
                 s.ahead = (before + 1, s.last_seq)
         else:
@@ -556,7 +586,7 @@ class EventIngestor:
     async def _reset(self, s: _Source, reason: str) -> None:
         s.counters["resets"] += 1
         s.state.reset()
-        s.last_seq = None
+        s.last_seq = s.last_payload = None
         s.ahead = None
         if s.writer:
             await self._index_call(s, self.index.clear_worker(s.src.model, s.src.worker))
@@ -635,7 +665,7 @@ class EventIngestor:
             if s.writer and s.synced and not s.catching_up and (ups or dels or ops.items):
                 await self._index_call(s, self.index.save_handles(s.src.model, s.src.worker, ups, dels, seq))
         finally:
-            s.last_seq = seq
+            s.last_seq, s.last_payload = seq, payload
         if len(s.state) > self.max_handles:  # more than a worker can hold: removals were lost
             s.counters["capped"] += 1
             await self._reset(s, f"over {self.max_handles} handles")

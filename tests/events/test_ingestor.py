@@ -403,6 +403,47 @@ async def test_resync_after_a_flap_replays_what_was_missed(index):
         assert await r.gpu_run() == 5
 
 
+async def test_a_resync_after_an_unseen_restart_is_not_spliced_onto_the_old_state(index):
+    """The worker restarted while it was unreachable and nothing saw it (no process start on /metrics, e.g.
+    ``--api-server-count > 1``); its new process has published past our last sequence meanwhile. The resync's
+    replay from ``last_seq + 1`` then returned the *new* process's batches, applied on top of the old
+    process's state: the old blocks (gone with the old process) stayed indexed for good, as no later
+    sequence number goes backwards. The replay now includes the last applied batch, which a restarted
+    publisher does not have: a restart, so the old state is dropped and the new one replayed from 0."""
+    async with Rig(index) as r:
+        r.pub.publish([blk(0, 2)])
+        r.pub.publish([blk(2, 2)])
+        await r.wait_seq(1)
+        assert await r.gpu_run() == 4
+        r.pub.restart()  # unseen: its first batches were published while the worker was unreachable
+        for _ in range(3):
+            r.pub.publish([blk(0, 1, parent=False)], send=False)  # seq 0..2: only block 0 cached
+        assert r.ing.resync("w1")
+        await until(lambda: r.ing.status("w1")["resyncs"] == 1, what="resync")
+        await r.wait_seq(2)
+        r.pub.publish([blk(1, 1)])  # live again, in order (applied once the replay is in the index)
+        await r.wait_seq(3)
+        assert await r.gpu_run() == 2  # spliced: 4
+        assert r.resets == [("w1", "restart")] and r.ing.status("w1")["resets"] == 1
+
+
+async def test_a_gap_after_an_unseen_restart_is_not_spliced_onto_the_old_state(index):
+    """The same through a gap: the subscriber missed a restarted publisher's first batches (its socket
+    reconnected late) and its next live batch is past ``last_seq + 1``. Filling the gap from the new
+    process's ring spliced its batches onto the old state."""
+    async with Rig(index) as r:
+        r.pub.publish([blk(0, 2)])
+        r.pub.publish([blk(2, 2)])
+        await r.wait_seq(1)
+        r.pub.restart()
+        for _ in range(3):
+            r.pub.publish([blk(0, 1, parent=False)], send=False)  # seq 0..2, missed
+        r.pub.publish([blk(1, 1)])  # seq 3: a gap after 1
+        await r.wait_seq(3)
+        assert await r.gpu_run() == 2
+        assert r.resets == [("w1", "restart")]
+
+
 async def test_restart_with_lost_first_batches_replays_them(index):
     async with Rig(index) as r:
         for i in range(4):
