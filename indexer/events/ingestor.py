@@ -142,6 +142,7 @@ class EventIngestor:
         sweep_idle_s: float = 600.0,
         sweep_interval_s: float = 60.0,
         g4_backlog: int = 10_000,
+        heartbeat_s: float | None = 5.0,
     ) -> None:
         self.index = index
         self.queue_size = queue_size
@@ -155,6 +156,7 @@ class EventIngestor:
         self.sweep_idle_s = sweep_idle_s
         self.sweep_interval_s = sweep_interval_s
         self.g4_backlog = g4_backlog  # per source: G4 writes kept while the index is out
+        self.heartbeat_s = heartbeat_s  # ZMTP heartbeats of the SUB sockets (indexer/events/subscriber.py)
         self._last_sweep = time.monotonic()
         self._sweeping: asyncio.Task | None = None
         self._stopping = False
@@ -196,7 +198,8 @@ class EventIngestor:
             await self.remove_source(src.worker, clear=False)
         endpoint = resolve_endpoint(src.endpoint, src.worker_url)
         replay = resolve_endpoint(src.replay_endpoint, src.worker_url) if src.replay_endpoint else None
-        sub = Subscriber(self._ctx, endpoint, src.topic, replay, timeout_s=self.replay_timeout_s)
+        sub = Subscriber(self._ctx, endpoint, src.topic, replay, timeout_s=self.replay_timeout_s,
+                         heartbeat_s=self.heartbeat_s)
         s = _Source(src, sub, self.queue_size, self.g4_backlog)
         self._sources[src.worker] = s
         await self._adopt(s)

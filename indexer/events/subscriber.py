@@ -4,6 +4,12 @@ Replay: the DEALER sends ``[b"", start_seq_be8]``; the publisher's ROUTER answer
 batch with ``seq >= start``, ``[b"", topic, seq_be8, payload]`` (``[b"", seq_be8, payload]`` in an older
 revision), then the end marker ``[b"", b"", ff*8, b""]``. Every receive has a timeout; after a timeout the
 DEALER is closed (a late answer must not be mistaken for the next replay's).
+
+Live: the SUB sends nothing after its subscription, so a publisher whose host vanished without a FIN or
+RST (a partition that outlived the publisher's TCP retries, a power-cycled host) left it waiting on a dead
+connection for ever, also once the publisher was back. ZMTP heartbeats (``heartbeat_s``): the SUB pings
+every ``heartbeat_s``, and a connection silent for 3 x that (no pong, no message) is dropped and dialled
+again; the publisher (libzmq answers pings itself) is told to drop ours after as long.
 """
 from __future__ import annotations
 
@@ -52,6 +58,7 @@ class Subscriber:
         replay_endpoint: str | None = None,
         timeout_s: float = 5.0,
         max_replay: int = 100_000,
+        heartbeat_s: float | None = 5.0,
     ) -> None:
         self.ctx = ctx
         self.endpoint = endpoint
@@ -62,6 +69,11 @@ class Subscriber:
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.RCVHWM, 100_000)
+        if heartbeat_s:
+            ivl = max(1, round(heartbeat_s * 1000))
+            self.sub.setsockopt(zmq.HEARTBEAT_IVL, ivl)
+            self.sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl)
+            self.sub.setsockopt(zmq.HEARTBEAT_TTL, min(3 * ivl, 6_553_500))  # the option's limit
         if "[" in endpoint:
             self.sub.setsockopt(zmq.IPV6, 1)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())

@@ -652,3 +652,88 @@ async def test_live_batches_the_adopted_map_already_holds_are_duplicates(index):
         st = r.ing.status("w1")
         assert st["duplicates"] == 2 and st["resets"] == 0
         assert len(r.ing.held("w1")["GPU"]) == 5  # block 5 removed: it was counted once
+
+
+class _FreezingProxy:
+    """A TCP relay in front of a publisher: ``freeze()`` stops relaying on the connections open now, in both
+    directions, and never closes them (a host gone without a FIN or RST: its kernel answers nothing); later
+    connections relay normally (the host is back, the old connection is dead on its side)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = free_port()
+        self.conns: list[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = []
+        self.frozen: set[int] = set()
+        self.tasks: set[asyncio.Task] = set()
+        self.server = None
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._accept, "127.0.0.1", self.port)
+
+    def freeze(self) -> None:
+        self.frozen |= {id(w) for pair in self.conns for w in pair}
+
+    async def _accept(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        ur, uw = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self.conns.append((cw, uw))
+        for src, dst in ((cr, uw), (ur, cw)):
+            t = asyncio.create_task(self._pipe(src, dst))
+            self.tasks.add(t)
+            t.add_done_callback(self.tasks.discard)
+
+    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        while True:
+            data = await src.read(65536)
+            if not data:
+                return
+            if id(dst) in self.frozen:
+                await asyncio.Event().wait()  # relay nothing more, keep the socket open
+            dst.write(data)
+            await dst.drain()
+
+    async def close(self) -> None:
+        self.server.close()
+        for t in list(self.tasks):
+            t.cancel()
+        for pair in self.conns:
+            for w in pair:
+                w.transport.abort()
+
+
+async def test_a_publisher_gone_silent_is_noticed_and_its_stream_comes_back():
+    """The publisher's host vanished without a FIN or RST, then came back on the same address (a partition
+    that outlived the publisher's TCP retries, a host power-cycled, vLLM started again without the gateway
+    seeing a new process start). A SUB socket sends nothing after its subscription, so it never learns
+    that its connection is dead: it waited for ever, the worker's index frozen while the worker served
+    again (a gap shows only when a message arrives). With ZMTP heartbeats on the SUB socket the silence
+    times the connection out, the SUB reconnects, and the next batch arrives (its gap is filled by a
+    replay)."""
+    from indexer.index.memory import MemoryIndex
+
+    idx = MemoryIndex()
+    port, rport = free_port(), free_port()
+    pub = vf.EventPublisher(f"tcp://*:{port}", f"tcp://*:{rport}", topic="kv@w1@m")
+    proxy = _FreezingProxy(port)
+    await proxy.start()
+    ing = EventIngestor(idx, heartbeat_s=0.2)
+    try:
+        await ing.add_source(EventSource("w1", M, f"tcp://127.0.0.1:{proxy.port}", f"tcp://127.0.0.1:{rport}",
+                                         topic="kv@", block_size=B))
+        assert await asyncio.to_thread(pub.wait_subscribed)
+        pub.publish([blk(0, 1)])
+        await until(lambda: ing.status("w1")["last_seq"] == 0, what="seq 0")
+        proxy.freeze()
+        deadline = time.monotonic() + 10.0
+        i = 1
+        while ing.status("w1")["last_seq"] == 0 and time.monotonic() < deadline:
+            pub.publish([blk(i, 1)] if i < 8 else [blk(7, 1)])  # the worker works on
+            i += 1
+            await asyncio.sleep(0.1)
+        st = ing.status("w1")
+        assert st["last_seq"] is not None and st["last_seq"] > 0, "still waiting on a dead connection"
+        await until(lambda: ing.status("w1")["last_seq"] == i - 1, what="caught up")
+        assert (await idx.lookup(M, SEQ)).match("w1").gpu == 8 and ing.status("w1")["resets"] == 0
+    finally:
+        await ing.stop()
+        await proxy.close()
+        pub.close()
