@@ -23,6 +23,8 @@ key                             type   content
                                        (bumped by every map write: a chunked reader detects a change).
 ``P:{M}:inc``                   hash   worker -> the engine process its entries describe (its
                                        ``process_start_time_seconds``; set by ``save_handles``).
+``P:{M}:htmp:<id>``             hash   a handle map being written in chunks (a large replace), swapped
+                                       in whole by ``save_handles``; expires if its writer died.
 ==============================  =====  ===========================================================
 
 Why this shape: a block costs one hash field (no per-key overhead), each holder a few bytes in that
@@ -45,6 +47,7 @@ the same hash-tagged base, so they live in the declared keys' slot on Redis Clus
 """
 from __future__ import annotations
 
+import uuid
 from collections.abc import Collection, Sequence
 
 import numpy as np
@@ -64,6 +67,10 @@ G4_MEMBER = -1
 BUCKETS = 2048  # fixed: members are hash >> 11, which must fit a double's 53 bits
 _TIER_CODE = {Tier.GPU: 0, Tier.CPU: 1}
 _CLEAR_CHUNK = 128  # buckets per clear script call: bounds how long one call blocks Redis
+# handles per script call of a replaced map (~20 ms of Redis each); a larger map is written beside the old
+# one in chunks and swapped in (save_handles)
+_HANDLE_CHUNK = 10_000
+_FILL_TTL_MS = 120_000  # a temporary map left by a writer that died mid-replace expires
 
 _LOST = "!lost"  # the fencing token of an index that lost a lease: matches nothing, every write is refused
 _HKEY = np.dtype([("g", ">u4"), ("e", ">u8")])  # a handle map field: (group, engine hash)
@@ -251,6 +258,10 @@ class RedisIndex(BlockIndex):
     async def save_handles(self, model: str, worker: str, upserts: dict[HandleKey, Handle],
                            deletes, seq: int | None, *, replace: bool = False,
                            incarnation: str | None = None) -> None:
+        """One script, except a ``replace`` of more than ``_HANDLE_CHUNK`` handles: one script over the whole
+        map held Redis for every other client (3.5 s at 2M handles), so that map is written in chunks into a
+        temporary key beside the old one, then one short fenced script swaps it in with its sequence and
+        incarnation and bumps the version: readers see the old map or the new one, never a part."""
         dels = np.array([k for k in deletes if k not in upserts], dtype=_HKEY).tobytes() if deletes else b""
         ups = b""
         if upserts:
@@ -259,10 +270,29 @@ class RedisIndex(BlockIndex):
             rec["v"] = list(upserts.values())
             ups = rec.tobytes()
         token = self._fences.get((model, worker), "")
-        n = await self._save_h(list(self._hkeys(model, worker)),
-                               [self.base(model), worker, token, "" if seq is None else seq, dels, ups,
-                                "replace" if replace else "", incarnation or ""])
-        self._checked(int(n), model, worker)
+        keys = list(self._hkeys(model, worker))
+        args = [self.base(model), worker, token, "" if seq is None else seq, dels, ups,
+                "replace" if replace else "", incarnation or ""]
+        if not (replace and len(upserts) > _HANDLE_CHUNK):
+            self._checked(int(await self._save_h(keys, args)), model, worker)
+            return
+        tmp = f"{self.base(model)}htmp:{uuid.uuid4().hex}"  # the model's hash tag: the map's Cluster slot
+        step = _HANDLE_CHUNK * _HREC.itemsize
+        try:
+            for off in range(0, len(ups), step):
+                n = await self._save_h([tmp, *keys[1:]], [self.base(model), worker, token, "", b"",
+                                                         ups[off:off + step], "fill", _FILL_TTL_MS])
+                self._checked(int(n), model, worker)
+            args[5] = b""
+            n = int(await self._save_h([*keys, tmp], args))
+            if n == -3:
+                raise RuntimeError(f"the new handle map of {worker} expired before it was swapped in")
+            self._checked(n, model, worker)
+        finally:
+            try:
+                await self._r.unlink(tmp)  # left after a failure (swapped in: gone already)
+            except Exception:  # noqa: BLE001 - its TTL removes it
+                pass
 
     async def load_handles(self, model: str, worker: str,
                            tries: int = 3) -> tuple[dict[HandleKey, Handle], int | None]:

@@ -291,6 +291,19 @@ async def test_a_replaced_handle_map_holds_only_the_new_entries(index):
     assert await index.load_handles(M, "w1") == ({(0, 3): (H[2], 0, 1)}, 9)
 
 
+async def test_a_large_replaced_handle_map_holds_only_the_new_entries(index):
+    """The same for maps past one Redis write (written in chunks and swapped in: redis.py save_handles),
+    on every backend; with the lease held (the writer's fencing token) and without."""
+    old = {(0, k): (k, 1, 0) for k in range(25_000)}
+    new = {(1, k): (k + 1, 0, 1) for k in range(25_001)}
+    await index.save_handles(M, "w1", old, [], seq=5)
+    await index.save_handles(M, "w1", new, [(0, 3)], seq=9, replace=True, incarnation="7.5")
+    assert await index.load_handles(M, "w1") == (new, 9) and await index.incarnation(M, "w1") == "7.5"
+    assert await index.acquire_lease(M, "w1", "gw-a", ttl_s=30)
+    await index.save_handles(M, "w1", old, [], seq=None, replace=True)
+    assert await index.load_handles(M, "w1") == (old, None) and await index.incarnation(M, "w1") == "7.5"
+
+
 async def test_an_update_without_a_sequence_keeps_the_last_one_and_a_replace_drops_it(index):
     """Both backends alike: an update that knows no sequence leaves the stored one; a replace without one
     leaves none (the old sequence no longer describes the map: a gateway adopting it replays from scratch)."""
