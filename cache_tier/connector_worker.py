@@ -108,6 +108,18 @@ def parallel_rank() -> int:
         return tp
 
 
+def data_parallel_rank(vllm_config) -> int:
+    """This engine's data-parallel rank: vLLM's ``data_parallel_index``, which, unlike
+    ``data_parallel_rank``, is not reset to 0 for a dense model's independent ranks (vLLM offsets its KV
+    event ports by it)."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    for attr in ("data_parallel_index", "data_parallel_rank"):
+        rank = getattr(pc, attr, None)
+        if isinstance(rank, int):
+            return rank
+    return 0
+
+
 class WorkerSide:
     """Copies blocks between vLLM's paged KV tensors and the store; serves prefetch and stats."""
 
@@ -177,7 +189,12 @@ class WorkerSide:
         if cfg.prefetch_port is not None and rank == 0:
             from cache_tier.prefetch_server import serve_in_thread
 
-            self.server = serve_in_thread(self, cfg.prefetch_host, int(cfg.prefetch_port))
+            # one endpoint per engine: a data-parallel server's engines share the host, and the second to
+            # bind the one port failed to start; rank r serves on the port + r (the gateway's RankTarget
+            # sends that rank's orders there), 0 (any free port) stays 0
+            port = int(cfg.prefetch_port)
+            self.server = serve_in_thread(self, cfg.prefetch_host,
+                                          port + data_parallel_rank(vllm_config) if port else 0)
         self._stats_t = 0.0
 
     # -- registration --

@@ -19,7 +19,8 @@ class NoopPrefetcher:
 
 class G4Prefetcher:
     """Prefetch orders to kvgate's connector endpoint on each worker -- its own ``prefetch_url``
-    (WorkerConfig, a pod annotation), else ``g4.prefetch_port`` on its host; a worker with neither gets
+    (WorkerConfig, a pod annotation), else ``g4.prefetch_port`` on its host (a data-parallel rank r: that
+    port + r, router/worker.py ``RankTarget.prefetch_url``); a worker with neither gets
     no order (vLLM's own offloading connector has no prefetch endpoint) -- see docs/g4.md. After an
     order it refreshes, at most every ``g4.stats_interval_s``, the worker's G4 load bandwidth and block
     size from the connector's counters (``worker.g4_bytes_per_s``, ``worker.g4_bytes_per_block``), which
@@ -41,8 +42,8 @@ class G4Prefetcher:
         from cache_tier.prefetch_client import prefetch_base
 
         base = prefetch_base(worker)
-        if base is None and self.port:
-            base = f"{self.scheme}://{worker.host}:{self.port}"
+        if base is None and self.port:  # a data-parallel rank's connector serves on the port + its rank
+            base = f"{self.scheme}://{worker.host}:{self.port + (getattr(worker, 'dp_rank', None) or 0)}"
         return base
 
     async def order(self, worker, model: str, hashes: list[int]) -> bool:

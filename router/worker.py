@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from indexer.events.state import local_g4_member, shared_g4_member
 from router.admission import PrefillGate
@@ -279,6 +279,13 @@ class RankTarget:
     def targets(self) -> list:
         return [self]
 
+    @property
+    def prefetch_url(self) -> str | None:
+        """The rank's own connector endpoint: each engine of a data-parallel server runs kvgate's connector,
+        and rank r's serves on the server's prefetch port + r (cache_tier/connector_worker.py, as vLLM
+        offsets its event ports)."""
+        return rank_url(self.server.prefetch_url, self.dp_rank)
+
     def pin(self, headers: dict[str, str]) -> dict[str, str]:
         """``headers`` with ``X-data-parallel-rank`` set to this rank (a client's own value replaced)."""
         out = {k: v for k, v in headers.items() if k.lower() != DP_RANK_HEADER}
@@ -294,6 +301,17 @@ class RankTarget:
                 "prefill_samples": self.prefill_samples, "engine": self.engine.to_dict(),
                 "prediction": self.prediction.to_dict(), "eviction": self.eviction.to_dict(),
                 "ttft_fit": self.ttft_fit.to_dict()}
+
+
+def rank_url(url: str | None, rank: int) -> str | None:
+    """``url`` with its port moved up by ``rank`` (a URL without a port is left alone)."""
+    if not url or not rank:
+        return url
+    parts = urlsplit(url)
+    if parts.port is None:
+        return url
+    host = parts.netloc.rpartition(":")[0]
+    return urlunsplit(parts._replace(netloc=f"{host}:{parts.port + rank}"))
 
 
 def index_names(w: Worker) -> list[str]:

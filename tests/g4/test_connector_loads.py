@@ -248,3 +248,46 @@ def test_a_pipeline_stage_s_blocks_from_a_failed_load_step_are_overwritten_by_th
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["resaved"] == res["hashes"][1:], res  # all it computed is saved again (block 0 is on G4)
     assert res["values"] == [2.0, 2.0, 2.0], res  # stage 1's files hold the recomputed KV
+
+
+# the prefetch endpoints of two data-parallel engines on one host (TP 1 each): one process stands for both
+DP = r"""
+import json, sys
+from types import SimpleNamespace as NS
+
+import torch
+
+from cache_tier.connector import ConnectorConfig
+from cache_tier.connector_worker import WorkerSide
+
+spec = NS(dtype=torch.float32, block_size=4, num_kv_heads=1, head_size=4, page_size_bytes=2 * 4 * 4 * 4)
+kvc = NS(kv_cache_groups=[NS(kv_cache_spec=spec, layer_names=["l0"])], num_blocks=8, kv_cache_layout=None)
+cfg = ConnectorConfig(g4_path=sys.argv[1], model="m", kv_layout="test", prefetch_port=int(sys.argv[2]))
+ws = []
+for dp in (0, 1):  # a dense model's independent ranks: vLLM resets data_parallel_rank, not the index
+    pc = NS(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_rank=0, data_parallel_index=dp)
+    ws.append(WorkerSide(NS(parallel_config=pc, attention_config=None), kvc, cfg))
+print(json.dumps({"ports": [w.server.server_address[1] for w in ws]}))
+for w in ws:
+    w.shutdown()
+"""
+
+
+def test_each_data_parallel_engine_serves_prefetch_on_the_port_the_gateway_sends_its_rank_to(tmp_path):
+    """Two engines of a ``--data-parallel-size 2`` server on one host, each with TP rank 0: both bound the
+    one prefetch port, and the second failed to start (EADDRINUSE in its connector). Rank r serves on the
+    port + r, which is where the gateway sends rank r's orders (router/worker.py RankTarget)."""
+    from router.worker import RankTarget, Worker
+    from router.config import WorkerConfig
+    from tests.support.procs import free_port
+
+    port = free_port()  # and the one after it, for rank 1
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([str(vllm_python()), "-c", DP, str(tmp_path), str(port)], env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ports = json.loads(out.stdout.strip().splitlines()[-1])["ports"]
+    server = Worker(name="dp", url="http://127.0.0.1:8000", config=WorkerConfig(url="http://127.0.0.1:8000"))
+    server.prefetch_url = f"http://127.0.0.1:{port}"  # what the registry resolves from g4.prefetch_port
+    gateway = [int(RankTarget(server, r).prefetch_url.rsplit(":", 1)[1]) for r in (0, 1)]
+    assert ports == gateway == [port, port + 1]

@@ -319,3 +319,56 @@ async def test_two_workers_on_one_host_each_get_their_own_prefetch_order(tmp_pat
             srv.shutdown()
         for ep in eps:
             ep.stager.close()
+
+
+async def test_each_data_parallel_rank_gets_its_prefetch_order_on_its_own_port(tmp_path):
+    """A server with ``--data-parallel-size 2`` runs two engines on one host, each with kvgate's connector:
+    rank r's connector serves on the configured prefetch port + r (as vLLM offsets its event ports; both on
+    one port, the second engine failed to start). The gateway routes to each rank on its own, so a rank's
+    order goes to that rank's port: one on the server's port staged the blocks in the other engine."""
+    from indexer.index.memory import MemoryIndex as Index
+    from router.config import Settings, WorkerConfig
+    from router.prefetch import make_prefetcher
+    from router.registry import WorkerRegistry
+
+    for _ in range(20):  # two free ports in a row
+        port = free_port()
+        try:
+            servers = []
+            eps = []
+            for r in range(2):
+                ep = Endpoint(G4Store(tmp_path / f"dp{r}", NS))
+                servers.append(serve_in_thread(ep, "127.0.0.1", port + r))
+                eps.append(ep)
+            break
+        except OSError:
+            for srv in servers:
+                srv.shutdown()
+                srv.server_close()
+    else:
+        pytest.skip("no two free ports in a row")
+    for ep in eps:
+        fill(ep.store, [101, 102, 103])
+    settings = Settings(g4={"prefetch_port": port, "stats_interval_s": 0.0},
+                        workers=[WorkerConfig(url="http://127.0.0.1:8001", name="dp")])
+    reg = WorkerRegistry(settings, Index())
+    w = await reg.add(settings.workers[0], probe=False)
+    reg._set_sources(w, {str(r): {"endpoint": f"tcp://*:{5557 + r}"} for r in range(2)})  # /kv_event_sources
+    r0, r1 = w.targets()
+    assert (r0.name, r1.name) == ("dp@dp0", "dp@dp1")
+    assert (r0.prefetch_url, r1.prefetch_url) == (f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}")
+    pf = make_prefetcher(settings)
+    try:
+        assert await pf.order(r1, "tiny", [102, 103])
+        assert wait_for(lambda: eps[1].stager.stats()["staged"] == 2)
+        assert eps[0].stager.stats()["staged"] == 0  # not to rank 0's engine
+        assert await pf.order(r0, "tiny", [101])
+        assert wait_for(lambda: eps[0].stager.stats()["staged"] == 1)
+        assert w.prefetch_url == f"http://127.0.0.1:{port}"  # the server's own: rank 0's
+    finally:
+        await pf.aclose()
+        for srv in servers:
+            srv.shutdown()
+            srv.server_close()
+        for ep in eps:
+            ep.stager.close()
