@@ -32,6 +32,16 @@ def _error(status: int, message: str, type_: str = "BadRequestError", param: str
                         status_code=status)
 
 
+SCALE_OUT_ROUTES = ("/v1/chat/completions/render", "/v1/completions/render", "/v1/messages/render",
+                    "/v1/responses/render", "/v1/chat/completions/derender", "/v1/completions/derender",
+                    "/inference/v1/generate")
+
+
+async def scale_out_disabled() -> JSONResponse:
+    return _error(403, "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable "
+                       "them.", type_="PermissionDeniedError")
+
+
 def _usage(prompt: int, completion: int, cached: int) -> dict:
     return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
@@ -111,6 +121,9 @@ def create_worker_app(w: WorkerInfo, kv_event_sources: dict | None = None) -> Fa
     app = FastAPI(title=f"simulated vLLM {w.name}", docs_url=None, redoc_url=None, openapi_url=None)
     engine, tok = w.engine, w.tokenizer
     sources = kv_event_sources or {}
+
+    async def encode(text: str) -> list[int]:
+        return await tok.encode_off_loop(text) if len(text) > 4096 else tok.encode(text)
 
     def check_model(body: dict) -> JSONResponse | None:
         m = body.get("model")
@@ -222,7 +235,7 @@ def create_worker_app(w: WorkerInfo, kv_event_sources: dict | None = None) -> Fa
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            tokens = await tok.encode_off_loop(prompt) if len(prompt) > 4096 else tok.encode(prompt)
+            tokens = await encode(prompt)
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                          for t in prompt):
             tokens = prompt
@@ -241,9 +254,13 @@ def create_worker_app(w: WorkerInfo, kv_event_sources: dict | None = None) -> Fa
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
             return _error(400, "messages must be a non-empty list of objects.", param="messages")
-        text = tok.render_chat(msgs, bool(body.get("add_generation_prompt", True)))
-        tokens = await tok.encode_off_loop(text) if len(text) > 4096 else tok.encode(text)
+        tokens = await encode(tok.render_chat(msgs, bool(body.get("add_generation_prompt", True))))
         return await run(body, tokens, request_id(request, body), chat=True)
+
+    # vLLM without --enable-scale-out answers its scale-out routes with 403 (a router that tries them, as
+    # vllm-router's cache_aware does, then falls back to /tokenize)
+    for path in SCALE_OUT_ROUTES:
+        app.add_api_route(path, scale_out_disabled, methods=["POST"], include_in_schema=False)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -252,12 +269,14 @@ def create_worker_app(w: WorkerInfo, kv_event_sources: dict | None = None) -> Fa
             return body
         if (err := check_model(body)) is not None:
             return err
+        # a long text off the loop, as the completion routes: one process hosts every simulated worker, and a
+        # router that tokenizes every prompt on every worker (vllm-router's cache_aware on text) stalled them
         if "messages" in body:
             if not isinstance(body["messages"], list):
                 return _error(400, "messages must be a list.", param="messages")
-            ids = tok.encode_chat(body["messages"], bool(body.get("add_generation_prompt", True)))
+            ids = await encode(tok.render_chat(body["messages"], bool(body.get("add_generation_prompt", True))))
         elif isinstance(body.get("prompt"), str):
-            ids = tok.encode(body["prompt"])
+            ids = await encode(body["prompt"])
         else:
             return _error(400, "Either prompt (a string) or messages is required.", param="prompt")
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,

@@ -220,3 +220,22 @@ def test_tokenizer_dir_loads_in_transformers(tmp_path):
         ids = ids["input_ids"]
     assert list(ids) == sim.encode_chat(msgs)
     assert hf.decode([1, 2]) == "w1 w2"
+
+
+async def test_a_long_text_is_tokenized_off_the_loop_in_both_forms(fleet):
+    """One process hosts every simulated worker: /tokenize encodes a long text on a thread, as the
+    completion routes do (vllm-router's cache_aware tokenizes each long text prompt on every worker, and
+    the encode on the event loop stalled the whole simulated fleet). Same ids either way."""
+    text = " ".join(f"w{i % 97}" for i in range(20_000))
+    async with httpx.AsyncClient(timeout=120) as c:
+        a = (await c.post(fleet.workers[0].url + "/tokenize", json={"prompt": text})).json()
+        b = (await c.post(fleet.workers[0].url + "/tokenize",
+                          json={"messages": [{"role": "user", "content": text}]})).json()
+    assert a["count"] == 20_000 and a["tokens"][:3] == [0, 1, 2]
+    assert b["count"] == 20_003 and b["tokens"][1:4] == [0, 1, 2]  # <|user|> ... <|end|> <|assistant|>
+
+
+async def test_scale_out_routes_answer_403_as_vllm_without_enable_scale_out(fleet):
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(fleet.workers[0].url + "/v1/completions/render", json={"prompt": "w5"})
+    assert r.status_code == 403 and r.json()["error"]["type"] == "PermissionDeniedError"
