@@ -9,13 +9,22 @@ prefix caches before each: kvgate ``kv``, ``round_robin``, ``least_loaded`` and 
 round_robin; for kvgate targets, from ``/admin/decisions``, observed/predicted TTFT (median, p90) and the
 share of requests whose predicted cached tokens equal the delivered ones.
 
-``--rounds N`` runs every target N times on the same servers, each round's order rotated by one, and
-reports each round and the medians (a ratio is the median of the per-round ratios): the same servers
-serve a target faster the later it runs (kv last: 0.88 s mean TTFT and +8.5 points over sglang-router;
-kv first, same code: 1.35-1.60 s and -5 to -8 points), so a single run measures the order as much as the
-router. With 4 targets, ``--rounds 4`` puts each in each position once. Against the peer each target
-also gets an interval for that median (:func:`median_interval`) and the goals are checked over it: rounds
-of the same code spread 0.5-1.8x, so 8 or more rounds are needed to tell 0.8x from 1.0x.
+``--rounds N`` runs every target N times on the same servers and reports each round and the medians (a
+ratio is the median of the per-round ratios). The order balances the targets' positions
+(:func:`order_of`): rounds come in pairs, an order and its reverse, each pair's order rotated by one, so
+over 2 x targets rounds every target runs in every position twice and each runs before every other in
+half the rounds. Why: on the same servers the order moves a target as much as the router does (session
+9's host: kv last 0.88 s mean TTFT and +8.5 points over sglang-router, kv first, same code, 1.35-1.60 s
+and -5 to -8 points; sessions 38-39: kv / sglang-router 0.79x in the rounds kv ran first, 1.05x where the
+peer did, while rotation by one put the peer before kv in 6 or 3 of 8 three-target rounds). The report
+splits each target's ratio against the peer by who ran first (:func:`order_lines`). Against the peer
+each target also gets an interval for that median (:func:`median_interval`) and the goals are checked
+over it: rounds of the same code spread 0.5-1.8x, so 8 or more rounds are needed to tell 0.8x from 1.0x.
+
+``--peer-variant KEY=VALUE,...`` also runs sglang-router ``cache_aware`` with those launch flags (``--KEY
+VALUE``) beside its defaults: sized to these servers (``max-tree-size`` near one server's cache in
+characters, a short ``eviction-interval-secs``, ``balance-abs-threshold`` under the clients' count), as a
+reviewer would tune it (docs/BENCHMARKS.md, session 40).
 """
 
 from __future__ import annotations
@@ -302,8 +311,8 @@ def run_target(target: str, servers, model_dir: str, clients: list[mw.Client], a
         from bench.sim.harness import Target, start_peer
 
         port = procs.free_port()
-        label, policy = peer_of(target)
-        peer = start_peer(Target(label, PEER, policy, text=True), workdir,
+        label, policy, flags = peer_of(target)
+        peer = start_peer(Target(label, PEER, policy, text=True, extra=flags), workdir,
                           [s.url for s in servers], port, {})
         try:
             results, total, before, after = drive(f"http://127.0.0.1:{port}", peer.p.pid)
@@ -372,11 +381,52 @@ def check_alive(servers) -> None:
                                f"{s.log_tail()}")
 
 
-def peer_of(target: str) -> tuple[str, str]:
-    """``sglang-router`` -> its ``cache_aware`` policy; ``sglang-router[round_robin]`` -> that one (the
-    label and the policy)."""
-    policy = target.partition("[")[2].rstrip("]") or "cache_aware"
-    return f"sglang-router {policy}", policy
+def peer_of(target: str) -> tuple[str, str, list[str]]:
+    """``sglang-router`` -> its ``cache_aware`` policy; ``sglang-router[round_robin]`` -> that one;
+    ``sglang-router[cache_aware;max-tree-size=27000,...]`` (``--peer-variant``) -> that policy launched with
+    ``--max-tree-size 27000 ...``. The label, the policy and the extra launch flags."""
+    inner = target.partition("[")[2].rstrip("]")
+    policy, _, spec = inner.partition(";")
+    policy = policy or "cache_aware"
+    flags = [x for k, v in (kv.split("=", 1) for kv in filter(None, spec.split(","))) for x in (f"--{k}", v)]
+    return (f"sglang-router {policy}" + (f" ({spec})" if spec else "")), policy, flags
+
+
+def order_of(targets: list[str], rnd: int) -> list[str]:
+    """Round ``rnd``'s order: rounds in pairs, an order then its reverse, each pair's rotated by one."""
+    k = (rnd // 2) % len(targets)
+    order = targets[k:] + targets[:k]
+    return order[::-1] if rnd % 2 else order
+
+
+def order_lines(rounds: list[list[dict]]) -> list[str]:
+    """Each target's per-round mean TTFT ratio and hit-rate points against each sglang-router target, the
+    rounds it ran before that peer apart from those it ran after (rows are in run order)."""
+    out = []
+    peers = list(dict.fromkeys(r["target"] for rows in rounds for r in rows if r["target"].startswith(PEER)))
+    targets = list(dict.fromkeys(r["target"] for rows in rounds for r in rows))
+    for p in peers:
+        for t in targets:
+            if t == p:
+                continue
+            split: dict[str, list[tuple[float, float]]] = {"before": [], "after": []}
+            for rows in rounds:
+                names = [r["target"] for r in rows]
+                if t not in names or p not in names:
+                    continue
+                a, b = rows[names.index(t)], rows[names.index(p)]
+                if a["ttft_mean_s"] and b["ttft_mean_s"]:
+                    split["before" if names.index(t) < names.index(p) else "after"].append(
+                        (a["ttft_mean_s"] / b["ttft_mean_s"], 100 * (a["cached_share"] - b["cached_share"])))
+            both = split["before"] + split["after"]
+            if not both:
+                continue
+            parts = [f"{k} it {len(v)}: {_median([x for x, _ in v]):.2f}x, {_median([y for _, y in v]):+.1f} pts"
+                     for k, v in split.items() if v]
+            out.append(f"{t} vs {p}: mean TTFT {_median([x for x, _ in both]):.2f}x, hit rate "
+                       f"{_median([y for _, y in both]):+.1f} points over {len(both)} rounds (ran "
+                       + "; ".join(parts) + ")")
+    return out
 
 
 def variant_of(target: str) -> tuple[str, dict]:
@@ -411,6 +461,9 @@ def add_arguments(ap) -> None:
     cap.add_argument("--block-size", type=int, default=32)
     cap.add_argument("--kv-variant", action="append", default=[], metavar="KEY=VALUE,...",
                      help="also run kv with these routing settings, as target kv[KEY=VALUE,...] (repeatable)")
+    cap.add_argument("--peer-variant", action="append", default=[], metavar="KEY=VALUE,...",
+                     help="also run sglang-router cache_aware launched with --KEY VALUE ..., as target "
+                          "sglang-router[cache_aware;KEY=VALUE,...] (repeatable)")
     cap.add_argument("--event-log", action="store_true",
                      help="subscribe to the servers' KV events beside the gateway and report, for each "
                           "over-predicted decision, whether vLLM evicted its blocks before the decision "
@@ -551,10 +604,12 @@ def run(args, model_dir: str) -> int:
         warm_up(servers, model_dir, ws["max_prompt_tokens"], args.max_tokens)
         targets = [t.strip() for t in (args.policies or TARGETS).split(",") if t.strip()]
         targets += [f"kv[{spec}]" for spec in args.kv_variant]
+        targets += [f"{PEER}[cache_aware;{spec}]" for spec in args.peer_variant]
+        if args.rounds > 1 and args.rounds % (2 * len(targets)):
+            print(f"note: {args.rounds} rounds do not balance {len(targets)} targets' positions (a multiple "
+                  f"of {2 * len(targets)} does)", flush=True)
         for rnd in range(max(1, args.rounds)):
-            # each round rotates the order by one: the same servers run faster later in a run (a target
-            # that ran last got 0.84-0.88 s mean TTFT where the same code first got 1.35-1.65 s)
-            order = targets[rnd % len(targets):] + targets[:rnd % len(targets)]
+            order = order_of(targets, rnd)  # positions balanced: the order moves a target as much as a router
             rows = []
             for i, target in enumerate(order):
                 print(f"round {rnd + 1}, target {target}: {ws['requests']} requests ...", flush=True)
@@ -583,15 +638,18 @@ def run(args, model_dir: str) -> int:
         print(f"median of {len(rounds)} rounds (ratios: the median of per-round ratios; ranges in the JSON):")
     print(table(rows))
     print()
-    for line in interval_lines(rows):
+    for line in interval_lines(rows) + (order_lines(rounds) if len(rounds) > 1 else []):
         print(line)
     print(reference_line(rows, ws["lru_reference"]))
     for k, v in checked.items():
         print(f"- {k}: {'met' if v else 'NOT met'}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    from bench.sim.harness import peer_version
+
     out.write_text(json.dumps({"args": vars(args), "workload": ws, "wall_s": time.perf_counter() - t_run,
-                               "results": rows, "rounds": rounds, "goals": checked, "failed": failed},
+                               "peer_version": peer_version(PEER), "results": rows, "rounds": rounds,
+                               "goals": checked, "failed": failed},
                               indent=2) + "\n")
     print(f"\nwritten to {out}")
     return 0 if rows and not failed else 1

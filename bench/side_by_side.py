@@ -27,7 +27,7 @@ from bench import replay as rp
 from bench import replay_workloads as wl
 from bench.capacity_bound import median_interval
 from bench.sim import procs
-from bench.sim.harness import Target, overrides, run_target
+from bench.sim.harness import PEER_PINS, Target, overrides, peer_version, run_target
 from bench.sim.tokenizer import save_model_dir
 
 
@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                 report += [f"- {x}" for x in lines] + [""]
             rp.plot(results, out / f"fleet{n}.png", title=f"{n} simulated workers, Mooncake conversation trace")
             rp.write_json(results, out / f"fleet{n}.json",
-                          {"args": vars(args), "fleet": n, "lru_reference": ref, "ceiling": ceiling})
+                          {"args": vars(args), "fleet": n, "lru_reference": ref, "ceiling": ceiling,
+                           "peer_versions": {k: peer_version(k) for k in PEER_PINS}})
     finally:
         if redis is not None:
             redis[0].stop()

@@ -367,8 +367,38 @@ def test_a_servers_cpu_is_split_between_its_api_process_and_its_engine_descendan
 
 
 def test_peer_policies_and_connector_settings_from_the_command_line():
-    assert cb.peer_of("sglang-router") == ("sglang-router cache_aware", "cache_aware")
-    assert cb.peer_of("sglang-router[round_robin]") == ("sglang-router round_robin", "round_robin")
+    assert cb.peer_of("sglang-router") == ("sglang-router cache_aware", "cache_aware", [])
+    assert cb.peer_of("sglang-router[round_robin]") == ("sglang-router round_robin", "round_robin", [])
+    assert cb.peer_of("sglang-router[cache_aware;max-tree-size=27000,eviction-interval-secs=1]") == (
+        "sglang-router cache_aware (max-tree-size=27000,eviction-interval-secs=1)", "cache_aware",
+        ["--max-tree-size", "27000", "--eviction-interval-secs", "1"])
     assert cb.g4_config(["load_async=false", "read_threads=2", "kv_layout=nhd"]) == {
         "load_async": False, "read_threads": 2, "kv_layout": "nhd"}
     assert cb.g4_config([]) is None
+
+
+def test_rounds_balance_every_target_s_position_and_every_pair_s_order():
+    """The order moved a target as much as the router did (kv / sglang-router 0.79x in the rounds kv ran
+    first, 1.05x where the peer did), and rotation by one left three targets' pairs unbalanced over 8
+    rounds (the peer before kv in 6 of them). Over 2 x targets rounds each target runs in each position
+    twice and before each other target in half the rounds."""
+    for targets in (["kv", "sglang-router"], ["kv", "kv[x=1]", "sglang-router"], list("abcd")):
+        n = len(targets)
+        orders = [cb.order_of(targets, r) for r in range(2 * n)]
+        assert all(sorted(o) == sorted(targets) for o in orders)
+        for t in targets:
+            assert sorted(o.index(t) for o in orders) == sorted(list(range(n)) * 2)
+            for u in targets:
+                if u != t:
+                    assert sum(o.index(t) < o.index(u) for o in orders) == n
+
+
+def test_order_lines_split_a_ratio_by_who_ran_first():
+    rounds = []
+    for order, kv_s, peer_s in ((["kv", cb.PEER], 0.8, 1.0), ([cb.PEER, "kv"], 1.1, 1.0),
+                                (["kv", cb.PEER], 0.6, 1.0)):
+        means = {"kv": kv_s, cb.PEER: peer_s}
+        rounds.append([row(t, 0.6 if t == "kv" else 0.55, means[t]) for t in order])
+    lines = cb.order_lines(rounds)
+    assert lines[0].startswith("kv vs sglang-router: mean TTFT 0.80x, hit rate +5.0 points over 3 rounds")
+    assert "before it 2: 0.70x, +5.0 pts; after it 1: 1.10x, +5.0 pts" in lines[0]

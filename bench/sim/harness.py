@@ -48,18 +48,36 @@ def overrides(spec: str) -> dict:
     return out
 
 
+# The peers' versions the results were measured with (a newer release may route differently: results name
+# the version they ran, peer_version)
+PEER_PINS = {"sglang-router": "0.3.2", "vllm-router": "0.1.17"}
+
+
 def peer_venv(package: str, log=print) -> Path:
-    """``~/.cache/kvgate/peers/<package>``: created and ``pip install <package>`` on first use."""
+    """``~/.cache/kvgate/peers/<package>``: created and ``pip install <package>==<pin>`` on first use (and
+    again when the pin changes)."""
     venv = PEERS_DIR / package
     marker = venv / ".installed"
-    if marker.exists():
+    want = PEER_PINS.get(package, "")
+    if marker.exists() and (marker.read_text().strip() == want or peer_version(package) == want):
         return venv
     PEERS_DIR.mkdir(parents=True, exist_ok=True)
-    log(f"installing {package} from PyPI into {venv} ...")
+    log(f"installing {package} {want} from PyPI into {venv} ...")
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run([str(venv / "bin" / "pip"), "install", "-q", package], check=True)
-    marker.touch()
+    subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"{package}=={want}" if want else package],
+                   check=True)
+    marker.write_text(want)
     return venv
+
+
+def peer_version(package: str) -> str | None:
+    """The installed peer's version (what a result ran), None when it is not installed."""
+    py = PEERS_DIR / package / "bin" / "python"
+    if not py.exists():
+        return None
+    out = subprocess.run([str(py), "-c", f"import importlib.metadata as m; print(m.version({package!r}))"],
+                         capture_output=True, text=True, timeout=60)
+    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def start_peer(t: Target, log_dir: Path, worker_urls: list[str], port: int, desc: dict) -> procs.Proc:
