@@ -9,17 +9,17 @@ prefix caches before each: kvgate ``kv``, ``round_robin``, ``least_loaded`` and 
 round_robin; for kvgate targets, from ``/admin/decisions``, observed/predicted TTFT (median, p90) and the
 share of requests whose predicted cached tokens equal the delivered ones.
 
-``--rounds N`` runs every target N times on the same servers and reports each round and the medians (a
-ratio is the median of the per-round ratios). The order balances the targets' positions
-(:func:`order_of`): rounds come in pairs, an order and its reverse, each pair's order rotated by one, so
-over 2 x targets rounds every target runs in every position twice and each runs before every other in
-half the rounds. Why: on the same servers the order moves a target as much as the router does (session
-9's host: kv last 0.88 s mean TTFT and +8.5 points over sglang-router, kv first, same code, 1.35-1.60 s
-and -5 to -8 points; sessions 38-39: kv / sglang-router 0.79x in the rounds kv ran first, 1.05x where the
-peer did, while rotation by one put the peer before kv in 6 or 3 of 8 three-target rounds). The report
-splits each target's ratio against the peer by who ran first (:func:`order_lines`). Against the peer
-each target also gets an interval for that median (:func:`median_interval`) and the goals are checked
-over it: rounds of the same code spread 0.5-1.8x, so 8 or more rounds are needed to tell 0.8x from 1.0x.
+``--rounds N`` runs every target N times on the same servers and reports each round and the medians (a ratio
+is the median of the per-round ratios). The order balances the targets' positions
+(``bench.sim.harness.order_of``): rounds come in pairs, an order and its reverse, each pair's order rotated
+by one, so over 2 x targets rounds every target runs in every position twice and each runs before every
+other in half the rounds. Why: on the same servers the order moves a target as much as the router does
+(session 9's host: kv last 0.88 s mean TTFT and +8.5 points over sglang-router, kv first, same code,
+1.35-1.60 s and -5 to -8 points; sessions 38-39: kv / sglang-router 0.79x in the rounds kv ran first, 1.05x
+where the peer did, while rotation by one put the peer before kv in 6 or 3 of 8 three-target rounds). The
+report splits each target's ratio against the peer by who ran first (:func:`order_lines`). Against the peer
+each target also gets an interval for that median (:func:`median_interval`) and the goals are checked over
+it: rounds of the same code spread 0.5-1.8x, so 8 or more rounds are needed to tell 0.8x from 1.0x.
 
 ``--peer-variant KEY=VALUE,...`` also runs sglang-router ``cache_aware`` with those launch flags (``--KEY
 VALUE``) beside its defaults: sized to these servers (``max-tree-size`` near one server's cache in
@@ -184,7 +184,7 @@ def median_interval(xs: list, level: float = 0.9) -> tuple[float, float, float] 
 
 
 def summarize_rounds(rounds: list[list[dict]]) -> list[dict]:
-    """One row per target over ``--rounds`` (each round ran every target, in an order rotated by one):
+    """One row per target over ``--rounds`` (each round ran every target, in a balanced order):
     medians of its figures, and of its per-round ratios against the peer and round_robin (a ratio is
     only taken between targets of the same round), with their ranges. Same shape as a round's rows, so
     ``table`` and ``goals`` read it."""
@@ -392,13 +392,6 @@ def peer_of(target: str) -> tuple[str, str, list[str]]:
     return (f"sglang-router {policy}" + (f" ({spec})" if spec else "")), policy, flags
 
 
-def order_of(targets: list[str], rnd: int) -> list[str]:
-    """Round ``rnd``'s order: rounds in pairs, an order then its reverse, each pair's rotated by one."""
-    k = (rnd // 2) % len(targets)
-    order = targets[k:] + targets[:k]
-    return order[::-1] if rnd % 2 else order
-
-
 def order_lines(rounds: list[list[dict]]) -> list[str]:
     """Each target's per-round mean TTFT ratio and hit-rate points against each sglang-router target, the
     rounds it ran before that peer apart from those it ran after (rows are in run order)."""
@@ -421,8 +414,8 @@ def order_lines(rounds: list[list[dict]]) -> list[str]:
             both = split["before"] + split["after"]
             if not both:
                 continue
-            parts = [f"{k} it {len(v)}: {_median([x for x, _ in v]):.2f}x, {_median([y for _, y in v]):+.1f} pts"
-                     for k, v in split.items() if v]
+            parts = [f"{k} it {len(v)}: {_median([x for x, _ in v]):.2f}x, "
+                     f"{_median([y for _, y in v]):+.1f} pts" for k, v in split.items() if v]
             out.append(f"{t} vs {p}: mean TTFT {_median([x for x, _ in both]):.2f}x, hit rate "
                        f"{_median([y for _, y in both]):+.1f} points over {len(both)} rounds (ran "
                        + "; ".join(parts) + ")")
@@ -454,7 +447,8 @@ def add_arguments(ap) -> None:
     )
     cap.add_argument("--capacity-bound", action="store_true")
     cap.add_argument("--rounds", type=int, default=1,
-                     help="run every target this many times, each round's order rotated by one; report medians")
+                     help="run every target this many times, the targets' positions balanced (order_of); "
+                          "report medians")
     cap.add_argument("--kv-ratio", type=float, default=3.0,
                      help="working set (distinct prefix blocks) / one server's KV cache")
     cap.add_argument("--num-gpu-blocks", type=int, default=0, help="override the computed blocks per server")
@@ -602,6 +596,8 @@ def run(args, model_dir: str) -> int:
     try:
         start_all(servers)
         warm_up(servers, model_dir, ws["max_prompt_tokens"], args.max_tokens)
+        from bench.sim import harness
+
         targets = [t.strip() for t in (args.policies or TARGETS).split(",") if t.strip()]
         targets += [f"kv[{spec}]" for spec in args.kv_variant]
         targets += [f"{PEER}[cache_aware;{spec}]" for spec in args.peer_variant]
@@ -609,7 +605,7 @@ def run(args, model_dir: str) -> int:
             print(f"note: {args.rounds} rounds do not balance {len(targets)} targets' positions (a multiple "
                   f"of {2 * len(targets)} does)", flush=True)
         for rnd in range(max(1, args.rounds)):
-            order = order_of(targets, rnd)  # positions balanced: the order moves a target as much as a router
+            order = harness.order_of(targets, rnd)  # positions balanced (the order moves a target)
             rows = []
             for i, target in enumerate(order):
                 print(f"round {rnd + 1}, target {target}: {ws['requests']} requests ...", flush=True)

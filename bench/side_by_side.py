@@ -9,7 +9,8 @@ raw JSON per fleet size under --out. Every request carries its conversation's id
 derived from the trace: ``replay_workloads.conversation_ids``), which only ``session`` reads; before
 session 37 none was sent and ``session`` was the ``kv`` policy run a second time.
 
-``--rounds N`` runs every target N times per fleet size, each round's order rotated by one, and reports
+``--rounds N`` runs every target N times per fleet size, the targets' positions balanced
+(``bench.sim.harness.order_of``: pairs of rounds, an order and its reverse), and reports
 each kvgate target's per-round mean TTFT ratio and hit-rate difference against sglang-router (taken only
 between targets of one round) with their median. Why: the targets run one after the other, ~75 s each,
 and the host's speed drifts between them: the simulator's CPU seconds for the same work varied 26-39 s
@@ -27,7 +28,7 @@ from bench import replay as rp
 from bench import replay_workloads as wl
 from bench.capacity_bound import median_interval
 from bench.sim import procs
-from bench.sim.harness import PEER_PINS, Target, overrides, peer_version, run_target
+from bench.sim.harness import PEER_PINS, Target, order_of, overrides, peer_version, run_target
 from bench.sim.tokenizer import save_model_dir
 
 
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-variant", action="append", default=[], metavar="KEY=VALUE,...",
                    help="also run kvgate kv (memory) with these routing settings (repeatable)")
     p.add_argument("--rounds", type=int, default=1,
-                   help="run every target this many times per fleet size, each round's order rotated by one; "
+                   help="run every target this many times per fleet size, the positions balanced (order_of); "
                         "report per-round ratios against sglang-router and their median")
     p.add_argument("--out", default="bench-results/side-by-side")
     p.add_argument("--no-progress", action="store_true")
@@ -149,9 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             results = []
             rounds: list[dict[str, dict]] = []
             for r in range(max(1, args.rounds)):
-                k = r % len(tlist) if tlist else 0
                 rounds.append({})
-                for t in tlist[k:] + tlist[:k]:
+                for t in order_of(tlist, r) if tlist else []:
                     label = t.name if args.rounds <= 1 else f"{t.name} #{r + 1}"
                     logs = out / f"fleet{n}" / ("logs" if args.rounds <= 1 else f"round{r + 1}/logs")
                     print(f"fleet {n}: {label} ...", flush=True)

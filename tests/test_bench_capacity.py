@@ -378,13 +378,16 @@ def test_peer_policies_and_connector_settings_from_the_command_line():
 
 
 def test_rounds_balance_every_target_s_position_and_every_pair_s_order():
-    """The order moved a target as much as the router did (kv / sglang-router 0.79x in the rounds kv ran
-    first, 1.05x where the peer did), and rotation by one left three targets' pairs unbalanced over 8
-    rounds (the peer before kv in 6 of them). Over 2 x targets rounds each target runs in each position
-    twice and before each other target in half the rounds."""
+    """The rounds of the capacity-bound mode and of the side-by-side (bench.sim.harness.order_of). The order
+    moved a target as much as the router did (kv / sglang-router 0.79x in the rounds kv ran first, 1.05x
+    where the peer did), and rotation by one left three targets' pairs unbalanced over 8 rounds (the peer
+    before kv in 6 of them). Over 2 x targets rounds each target runs in each position twice and before
+    each other target in half the rounds."""
+    from bench.sim.harness import order_of
+
     for targets in (["kv", "sglang-router"], ["kv", "kv[x=1]", "sglang-router"], list("abcd")):
         n = len(targets)
-        orders = [cb.order_of(targets, r) for r in range(2 * n)]
+        orders = [order_of(targets, r) for r in range(2 * n)]
         assert all(sorted(o) == sorted(targets) for o in orders)
         for t in targets:
             assert sorted(o.index(t) for o in orders) == sorted(list(range(n)) * 2)

@@ -34,6 +34,17 @@ class Target:
     g4: bool = False               # the fleet shares a simulated G4 store (``kvgate sim --g4``)
 
 
+def order_of(targets: list, rnd: int) -> list:
+    """Round ``rnd``'s order of the targets: rounds in pairs, an order then its reverse, each pair's rotated
+    by one. Over 2 x targets rounds every target runs in every position twice and before every other
+    target in half the rounds: on the same servers (or the same host) the order moves a target as much as
+    a router does (docs/BENCHMARKS.md, session 40), and rotation by one balances positions but not who
+    runs before whom."""
+    k = (rnd // 2) % len(targets)
+    order = targets[k:] + targets[:k]
+    return order[::-1] if rnd % 2 else order
+
+
 def overrides(spec: str) -> dict:
     """``future_turns=5,stay_margin=0.5`` -> ``{"future_turns": 5.0, "stay_margin": 0.5}``: the settings of
     a kv variant target (``--kv-variant`` of bench.side_by_side and of the capacity-bound mode); a value
