@@ -143,6 +143,31 @@ def vllm_tools(tools):
     return out
 
 
+_UNSET = (None, "auto")  # vLLM's merge_kwargs: a request field set to one of these leaves the client's
+_NOT_TEMPLATE_KWARGS = ("chat_template", "tokenize")  # vLLM refuses them (400); not passed on here
+
+
+def template_kwargs(body: dict) -> dict:
+    """The chat template's keyword arguments as vLLM 0.32 builds them for a chat completion
+    (``ChatCompletionRequest.build_chat_params``): the client's ``chat_template_kwargs``, then the
+    request's ``add_generation_prompt``, ``continue_final_message``, ``documents`` and ``reasoning_effort``
+    over them where set, and ``enable_thinking`` (``reasoning_effort != "none"``) when a reasoning effort
+    is asked and the client's kwargs do not set it. A reasoning model's template (``reasoning_effort``,
+    ``enable_thinking``) rendered other text without them, and every block after the system prompt missed."""
+    user = body.get("chat_template_kwargs") or {}
+    if not isinstance(user, dict):
+        raise NotText("chat_template_kwargs: not an object")
+    out = {k: v for k, v in user.items() if k not in _NOT_TEMPLATE_KWARGS}
+    effort = body.get("reasoning_effort")
+    extra = {"add_generation_prompt": flag(body, "add_generation_prompt", True),
+             "continue_final_message": flag(body, "continue_final_message", False),
+             "documents": body.get("documents"), "reasoning_effort": effort}
+    if effort is not None and "enable_thinking" not in user:
+        extra["enable_thinking"] = effort != "none"
+    out.update((k, v) for k, v in extra.items() if not any(v is u or v == u for u in _UNSET))
+    return out
+
+
 _PLAIN_KEYS = frozenset({"role", "content", "name"})
 
 
@@ -266,10 +291,12 @@ class LocalTokenizer:
 
         tools = vllm_tools(body.get("tools"))
         template = self.hf.get_chat_template(body.get("chat_template"), tools)
-        return _compile_jinja_template(template).render(
-            messages=messages, tools=tools, documents=body.get("documents"),
-            add_generation_prompt=flag(body, "add_generation_prompt", True),
-            **{**self.special_map, **kwargs})
+        # as apply_chat_template: the tokenizer's special tokens, then the template's kwargs
+        # (continue_final_message is not a template variable there; a plain chat has it False)
+        ctx = {**self.special_map, **kwargs}
+        ctx.pop("continue_final_message", None)
+        ctx.setdefault("add_generation_prompt", False)
+        return _compile_jinja_template(template).render(messages=messages, tools=tools, **ctx)
 
     def _render_check(self) -> bool:
         try:
@@ -286,11 +313,11 @@ class LocalTokenizer:
             for conv in convs:
                 for body in ({"messages": conv}, {"messages": conv, "add_generation_prompt": False},
                              {"messages": conv, "tools": tools},
-                             {"messages": conv, "chat_template_kwargs": {"enable_thinking": False}}):
-                    kwargs = dict(body.get("chat_template_kwargs") or {})
-                    want = self.hf.apply_chat_template(
-                        conv, tools=body.get("tools"), add_generation_prompt=body.get("add_generation_prompt", True),
-                        tokenize=False, **kwargs)
+                             {"messages": conv, "chat_template_kwargs": {"enable_thinking": False}},
+                             {"messages": conv, "reasoning_effort": "low"}):
+                    kwargs = template_kwargs(body)
+                    want = self.hf.apply_chat_template(conv, tools=vllm_tools(body.get("tools")), tokenize=False,
+                                                       **kwargs)
                     if self._render_fast(conv, body, kwargs) != want:
                         log.warning("%s: direct template rendering differs; using apply_chat_template", self.path)
                         return False
@@ -438,15 +465,11 @@ class LocalTokenizer:
 
     def render_chat(self, body: dict) -> str:
         messages = normalize_messages(body["messages"])
-        kwargs = dict(body.get("chat_template_kwargs") or {})
+        kwargs = template_kwargs(body)
         if self.fast_render and _plain_chat(messages, body):
             return self._render_fast(messages, body, kwargs)
-        return self.hf.apply_chat_template(
-            messages, tools=vllm_tools(body.get("tools")), documents=body.get("documents"),
-            chat_template=body.get("chat_template"),
-            add_generation_prompt=flag(body, "add_generation_prompt", True),
-            continue_final_message=flag(body, "continue_final_message", False),
-            tokenize=False, **kwargs)
+        return self.hf.apply_chat_template(messages, tools=vllm_tools(body.get("tools")),
+                                           chat_template=body.get("chat_template"), tokenize=False, **kwargs)
 
     def tokenize_chat(self, body: dict) -> Tokenized:
         """A chat request's ids, synchronously (the request path uses :class:`Tokenizers`)."""

@@ -29,7 +29,7 @@ import jinja2
 
 from router.config import Settings
 from router.errors import APIError
-from router.local_tokenizer import LocalTokenizer, NotText, Tokenized, flag
+from router.local_tokenizer import LocalTokenizer, NotText, Tokenized, flag, template_kwargs
 from router.prefix_cache import Lookup, Record
 
 log = logging.getLogger("kvgate.tokenize")
@@ -308,6 +308,15 @@ class Tokenizers:
         if kind == "chat":
             req = {"model": model, "messages": body["messages"]}
             req.update({k: body[k] for k in CHAT_FIELDS if k in body})
+            # /tokenize takes no reasoning_effort: the template gets it (and enable_thinking) through its
+            # kwargs, as vLLM's chat completion gives them (template_kwargs)
+            try:
+                kw = template_kwargs(body)
+            except NotText as e:
+                return Tokenized(None, "none", error=str(e))
+            extra = {k: v for k, v in kw.items() if k not in ("add_generation_prompt", "continue_final_message")}
+            if extra:
+                req["chat_template_kwargs"] = extra
         else:
             prompt = body["prompt"]
             if isinstance(prompt, list):

@@ -229,15 +229,12 @@ def chat_view(body: dict, merge_system: bool = False, effort_matters: bool = Tru
     if effort_matters and isinstance(thinking, dict) and thinking.get("type") == "disabled":
         raise Unsupported("thinking disabled (vLLM probes the template for the effort it maps to)")
     view: dict[str, Any] = {"messages": vllm_conversation(input_messages(body, merge_system))}
-    kwargs = dict(body.get("chat_template_kwargs") or {})
     oc = body.get("output_config")
-    effort = oc.get("effort") if isinstance(oc, dict) else None
-    if effort not in (None, "auto"):
-        kwargs["reasoning_effort"] = effort
-        if "enable_thinking" not in (body.get("chat_template_kwargs") or {}):
-            kwargs["enable_thinking"] = effort != "none"
-    if kwargs:
-        view["chat_template_kwargs"] = kwargs
+    # the template's kwargs as for a chat completion with this effort (router/local_tokenizer.py
+    # template_kwargs): it and enable_thinking over the client's chat_template_kwargs
+    view["reasoning_effort"] = oc.get("effort") if isinstance(oc, dict) else None
+    if body.get("chat_template_kwargs"):
+        view["chat_template_kwargs"] = body["chat_template_kwargs"]
     tools = tools_for_template(body)
     if tools is not None:
         view["tools"] = tools

@@ -165,19 +165,14 @@ def chat_view(body: dict, history: list | None = None) -> dict:
     :class:`Unsupported` when it cannot be reproduced)."""
     messages = vllm_conversation(input_messages(body, history))
     cont = _continue_final(body)
-    kwargs = dict(body.get("chat_template_kwargs") or {})
     reasoning = body.get("reasoning")
-    effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
-    kwargs.update({"add_generation_prompt": not cont, "continue_final_message": cont})
-    if effort not in (None, "auto"):
-        kwargs["reasoning_effort"] = effort
-        if "enable_thinking" not in (body.get("chat_template_kwargs") or {}):
-            kwargs["enable_thinking"] = effort != "none"
+    # the template's kwargs as for a chat completion with these fields (router/local_tokenizer.py
+    # template_kwargs): the effort and enable_thinking from it, over the client's chat_template_kwargs
     view: dict[str, Any] = {"messages": messages, "add_generation_prompt": not cont,
-                            "continue_final_message": cont, "add_special_tokens": True}
-    extra = {k: v for k, v in kwargs.items() if k not in ("add_generation_prompt", "continue_final_message")}
-    if extra:
-        view["chat_template_kwargs"] = extra
+                            "continue_final_message": cont, "add_special_tokens": True,
+                            "reasoning_effort": reasoning.get("effort") if isinstance(reasoning, dict) else None}
+    if body.get("chat_template_kwargs"):
+        view["chat_template_kwargs"] = body["chat_template_kwargs"]
     tools = tools_for_template(body)
     if tools is not None:  # also with tool_choice "none" (vLLM's default)
         view["tools"] = tools

@@ -13,6 +13,7 @@ from bench.vllm_server import vllm_python
 from router.apis import messages as msg_api
 from router.apis import responses as resp_api
 from router.apis.conversation import Unsupported
+from router.local_tokenizer import template_kwargs
 
 pytestmark = pytest.mark.vllm
 
@@ -124,10 +125,7 @@ def kvgate(case: dict) -> dict | None:
             view = msg_api.chat_view(case["body"], case.get("merge_system", False))
     except Unsupported:
         return None
-    kwargs = {"add_generation_prompt": view.get("add_generation_prompt", True),
-              "continue_final_message": view.get("continue_final_message", False),
-              **view.get("chat_template_kwargs", {})}
-    return {"messages": view["messages"], "tools": view.get("tools"), "kwargs": kwargs}
+    return {"messages": view["messages"], "tools": view.get("tools"), "kwargs": template_kwargs(view)}
 
 
 def test_conversion_matches_vllm():
@@ -157,3 +155,32 @@ def test_unsupported_parts_are_not_guessed():
     with pytest.raises(Unsupported):
         msg_api.chat_view({"messages": [{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "u"}}]}]})
+
+
+CHAT_KWARGS_REF = r"""
+import json, sys
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+out = []
+for body in json.loads(sys.stdin.read()):
+    r = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], **body)
+    out.append(r.build_chat_params(None, "auto").chat_template_kwargs)
+print(json.dumps(out))
+"""
+
+
+def test_chat_template_kwargs_are_built_as_vllm_builds_them():
+    """A chat completion's template kwargs (router/local_tokenizer.py ``template_kwargs``) against vLLM
+    0.32's own ``ChatCompletionRequest.build_chat_params``: the client's chat_template_kwargs, the request's
+    fields over them where set, enable_thinking from reasoning_effort unless the client set it."""
+    bodies = [{}, {"reasoning_effort": "low"}, {"reasoning_effort": "none"},
+              {"reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}},
+              {"chat_template_kwargs": {"reasoning_effort": "medium", "add_generation_prompt": True},
+               "add_generation_prompt": False},
+              {"continue_final_message": True, "add_generation_prompt": False,
+               "documents": [{"title": "t", "text": "x"}], "chat_template_kwargs": {"custom": 1}}]
+    out = subprocess.run([str(vllm_python()), "-c", CHAT_KWARGS_REF], input=json.dumps(bodies),
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    theirs = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [template_kwargs(b) for b in bodies] == theirs

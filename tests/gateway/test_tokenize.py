@@ -58,7 +58,9 @@ async def test_local_and_remote_tokenize_give_same_hashes(fleet, tokenizer_dir):
         local = Tokenizers(settings, client)
         local.load()
         for body in BODIES + [{"prompt": "the cache block prefix " * 20},
-                              {"prompt": "no bos here", "add_special_tokens": False}]:
+                              {"prompt": "no bos here", "add_special_tokens": False},
+                              # /tokenize takes no reasoning_effort: sent as the template's kwargs
+                              {"messages": [{"role": "user", "content": "think"}], "reasoning_effort": "none"}]:
             kind = "chat" if "messages" in body else "completion"
             lt = await local.tokenize(MODEL, kind, dict(body, model=MODEL), size=10)
             rt = await remote.tokenize(MODEL, kind, dict(body, model=MODEL), size=10, worker_url=fleet.url(0))
@@ -296,3 +298,40 @@ async def test_a_chat_with_documents_is_not_tokenized_by_a_workers_tokenize(flee
             "documents": [{"title": "Manual", "text": "the cache block prefix number is long " * 30}]}
     d = gw.call(gw.state.router.plan(MODEL, body, {}, "/v1/chat/completions"))
     assert d.hashes == [] and "documents" in d.tokenize_error
+
+
+# a reasoning model's template: it reads the effort and the thinking switch, as gpt-oss's and Qwen3's do
+THINKING = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+            "{% if reasoning_effort is defined %}effort={{ reasoning_effort }}\n{% endif %}"
+            "{% if enable_thinking is defined %}thinking={{ enable_thinking }}\n{% endif %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_template_gets_the_reasoning_effort_as_vllm_gives_it(tokenizer_dir, fast):
+    """vLLM 0.32 renders a chat completion with its ``reasoning_effort`` as a template variable, and
+    ``enable_thinking`` = effort != "none" unless the client's ``chat_template_kwargs`` set it
+    (``ChatCompletionRequest.build_chat_params``); the request's own fields override the client's kwargs
+    where set (``merge_kwargs``). kvgate rendered without them: for a reasoning model every block after
+    the conversation's start differed from vLLM's. Both render paths (direct and apply_chat_template)."""
+    from router.local_tokenizer import template_kwargs
+
+    lt = LocalTokenizer(tokenizer_dir, TokenizerConfig())
+    lt.fast_render = fast and lt.fast_render
+    msgs = [{"role": "user", "content": "Why is the sky blue?"}]
+
+    def render(**kw):
+        return lt.render_chat({"messages": msgs, "chat_template": THINKING, **kw})
+
+    assert render() == "<|user|>Why is the sky blue?\n<|assistant|>"
+    assert render(reasoning_effort="low") == "<|user|>Why is the sky blue?\neffort=low\nthinking=True\n<|assistant|>"
+    assert render(reasoning_effort="none").endswith("effort=none\nthinking=False\n<|assistant|>")
+    assert render(reasoning_effort="high", chat_template_kwargs={"enable_thinking": False}).endswith(
+        "effort=high\nthinking=False\n<|assistant|>")  # the client's switch stays
+    assert render(chat_template_kwargs={"reasoning_effort": "medium"}).endswith("effort=medium\n<|assistant|>")
+    # the request's field over the client's kwargs; a generation prompt given in both: the field's
+    assert render(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"}).count("effort=low") == 1
+    assert not render(add_generation_prompt=False, chat_template_kwargs={"add_generation_prompt": True}).endswith(
+        "<|assistant|>")
+    assert template_kwargs({"reasoning_effort": None, "documents": None}) == {
+        "add_generation_prompt": True, "continue_final_message": False}
