@@ -42,6 +42,7 @@ SCENARIOS = {
         }
     },
     "g4-volume": {
+        "config": {"g4": {"prefetch_port": 8200, "tier": "cephfs-a"}},  # kept beside the chart's keys
         "g4": {
             "enabled": True,
             "existingClaim": "g4-cephfs",
@@ -71,6 +72,10 @@ SCENARIOS = {
                     "url": "http://vllm-0.vllm:8000",
                     "name": "vllm-0",
                     "events_endpoint": "tcp://vllm-0.vllm:5557",
+                    # documented per-worker settings the schema used to refuse
+                    "max_num_batched_tokens": 4096,
+                    "prefetch_url": "http://vllm-0.vllm:8200",
+                    "g4_tier": "cephfs-a",
                 }
             ]
         },
@@ -425,7 +430,9 @@ def test_g4_volume(chart):
     assert vol["persistentVolumeClaim"] == {"claimName": "g4-cephfs", "readOnly": False}
     mount = next(m for m in r.container()["volumeMounts"] if m["name"] == "g4")
     assert mount["mountPath"] == "/mnt/g4" and mount["readOnly"] is False
-    assert r.config()["g4"] == {"path": "/mnt/g4", "capacity_bytes": 1099511627776}
+    # the chart sets the path and the capacity; the user's other G4 settings stay (they were dropped)
+    assert r.config()["g4"] == {"prefetch_port": 8200, "tier": "cephfs-a", "path": "/mnt/g4",
+                                "capacity_bytes": 1099511627776}
     check_vllm_snippet(r.notes, "/mnt/g4")
     assert "g4-cephfs" in r.notes
     # Without G4 nothing of it is rendered.

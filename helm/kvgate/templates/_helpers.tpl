@@ -96,7 +96,8 @@ app.kubernetes.io/component: redis
 {{- $_ := set $discovery "namespace" (include "kvgate.discoveryNamespace" .) }}
 {{- $_ := set $cfg "discovery" $discovery }}
 {{- if .Values.g4.enabled }}
-{{- $g4 := dict "path" .Values.g4.mountPath }}
+{{- $g4 := deepCopy ($cfg.g4 | default dict) }}
+{{- $_ := set $g4 "path" .Values.g4.mountPath }}
 {{- if .Values.g4.capacityBytes }}
 {{- $_ := set $g4 "capacity_bytes" (int64 .Values.g4.capacityBytes) }}
 {{- end }}
