@@ -11,12 +11,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict,
                                YamlConfigSettingsSource)
 
 
-class WorkerConfig(BaseModel):
+class _Section(BaseModel):
+    """A settings section: an unknown key is an error, not ignored (a typo such as ``routing: {polcy: ...}``
+    was accepted and did nothing; the top level already refused them)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class WorkerConfig(_Section):
     """One vLLM server. The events endpoint is discovered from ``/kv_event_sources`` when not given."""
 
     url: str
@@ -35,7 +42,7 @@ class WorkerConfig(BaseModel):
     g4_tier: str | None = None
 
 
-class DiscoveryConfig(BaseModel):
+class DiscoveryConfig(_Section):
     """Where workers come from: the static list below, or Kubernetes EndpointSlices by label."""
 
     kind: Literal["static", "kubernetes"] = "static"
@@ -50,7 +57,7 @@ class DiscoveryConfig(BaseModel):
     g4_tier_annotation: str = "kvgate.io/g4-tier"
 
 
-class IndexConfig(BaseModel):
+class IndexConfig(_Section):
     backend: Literal["memory", "redis"] = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "kvg"
@@ -74,14 +81,14 @@ class IndexConfig(BaseModel):
     sweep_idle_s: float = Field(600.0, gt=0)
 
 
-class ModelConfig(BaseModel):
+class ModelConfig(_Section):
     """Per-model settings: a local tokenizer (file or directory) or None to use a worker's /tokenize."""
 
     tokenizer: str | None = None
     block_size: int | None = None
 
 
-class RoutingConfig(BaseModel):
+class RoutingConfig(_Section):
     policy: Literal["kv", "round_robin", "least_loaded", "session"] = "kv"
     session_header: str = "x-session-id"
     prefill_tokens_per_s: float = 10_000.0
@@ -193,7 +200,7 @@ class RoutingConfig(BaseModel):
     pending_text_bytes: int = Field(16 << 20, ge=0)
 
 
-class TokenizerConfig(BaseModel):
+class TokenizerConfig(_Section):
     """Local tokenization: new text longer than ``offload_chars`` is encoded in a thread pool off the
     event loop; tokenized texts are kept (bounded by bytes) so a prompt that extends one encodes only its
     new part (router/prefix_cache.py)."""
@@ -232,7 +239,7 @@ class TokenizerConfig(BaseModel):
         return self
 
 
-class ResponsesConfig(BaseModel):
+class ResponsesConfig(_Section):
     """The Responses API's response-id owners (indexer/index/owners.py), kept on the index's backend."""
 
     owner_ttl_s: float = Field(7 * 24 * 3600.0, gt=0)
@@ -249,13 +256,13 @@ class ResponsesConfig(BaseModel):
     stream_event_max_bytes: int = Field(4 * 1024 * 1024, ge=1024)
 
 
-class AdminConfig(BaseModel):
+class AdminConfig(_Section):
     token: str | None = None
     # Without a token the admin API answers loopback clients only, unless explicitly opened.
     open_without_token: bool = False
 
 
-class G4Config(BaseModel):
+class G4Config(_Section):
     path: str | None = None
     capacity_bytes: int | None = None
     # The port of kvgate's connector endpoint on every worker (kv_connector_extra_config.prefetch_port):

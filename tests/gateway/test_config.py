@@ -44,6 +44,10 @@ def test_no_file_means_defaults_and_an_empty_file_too(tmp_path):
     ("8080\n", "must be a mapping"),
     ("port: [1\n", "not valid YAML"),
     ("prot: 1\n", "prot"),  # an unknown key is refused, not ignored
+    # below the top level too (they were accepted and did nothing)
+    ("routing:\n  polcy: round_robin\n", "polcy"),
+    ("workers:\n  - url: http://a:8000\n    nmae: a\n", "nmae"),
+    ("g4:\n  prefetch_prot: 8200\n", "prefetch_prot"),
     ("port: many\n", "port"),
     # values that passed and broke the fleet at run time: one failed check dropped a live worker's
     # entries; a zero timeout or connection pool kept every worker unhealthy
