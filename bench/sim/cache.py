@@ -315,12 +315,22 @@ class PrefixCache:
                                    MEDIUM_STORAGE, alloc.extra.get("salt") if start == 0 else None))
 
     def free(self, alloc: Allocation) -> None:
-        """Release a finished request's blocks, tail first, so its tail is evicted before its head."""
+        """Release a finished request's blocks, tail first, so its tail is evicted before its head. As
+        vLLM's ``BlockPool.free_blocks``: hashed blocks go to the end of the free queue (LRU), blocks without
+        a hash (a partial tail, nothing to hit) to its front, in the same order, to be reused first, before
+        any cached block is evicted."""
+        unhashed = []
         for bid in reversed(alloc.blocks):
             blk = self._blocks[bid]
             blk.ref -= 1
             if blk.ref == 0:
-                self._free[bid] = None
+                if blk.hash is None:
+                    unhashed.append(bid)
+                else:
+                    self._free[bid] = None
+        for bid in reversed(unhashed):
+            self._free[bid] = None
+            self._free.move_to_end(bid, last=False)
         alloc.blocks = []
 
     def reset(self) -> bool:

@@ -155,3 +155,19 @@ def test_cache_salt_is_announced_in_block_zeros_extra_keys():
     c.allocate(toks(0, 40), 40, cache_salt="tenant-a")
     (st,) = c.take_events()
     assert st.extra_keys == [("tenant-a",), None]
+
+
+def test_a_freed_partial_block_is_reused_before_any_cached_block_is_evicted():
+    # vLLM's BlockPool.free_blocks: a freed block without a hash goes to the front of the free queue
+    # (reused first), a hashed one to its end (LRU). A and B each hold 2 full blocks and a partial one; C
+    # needs 3 blocks: the two partial blocks, then one cached block (A's tail), not three of A's.
+    c = PrefixCache(7, B)  # 6 blocks and vLLM's null block
+    a, ev_a = run(c, toks(0, 40))
+    b, ev_b = run(c, toks(1000, 40))
+    c.free(a)
+    c.free(b)
+    _, ev = run(c, toks(2000, 48))
+    removed = [e.block_hashes for e in ev if isinstance(e, BlockRemoved)]
+    assert removed == [[ev_a[0].block_hashes[1]]]
+    assert c.longest_hit(c.digests(toks(0, 33)), 33) == 1
+    assert c.longest_hit(c.digests(toks(1000, 33)), 33) == 2
