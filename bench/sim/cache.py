@@ -190,12 +190,14 @@ class PrefixCache:
 
     # -- allocation ----------------------------------------------------------------------------------------
     def allocate(self, tokens, reserve_tokens: int, cache_salt: str | None = None,
-                 digests: list[bytes] | None = None, hold_tokens: int | None = None) -> Allocation | None:
+                 digests: list[bytes] | None = None, hold_tokens: int | None = None,
+                 preempted: bool = False) -> Allocation | None:
         """Admit a prompt if the pool has room for ``reserve_tokens`` (vLLM 0.32's admission gate: the whole
         prompt must fit, its free prefix hit counted as taken). It holds blocks for all of them, or, with
         ``hold_tokens``, only for the prefix hit and that many tokens past it (the first chunk: vLLM
         allocates chunk by chunk; ``grow`` takes the rest). None when the gate fails (the request waits).
-        Queues BlockRemoved/BlockStored events."""
+        Queues BlockRemoved/BlockStored events. ``preempted``: a preempted request readmitted, whose lookup
+        vLLM leaves out of its prefix cache counters (``PrefixCacheStats.record``)."""
         n_tok = len(tokens)
         digests = self.digests(tokens, cache_salt) if digests is None else digests
         hashes = [external(d) for d in digests]
@@ -208,8 +210,9 @@ class PrefixCache:
         free_hits = sum(1 for b in hit_ids if self._blocks[b].ref == 0)
         if len(self._free) - free_hits < need_total - hit:
             return None
-        self.queries += n_tok
-        self.hits += hit * self.block_size
+        if not preempted:
+            self.queries += n_tok
+            self.hits += hit * self.block_size
         for b in hit_ids:
             blk = self._blocks[b]
             if blk.ref == 0:
@@ -219,11 +222,12 @@ class PrefixCache:
         g4_hit = 0
         if self.g4 is not None:
             limit = min(len(digests), (n_tok - 1) // self.block_size)
-            self.external_queries += n_tok - hit * self.block_size
             g4_hit = self.g4_run(hashes, hit, limit)
             for h in hashes[hit:hit + g4_hit]:
                 self.g4.touch(h)
-            self.external_hits += g4_hit * self.block_size
+            if not preempted:
+                self.external_queries += n_tok - hit * self.block_size
+                self.external_hits += g4_hit * self.block_size
             self.g4.reads += g4_hit
         if hold_tokens is not None:
             held = min(reserve_tokens, (hit + g4_hit) * self.block_size + hold_tokens)

@@ -103,14 +103,16 @@ class SimRequest:
     scheduled_clock: float = 0.0
     first_token_clock: float | None = None
     load_done: float | None = None      # loop time its async G4 load completes
+    g4_tokens: int = 0                  # of cached_tokens, those loaded from G4
 
 
 @dataclass
 class EngineStats:
+    # Counted as vLLM's PromptTokenStats, with a request's first token, from its first scheduling
     prompt_tokens: int = 0
-    computed_tokens: int = 0  # prompt tokens computed, counted in the step that computed them
-    cached_tokens: int = 0  # prompt tokens from the prefix cache, counted when scheduled
-    external_tokens: int = 0  # prompt tokens loaded from G4, counted when scheduled
+    computed_tokens: int = 0  # prompt tokens computed (not cached)
+    cached_tokens: int = 0  # prompt tokens from the prefix cache
+    external_tokens: int = 0  # prompt tokens loaded from G4
     generation_tokens: int = 0
     preemptions: int = 0
     requests_ok: int = 0
@@ -320,7 +322,8 @@ class SimEngine:
             budget -= u
         while budget > 0 and self.waiting and len(self._running) < t.max_num_seqs:
             r = self.waiting[0]
-            a = self.cache.allocate(self._seq_tokens(r), r.prefill_len, r.cache_salt, hold_tokens=budget)
+            a = self.cache.allocate(self._seq_tokens(r), r.prefill_len, r.cache_salt, hold_tokens=budget,
+                                    preempted=bool(r.preemptions))
             if a is None:
                 break  # FIFO, like vLLM's waiting queue: the head waits for room
             self.waiting.popleft()
@@ -330,9 +333,7 @@ class SimEngine:
             if not r.preemptions:
                 r.scheduled_at, r.scheduled_clock = start, self.clock
                 r.cached_tokens = r.computed
-                self.stats.prompt_tokens += len(r.tokens)
-                self.stats.cached_tokens += a.hit_blocks * self.block_size
-                self.stats.external_tokens += g4
+                r.g4_tokens = g4
             # loads outside the step (a short one in it, g4_sync_load_max_s); joins once its blocks are in
             if g4 and t.g4_async_load and t.g4_load_s(g4) > t.g4_sync_load_max_s:
                 begin = max(start, self._g4_free_at)
@@ -377,7 +378,6 @@ class SimEngine:
         computed = generated = 0
         for r, u in step.prefills:
             r.computed += u
-            self.stats.computed_tokens += u
             if r.computed < r.prefill_len:
                 continue
             if r.n_out:  # a preempted request recomputed: its next token
@@ -391,6 +391,12 @@ class SimEngine:
             r.first_token_clock = self.clock
             self.h_ttft.observe(max(0.0, end - r.arrival))
             computed += len(r.tokens) - r.cached_tokens
+            # vLLM's prompt token counters, by source, count a request once, with its first token (its
+            # PrefillStats, set when first scheduled): not a preempted request's recomputation
+            self.stats.prompt_tokens += len(r.tokens)
+            self.stats.computed_tokens += len(r.tokens) - r.cached_tokens
+            self.stats.cached_tokens += r.cached_tokens - r.g4_tokens
+            self.stats.external_tokens += r.g4_tokens
             r.output = self._output_tokens(r)
             r.n_out = 1
             self._push(r)
@@ -447,14 +453,16 @@ class SimEngine:
             self._cache_generated(req)
             self.cache.free(req.alloc)
         self.stats.generation_tokens += len(req.generated)
-        if req.prefill_s is not None:
+        # A request the engine finished: vLLM records its per-request histograms together, at finish
+        # (IterationStats.update_from_finished_request); an aborted one (end None) records none
+        # (OutputProcessor.abort_requests).
+        if req.prefill_s is not None and end is not None:
             self.h_prefill_time.observe(req.prefill_s)
             self.h_queue_time.observe(max(0.0, req.scheduled_at - req.arrival))
             self.h_prefill_kv_computed.observe(len(req.tokens) - req.cached_tokens)
             self.h_prompt_tokens.observe(len(req.tokens))
-            if end is not None:  # finished by the engine (not aborted): its whole life and its running time
-                self.h_e2e.observe(max(0.0, end - req.arrival))
-                self.h_inference.observe(max(0.0, end - req.scheduled_at))
+            self.h_e2e.observe(max(0.0, end - req.arrival))
+            self.h_inference.observe(max(0.0, end - req.scheduled_at))
         if req.cancelled:
             self.stats.requests_aborted += 1
         else:

@@ -194,6 +194,33 @@ async def test_a_pool_that_runs_out_while_decoding_preempts_the_last_admitted_an
         assert e.cache.num_free == 10
 
 
+async def test_a_preempted_requests_recompute_is_not_counted_again_in_prompt_or_prefix_cache_counters():
+    # vLLM counts a request's prompt tokens by source once, with its first token (PrefillStats set at its
+    # first scheduling), and leaves a preempted request's readmission lookup out of vllm:prefix_cache_*
+    # (PrefixCacheStats.record: preempted_queries/hits, not exported): the same two-prompt preemption as above
+    async with engine(num_blocks=11) as e:  # and the null block
+        a, b = e.submit(prompt(48, 60), 60), e.submit(prompt(48, 61), 60)
+        await drain(a, b)
+        assert b.preemptions >= 1
+        assert e.cache.queries == 96 and e.cache.hits == 0
+        assert e.stats.prompt_tokens == 96 and e.stats.computed_tokens == 96 and e.stats.cached_tokens == 0
+
+
+async def test_an_aborted_request_records_no_per_request_histograms():
+    # vLLM records a request's queue, prefill, e2e, inference, prompt and computed-token histograms together
+    # when the engine finishes it; a client abort (OutputProcessor.abort_requests) records none of them
+    async with engine() as e:
+        r = e.submit(prompt(64, 70), 10_000)
+        while r.n_out == 0:
+            await asyncio.sleep(0.001)
+        e.abort(r)
+        await drain(r)
+        for h in (e.h_queue_time, e.h_prefill_time, e.h_prefill_kv_computed, e.h_prompt_tokens, e.h_e2e,
+                  e.h_inference):
+            assert h.count == 0
+        assert e.h_ttft.count == 1  # observed with the first token, as vLLM's
+
+
 async def test_preemptions_are_exported_as_vllm_num_preemptions():
     async with SimFleet(FleetConfig(workers=1, num_blocks=11, block_size=16,
                                     timing=DEFAULT_TIMING.with_(time_scale=1000), stream_interval=4)) as f:
