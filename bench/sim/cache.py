@@ -229,26 +229,29 @@ class PrefixCache:
                 self.external_queries += n_tok - hit * self.block_size
                 self.external_hits += g4_hit * self.block_size
             self.g4.reads += g4_hit
+        held = reserve_tokens
         if hold_tokens is not None:
             held = min(reserve_tokens, (hit + g4_hit) * self.block_size + hold_tokens)
             need_total = self.blocks_needed(held)
         new_ids = self._get_new_blocks(need_total - hit)
         alloc = Allocation(blocks=hit_ids + new_ids, digests=digests, hashes=hashes, hit_blocks=hit, prompt_len=n_tok,
                            g4_blocks=g4_hit, cached_upto=hit, extra={"salt": cache_salt} if cache_salt else {})
-        self.cache_full_blocks(alloc, tokens, min(len(digests), len(alloc.blocks)))
+        # the blocks the scheduled tokens fill (vLLM's allocate_slots caches min(computed + new, num_tokens)
+        # tokens' full blocks), not a chunk's last, partly scheduled block
+        self.cache_full_blocks(alloc, tokens, min(len(digests), held // self.block_size))
         return alloc
 
     def grow(self, alloc: Allocation, tokens, num_tokens: int) -> bool:
         """Hold blocks for the first ``num_tokens`` of a running request (its next chunk, or a decode step
-        crossing into a new block); the prompt's full blocks among them are cached at once, as vLLM caches
-        a chunk's blocks when it schedules them. False, holding nothing more, when the pool is short."""
+        crossing into a new block); the prompt's blocks these tokens fill are cached at once, as vLLM caches
+        a chunk's full blocks when it schedules them (a block the chunk fills only in part waits for the
+        chunk that completes it). False, holding nothing more, when the pool is short."""
         need = self.blocks_needed(num_tokens) - len(alloc.blocks)
-        if need <= 0:
-            return True
-        if need > len(self._free):
-            return False
-        alloc.blocks.extend(self._get_new_blocks(need))
-        self.cache_full_blocks(alloc, tokens, min(len(alloc.digests), len(alloc.blocks)))
+        if need > 0:
+            if need > len(self._free):
+                return False
+            alloc.blocks.extend(self._get_new_blocks(need))
+        self.cache_full_blocks(alloc, tokens, min(len(alloc.digests), num_tokens // self.block_size))
         return True
 
     def _get_new_blocks(self, n: int) -> list[int]:

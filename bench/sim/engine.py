@@ -475,8 +475,8 @@ class SimEngine:
         all_tokens = req.tokens + [int(x) for x in req.output[:req.n_out]] if req.output is not None \
             else req.tokens
         n_full = min((len(all_tokens) - 1) // self.block_size, len(a.blocks))
-        if n_full > len(a.digests):
-            digests = a.digests + self._more_digests(a, all_tokens, n_full)
+        if n_full > a.cached_upto:
+            digests = a.digests + self._more_digests(a, all_tokens, n_full) if n_full > len(a.digests) else None
             self.cache.cache_full_blocks(a, all_tokens, n_full, digests)
 
     def _more_digests(self, a: Allocation, all_tokens: list[int], n_full: int) -> list[bytes]:

@@ -171,3 +171,17 @@ def test_a_freed_partial_block_is_reused_before_any_cached_block_is_evicted():
     assert removed == [[ev_a[0].block_hashes[1]]]
     assert c.longest_hit(c.digests(toks(0, 33)), 33) == 1
     assert c.longest_hit(c.digests(toks(1000, 33)), 33) == 2
+
+
+def test_a_chunk_caches_the_blocks_it_fills_and_the_next_chunk_the_one_it_completes():
+    # vLLM's KVCacheManager.allocate_slots caches min(computed + new tokens, num_tokens) tokens' full blocks:
+    # a first chunk of 100 tokens holds 7 blocks but fills 6; the 12 tokens of the next chunk complete the
+    # 7th, which it caches without needing a new block
+    c = PrefixCache(64, B)
+    tokens = toks(0, 112)
+    a = c.allocate(tokens, 112, hold_tokens=100)
+    (st,) = c.take_events()
+    assert len(a.blocks) == 7 and st.block_hashes == a.hashes[:6] and st.token_ids == toks(0, 96)
+    assert c.grow(a, tokens, 112)
+    (st,) = c.take_events()
+    assert len(a.blocks) == 7 and st.block_hashes == [a.hashes[6]] and st.parent_block_hash == a.hashes[5]
