@@ -11,7 +11,7 @@ the head is admitted only if its whole prompt fits in the free blocks (vLLM's ``
 gate, its free prefix hit counted as taken), else it and everything behind it wait. The step lasts
 ``TimingModel.step_s`` for what it batched; at its end each decode has one more token and a request whose
 prefill the step finished has its first token. The prefix cache's events go out on the engine's publisher
-once per step."""
+once per step, at its end (with its output, as vLLM's)."""
 from __future__ import annotations
 
 import asyncio
@@ -234,8 +234,8 @@ class SimEngine:
             now = loop.time()
             start = end if end is not None and now - end < _LAG_RESET_S else now
             step = self._plan(start)
-            self._publish()
             if not step.prefills and not step.decodes:
+                self._publish()
                 end = None
                 self._wake = fut = loop.create_future()
                 timer = None
@@ -260,6 +260,8 @@ class SimEngine:
             done = await self._sleep_steps(loop, start, dt, n)
             end = start + done * dt
             self._apply(step, done, dt)
+            # vLLM publishes a step's events (those of its scheduling: blocks cached, evicted) once, in
+            # Scheduler.update_from_output, after the forward pass, with the step's output
             self._publish()
 
     async def _sleep_steps(self, loop, start: float, dt: float, n: int) -> int:

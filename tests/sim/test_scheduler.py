@@ -221,6 +221,28 @@ async def test_an_aborted_request_records_no_per_request_histograms():
         assert e.h_ttft.count == 1  # observed with the first token, as vLLM's
 
 
+async def test_a_steps_kv_events_are_published_after_the_step_with_its_output():
+    # vLLM publishes the events of a step's scheduling (its chunk's blocks cached) in
+    # Scheduler.update_from_output, after the forward pass: the first chunk's BlockStored goes out when
+    # the first step has run, not when it is planned
+    class Recorder:
+        def __init__(self):
+            self.batches = []
+
+        def publish(self, events):
+            self.batches.append((e.steps, events))
+
+    pub = Recorder()
+    e = SimEngine(PrefixCache(2000, 16), pub, DEFAULT_TIMING.with_(time_scale=1e4, max_num_batched_tokens=1000))
+    e.start()
+    try:
+        await drain(e.submit(prompt(4500, 80), 2))
+    finally:
+        await e.stop()
+    stored = [(steps, len(ev.block_hashes)) for steps, evs in pub.batches for ev in evs]
+    assert stored[:5] == [(1, 62), (2, 63), (3, 62), (4, 63), (5, 31)]
+
+
 async def test_preemptions_are_exported_as_vllm_num_preemptions():
     async with SimFleet(FleetConfig(workers=1, num_blocks=11, block_size=16,
                                     timing=DEFAULT_TIMING.with_(time_scale=1000), stream_interval=4)) as f:
