@@ -300,7 +300,6 @@ class PrefixCache:
         """After prefill: write the prompt's full blocks to the shared store; announce the new ones."""
         if self.g4 is None:
             return
-        B = self.block_size
         run: list[int] = []
         run_start = None
         for i in range(alloc.cached_upto):

@@ -161,7 +161,7 @@ async def test_metrics_export_vllms_scheduler_histograms():
     lab = '{engine="0",model_name="sim-model"}'
     assert f"vllm:inter_token_latency_seconds_count{lab} 4.0" in text
     assert f"vllm:time_to_first_token_seconds_count{lab} 1.0" in text
-    assert f'vllm:iteration_tokens_total_bucket{{engine="0",model_name="sim-model",le="8192.0"}}' in text
+    assert 'vllm:iteration_tokens_total_bucket{engine="0",model_name="sim-model",le="8192.0"}' in text
     assert math.isfinite(float(text.split(f"vllm:request_queue_time_seconds_sum{lab} ")[1].split()[0]))
 
 
