@@ -170,6 +170,8 @@ class AddWorker(BaseModel):
                                      "URL); default: g4.prefetch_port on its host")
     g4_tier: str | None = Field(None, max_length=200, description="the shared G4 tier it mounts (default "
                                 "g4.tier; empty: none)")
+    max_num_batched_tokens: int | None = Field(None, ge=16, description="the server's --max-num-batched-tokens "
+                                               "when it differs from routing.max_num_batched_tokens")
 
     @field_validator("url", "prefetch_url")
     @classmethod

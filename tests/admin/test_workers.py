@@ -140,6 +140,7 @@ def test_worker_bad_inputs(admin_env):
         ({"url": "http://127.0.0.1:1", "name": "a/b"}, "name"),
         ({"url": "http://127.0.0.1:1", "name": ""}, "name"),
         ({"url": "http://127.0.0.1:1", "prefetch_url": "tcp://127.0.0.1:8200"}, "prefetch_url"),
+        ({"url": "http://127.0.0.1:1", "max_num_batched_tokens": 8}, "max_num_batched_tokens"),
     ]
     for body, param in cases:
         r = env.http.post("/admin/workers", json=body)
@@ -150,7 +151,8 @@ def test_worker_bad_inputs(admin_env):
     from tests.support.procs import free_port
 
     r = env.http.post("/admin/workers", json={"url": f"http://127.0.0.1:{free_port()}", "name": "ghost",
-                                              "prefetch_url": "http://127.0.0.1:8201/", "g4_tier": "fs-b"})
+                                              "prefetch_url": "http://127.0.0.1:8201/", "g4_tier": "fs-b",
+                                              "max_num_batched_tokens": 4096})  # a workers: entry's keys
     assert r.status_code == 201 and r.json()["healthy"] is False and r.json()["last_error"]
     ghost = env.http.get("/admin/workers/ghost").json()  # its own connector endpoint and G4 tier
     assert ghost["prefetch_url"] == "http://127.0.0.1:8201" and ghost["g4_tier"] == "fs-b"
