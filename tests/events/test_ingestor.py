@@ -418,6 +418,7 @@ async def test_a_resync_after_an_unseen_restart_is_not_spliced_onto_the_old_stat
         r.pub.restart()  # unseen: its first batches were published while the worker was unreachable
         for _ in range(3):
             r.pub.publish([blk(0, 1, parent=False)], send=False)  # seq 0..2: only block 0 cached
+        r.pub.flush()  # in the ring before the resync asks for it (the publisher's thread takes them in turn)
         assert r.ing.resync("w1")
         await until(lambda: r.ing.status("w1")["resyncs"] == 1, what="resync")
         await r.wait_seq(2)
@@ -640,18 +641,20 @@ async def test_live_batches_the_adopted_map_already_holds_are_duplicates(index):
         for i in range(4):  # seq 0-3: the writer applied them; this gateway never sees them live
             r.pub.publish([blk(i)], send=False)
         await r.ing.remove_source("w1", clear=False)
-        await index.save_handles(M, "w1", _handles(6), [], seq=5, replace=True)
-        await index.store(M, "w1", Tier.GPU, SEQ[:6])
+        # the writer's map holds seq 4 too: published live between this subscription and the adoption
+        # (the publisher rings a batch before it sends it, so the ring has it when it arrives)
+        await index.save_handles(M, "w1", _handles(5), [], seq=4, replace=True)
+        await index.store(M, "w1", Tier.GPU, SEQ[:5])
         await r.ing.add_source(r.src)
         await until(lambda: r.ing.status("w1")["connected"], what="SUB connected")
         await asyncio.sleep(0.3)  # the new subscription reaches the publisher
-        r.pub.publish([blk(4)])  # seq 4 and 5: live, already in the map
-        r.pub.publish([blk(5)])
-        r.pub.publish([removed(5)])  # seq 6
+        r.pub.publish([blk(4)])  # seq 4: live, already in the map
+        r.pub.publish([blk(5)])  # seq 5: new
+        r.pub.publish([removed(4)])  # seq 6
         await r.wait_seq(6)
         st = r.ing.status("w1")
-        assert st["duplicates"] == 2 and st["resets"] == 0
-        assert len(r.ing.held("w1")["GPU"]) == 5  # block 5 removed: it was counted once
+        assert st["duplicates"] == 1 and st["resets"] == 0
+        assert len(r.ing.held("w1")["GPU"]) == 5  # 0-3 and 5: block 4 went with its one removal (counted once)
 
 
 class _FreezingProxy:
