@@ -164,7 +164,7 @@ def template_kwargs(body: dict) -> dict:
              "documents": body.get("documents"), "reasoning_effort": effort}
     if effort is not None and "enable_thinking" not in user:
         extra["enable_thinking"] = effort != "none"
-    out.update((k, v) for k, v in extra.items() if not any(v is u or v == u for u in _UNSET))
+    out.update((k, v) for k, v in extra.items() if v not in _UNSET)
     return out
 
 
@@ -295,7 +295,6 @@ class LocalTokenizer:
         # (continue_final_message is not a template variable there; a plain chat has it False)
         ctx = {**self.special_map, **kwargs}
         ctx.pop("continue_final_message", None)
-        ctx.setdefault("add_generation_prompt", False)
         return _compile_jinja_template(template).render(messages=messages, tools=tools, **ctx)
 
     def _render_check(self) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from router.worker import rank_url
+
 
 class Prefetcher(Protocol):
     async def order(self, worker, model: str, hashes: list[int]) -> bool:
@@ -43,7 +45,8 @@ class G4Prefetcher:
 
         base = prefetch_base(worker)
         if base is None and self.port:  # a data-parallel rank's connector serves on the port + its rank
-            base = f"{self.scheme}://{worker.host}:{self.port + (getattr(worker, 'dp_rank', None) or 0)}"
+            base = rank_url(f"{self.scheme}://{worker.host}:{self.port}",
+                            getattr(worker, "dp_rank", None) or 0)
         return base
 
     async def order(self, worker, model: str, hashes: list[int]) -> bool:

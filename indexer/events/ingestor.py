@@ -437,18 +437,18 @@ class EventIngestor:
         except DecodeError:
             s.counters["dropped"] += 1
             return
+        if s.ahead_adopted and s.ahead is not None and s.ahead[0] <= seq <= s.ahead[1]:
+            s.ahead_adopted = False  # the adopted window's first live batch: is the publisher past it?
+            if not await self._publisher_reached(s, s.ahead[1]):
+                log.info("%s: its publisher is at seq %d, below the adopted map's %d (restarted unseen)",
+                         s.src.worker, seq, s.ahead[1])
+                s.ahead = None  # and the restart is handled below: seq <= last_seq
         if s.ahead is not None:
             lo, hi = s.ahead
-            if lo <= seq <= hi and s.ahead_adopted:
-                s.ahead_adopted = False
-                if not await self._publisher_reached(s, hi):
-                    log.info("%s: its publisher is at seq %d, below the adopted map's %d (restarted unseen)",
-                             s.src.worker, seq, hi)
-                    s.ahead = None  # and the restart is handled below: seq <= last_seq
-            if s.ahead is not None and lo <= seq <= hi:  # already applied (a resync replay, the writer)
+            if lo <= seq <= hi:  # already applied (a resync replay, the writer)
                 s.counters["duplicates"] += 1
                 return
-            if s.ahead is not None and seq > hi:
+            if seq > hi:
                 s.ahead = None
         if s.last_seq is None:
             if seq > 0 and s.sub.replay_endpoint:
@@ -590,7 +590,7 @@ class EventIngestor:
         s.counters["resets"] += 1
         s.state.reset()
         s.last_seq = s.last_payload = None
-        s.ahead = None
+        s.ahead, s.ahead_adopted = None, False
         if s.writer:
             await self._index_call(s, self.index.clear_worker(s.src.model, s.src.worker))
         log.info("%s: cleared (%s)", s.src.worker, reason)
