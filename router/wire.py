@@ -62,12 +62,24 @@ async def read_body(headers: dict[str, str], receive, limit: int, timeout_s: flo
 _decode_json = msgspec.json.Decoder().decode
 
 
+def _no_lone_surrogate(body) -> None:
+    """msgspec refuses a ``\\ud800`` escape without its pair; json.loads takes it. Such a string is no
+    text: a worker's tokenizer fails on it (vLLM answers 500) and the gateway cannot hash it, so it is the
+    client's error here, whether or not the gateway tokenizes the prompt itself."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise APIError(400, "The request body is not valid Unicode: it holds a lone surrogate (a \\ud800-"
+                       "\\udfff escape without its pair).", code="invalid_prompt") from None
+
+
 def parse_json_object(raw: bytes) -> dict:
     try:
         try:
             body = _decode_json(raw)
         except msgspec.DecodeError:
             body = json.loads(raw)  # the reference parser decides (msgspec refuses e.g. huge integers)
+            _no_lone_surrogate(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"Invalid JSON body: {e}", code="invalid_json") from None
     except RecursionError:  # json.loads on a body nested thousands deep (msgspec refuses it first)

@@ -415,10 +415,13 @@ async def test_a_trickled_body_is_a_408_at_body_timeout_s_and_closes(fleet, star
 
 @pytest.mark.parametrize("case", ["invalid_json", "not_object", "missing_model", "unknown_model",
                                   "too_large_declared", "too_large_streamed", "no_healthy", "lone_surrogate",
-                                  "template_raises"])
+                                  "lone_surrogate_no_tokenizer", "template_raises"])
 async def test_bad_input(fleet, start_gateway, case):
+    """Each bad request gets its status in the OpenAI error shape. ``lone_surrogate_no_tokenizer``: a gateway
+    without a local tokenizer refused it too (before, it reached the worker, whose tokenizer fails on it:
+    vLLM answers 500, the client got a 502)."""
     st = fleet.add("a")
-    gw = start_gateway(fleet, max_body_bytes=2000)
+    gw = start_gateway(fleet, max_body_bytes=2000, local_tokenizer=case != "lone_surrogate_no_tokenizer")
     url = gw.url + "/v1/chat/completions"
     async with httpx.AsyncClient(timeout=30) as c:
         if case == "invalid_json":
@@ -436,7 +439,7 @@ async def test_bad_input(fleet, start_gateway, case):
                 for _ in range(10):
                     yield b"x" * 500
             r, want = await c.post(url, content=gen()), 413  # chunked: no Content-Length
-        elif case == "lone_surrogate":  # valid JSON, but the prompt is not valid UTF-8
+        elif case.startswith("lone_surrogate"):  # valid JSON, but the prompt is not valid UTF-8
             raw = b'{"model": "%s", "messages": [{"role": "user", "content": "bad \\ud800 text"}]}' % MODEL.encode()
             r, want = await c.post(url, content=raw, headers={"content-type": "application/json"}), 400
         elif case == "template_raises":
@@ -450,7 +453,8 @@ async def test_bad_input(fleet, start_gateway, case):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert "Traceback" not in r.text
-    if case in ("too_large_declared", "too_large_streamed", "lone_surrogate", "template_raises"):
+    if case in ("too_large_declared", "too_large_streamed", "lone_surrogate", "lone_surrogate_no_tokenizer",
+                "template_raises"):
         assert st.requests == []  # refused before anything reached a worker
 
 
