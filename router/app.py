@@ -9,7 +9,7 @@ from fastapi import FastAPI
 
 from router.admin import install as install_admin
 from router.config import Settings
-from router.errors import install_handlers
+from router.errors import document_errors, install_handlers
 from router.proxy import build_router, dispatch
 from router.state import GatewayState
 
@@ -64,4 +64,5 @@ def create_app(settings: Settings | None = None, *, index=None, prefetcher=None,
     install_handlers(app)
     app.include_router(build_router())
     install_admin(app)
+    document_errors(app)
     return app

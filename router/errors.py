@@ -7,6 +7,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
@@ -26,6 +27,61 @@ _TYPES = {
     503: "service_unavailable",
     504: "upstream_timeout",
 }
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """Every error this gateway answers (but the Anthropic Messages routes'), validation failures included."""
+
+    error: ErrorDetail
+
+
+_MEANINGS = {
+    400: "Bad request: not JSON, or a field the gateway cannot use", 401: "No or wrong bearer token",
+    403: "No admin token configured and the client is not on loopback", 404: "Not found",
+    409: "Conflicts with the gateway's state", 422: "A field fails validation",
+    503: "The index (Redis) or every worker is unavailable",
+}
+
+
+def error_responses(*statuses: int) -> dict:
+    """OpenAPI ``responses`` for the error statuses a route answers, each in the OpenAI error shape."""
+    return {s: {"model": ErrorBody, "description": _MEANINGS[s]} for s in statuses}
+
+
+def document_errors(app: FastAPI) -> None:
+    """FastAPI declares its own 422 body (``HTTPValidationError``) on every route with parameters; this app
+    answers those in the OpenAI shape (:func:`install_handlers`), so its OpenAPI document says so."""
+    make = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        spec = make()
+        schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+        body = ErrorBody.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, sub in body.pop("$defs", {}).items():
+            schemas.setdefault(name, sub)
+        schemas.setdefault("ErrorBody", body)
+        ref = {"$ref": "#/components/schemas/ErrorBody"}
+        for ops in spec.get("paths", {}).values():
+            for op in ops.values():
+                r422 = op.get("responses", {}).get("422") if isinstance(op, dict) else None
+                if r422 is not None:
+                    r422["description"] = _MEANINGS[422]
+                    r422["content"] = {"application/json": {"schema": ref}}
+        for unused in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(unused, None)
+        app.openapi_schema = spec
+        return spec
+
+    app.openapi = openapi
 
 
 class APIError(Exception):
@@ -74,6 +130,9 @@ def install_handlers(app: FastAPI) -> None:
     async def _validation(_: Request, exc: RequestValidationError) -> Response:
         errs = exc.errors()
         first = errs[0] if errs else {}
+        if first.get("type") == "json_invalid":  # not JSON at all: the 400 the data routes answer, no param
+            why = (first.get("ctx") or {}).get("error") or first.get("msg", "")
+            return error_response(APIError(400, f"Invalid JSON body: {why}", code="invalid_json"))
         parts = list(first.get("loc", ()))
         if parts and parts[0] in ("body", "query", "path", "header"):  # FastAPI's location, not a field
             parts = parts[1:]

@@ -8,12 +8,15 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 
 from router.admin.auth import require_admin
+from router.errors import error_responses
 
 
 def admin_router() -> APIRouter:
     from router.admin import blocks, decisions, explain, g4, index, workers
 
-    root = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
+    # every admin route: a missing or wrong token (401), no token configured and a remote client (403)
+    root = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)],
+                     responses=error_responses(401, 403))
     for area in (workers, index, explain, blocks, decisions, g4):
         root.include_router(area.router)
     return root

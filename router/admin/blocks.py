@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from router.admin import schemas
 from router.admin.common import kv_state
 from router.admin.g4 import g4_file_metadata
-from router.errors import APIError
+from router.errors import APIError, error_responses
 
 router = APIRouter(prefix="/blocks", tags=["admin: blocks"])
 
@@ -30,6 +30,7 @@ def parse_hash(text: str) -> int:
 
 
 @router.get("/{model:path}/{block_hash}", response_model=schemas.BlockOut,
+            responses=error_responses(400, 503),
             summary="Where one block lives (hash in decimal or 0x-hex)")
 async def locate_block(model: str, block_hash: str, request: Request) -> schemas.BlockOut:
     state = kv_state(request)

@@ -5,6 +5,7 @@ from fastapi import APIRouter, Query, Request
 
 from router.admin import schemas
 from router.admin.common import kv_state, not_found
+from router.errors import error_responses
 
 router = APIRouter(prefix="/decisions", tags=["admin: decisions"])
 
@@ -23,7 +24,8 @@ async def recent(request: Request,
                                 decisions=[schemas.DecisionOut(**d.to_dict()) for d in items])
 
 
-@router.get("/{request_id}", response_model=schemas.DecisionOut, summary="One decision by request id")
+@router.get("/{request_id}", response_model=schemas.DecisionOut,
+            responses=error_responses(404), summary="One decision by request id")
 async def one(request_id: str, request: Request) -> schemas.DecisionOut:
     d = kv_state(request).decisions.get(request_id) or not_found(
         f"no recent decision for request {request_id!r}", "request_id")

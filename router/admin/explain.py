@@ -15,9 +15,11 @@ from fastapi import APIRouter, Request
 
 from router.admin import schemas
 from router.admin.common import kv_state
-from router.errors import APIError
+from router.errors import APIError, error_responses
 
 router = APIRouter(prefix="/explain", tags=["admin: explain"])
+# as the data routes: a body the gateway cannot route, a model it does not serve, no healthy worker
+_ERRORS = error_responses(400, 404, 503)
 
 PATHS = ("/v1/chat/completions", "/v1/completions")
 
@@ -89,7 +91,8 @@ async def _explain(request: Request, path: str, body: dict, model: str | None,
     return d  # validated and serialized once, by the route's response model
 
 
-@router.post("", response_model=schemas.Explanation, summary="Explain how a request would be routed")
+@router.post("", response_model=schemas.Explanation,
+             responses=_ERRORS, summary="Explain how a request would be routed")
 async def explain(req: schemas.ExplainRequest, request: Request) -> schemas.Explanation:
     path = req.path
     if path is None:
@@ -97,13 +100,13 @@ async def explain(req: schemas.ExplainRequest, request: Request) -> schemas.Expl
     return await _explain(request, path, req.body, req.model, req.headers)
 
 
-@router.post("/v1/chat/completions", response_model=schemas.Explanation,
+@router.post("/v1/chat/completions", response_model=schemas.Explanation, responses=_ERRORS,
              summary="Explain a chat request given verbatim")
 async def explain_chat(body: dict, request: Request) -> schemas.Explanation:
     return await _explain(request, "/v1/chat/completions", body, None, _client_headers(request))
 
 
-@router.post("/v1/completions", response_model=schemas.Explanation,
+@router.post("/v1/completions", response_model=schemas.Explanation, responses=_ERRORS,
              summary="Explain a completion request given verbatim")
 async def explain_completion(body: dict, request: Request) -> schemas.Explanation:
     return await _explain(request, "/v1/completions", body, None, _client_headers(request))

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Query, Request
 
 from router.admin import schemas
 from router.admin.common import kv_state
-from router.errors import APIError
+from router.errors import APIError, error_responses
 
 log = logging.getLogger("kvgate.admin")
 router = APIRouter(prefix="/g4", tags=["admin: g4"])
@@ -137,17 +137,30 @@ async def _maintenance(state):
     return root, inventory
 
 
+async def _finish(coro, what: str):
+    """A maintenance run whose index (Redis down, a timeout) or store (a failed mount) fails answers 503
+    saying so, not a 500. A GC that removed files before the index failed leaves their entries in the
+    index (a request planned on them recomputes those blocks)."""
+    try:
+        return await coro
+    except Exception as exc:
+        raise APIError(503, f"G4 {what} did not complete (the index or the G4 store is unavailable): "
+                            f"{type(exc).__name__}: {exc}", code="g4_maintenance_failed") from None
+
+
 @router.post("/{model:path}/rebuild", response_model=schemas.G4Maintenance,
+             responses=error_responses(409, 503),
              summary="Record every block of the model found on G4 in the index (after an index loss)")
 async def rebuild(model: str, request: Request) -> schemas.G4Maintenance:
     state = kv_state(request)
     root, inventory = await _maintenance(state)
-    n = await inventory.rebuild_index(state.index, model, root)
+    n = await _finish(inventory.rebuild_index(state.index, model, root), "rebuild")
     log.info("admin: G4 rebuild of %s: %d blocks", model, n)
     return schemas.G4Maintenance(model=model, blocks=n)
 
 
 @router.post("/{model:path}/gc", response_model=schemas.G4Maintenance,
+             responses=error_responses(400, 409, 503),
              summary="Run the G4 LRU GC for a model now and drop the evicted blocks from the index")
 async def gc(model: str, request: Request,
              capacity_bytes: int | None = Query(None, ge=0, description="default: g4.capacity_bytes"),
@@ -158,6 +171,6 @@ async def gc(model: str, request: Request,
     if cap is None:
         raise APIError(400, "no capacity: pass capacity_bytes or configure g4.capacity_bytes",
                        param="capacity_bytes")
-    evicted = await inventory.gc_store(state.index, model, root, cap)
+    evicted = await _finish(inventory.gc_store(state.index, model, root, cap), "GC")
     log.info("admin: G4 GC of %s to %d bytes: %d evicted", model, cap, len(evicted))
     return schemas.G4Maintenance(model=model, evicted=len(evicted), capacity_bytes=cap)

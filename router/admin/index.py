@@ -9,7 +9,7 @@ from indexer.events.state import entries_per_tier
 from indexer.index.base import LeaseLost, Tier
 from router.admin import schemas
 from router.admin.common import index_stats, ingestor_statuses, kv_state, not_found
-from router.errors import APIError
+from router.errors import APIError, error_responses
 from router.worker import index_names
 
 log = logging.getLogger("kvgate.admin")
@@ -41,7 +41,8 @@ def _known_models(state, stats: dict) -> list[str]:
     return sorted(names)
 
 
-@router.get("", response_model=schemas.IndexStats, summary="Index statistics for every model")
+@router.get("", response_model=schemas.IndexStats,
+            responses=error_responses(503), summary="Index statistics for every model")
 async def all_stats(request: Request) -> schemas.IndexStats:
     state = kv_state(request)
     stats, events = await index_stats(state), ingestor_statuses(state)
@@ -51,7 +52,8 @@ async def all_stats(request: Request) -> schemas.IndexStats:
     )
 
 
-@router.get("/{model:path}/stats", response_model=schemas.ModelIndexStats, summary="One model's statistics")
+@router.get("/{model:path}/stats", response_model=schemas.ModelIndexStats,
+            responses=error_responses(404, 503), summary="One model's statistics")
 async def model_stats(model: str, request: Request) -> schemas.ModelIndexStats:
     state = kv_state(request)
     stats = await index_stats(state, model)
@@ -61,6 +63,7 @@ async def model_stats(model: str, request: Request) -> schemas.ModelIndexStats:
 
 
 @router.delete("/{model:path}/workers/{worker}", response_model=schemas.Flushed,
+               responses=error_responses(409, 503),
                summary="Drop one worker's entries for a model (all tiers, or ?tier=GPU|CPU)")
 async def flush_worker(model: str, worker: str, request: Request,
                        tier: Tier | None = Query(None, description="only this tier")) -> schemas.Flushed:
@@ -70,7 +73,8 @@ async def flush_worker(model: str, worker: str, request: Request,
     return schemas.Flushed(model=model, worker=worker, removed=int(removed))
 
 
-@router.delete("/{model:path}", response_model=schemas.Flushed, summary="Drop every entry of a model, G4 too")
+@router.delete("/{model:path}", response_model=schemas.Flushed,
+               responses=error_responses(409, 503), summary="Drop every entry of a model, G4 too")
 async def flush_model(model: str, request: Request) -> schemas.Flushed:
     state = kv_state(request)
     removed = await _guard(state.index.clear_model(model))

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from router.admin import schemas
 from router.admin.common import index_stats_or_error, ingestor_statuses, kv_state, not_found
 from router.config import WorkerConfig
-from router.errors import APIError
+from router.errors import APIError, error_responses
 from indexer.events.state import local_g4_member
 from router.registry import DuplicateWorker
 from router.worker import index_names
@@ -62,14 +62,14 @@ async def list_workers(request: Request) -> schemas.WorkerList:
                               index_error=error)
 
 
-@router.get("/{name}", response_model=schemas.WorkerOut, summary="One worker")
+@router.get("/{name}", response_model=schemas.WorkerOut, responses=error_responses(404), summary="One worker")
 async def get_worker(name: str, request: Request) -> schemas.WorkerOut:
     state = kv_state(request)
     w = state.registry.get(name) or not_found(f"no worker named {name!r}", "name")
     return worker_out(state, w, (await index_stats_or_error(state))[0], ingestor_statuses(state))
 
 
-@router.post("", response_model=schemas.WorkerOut, status_code=201,
+@router.post("", response_model=schemas.WorkerOut, status_code=201, responses=error_responses(400, 409),
              summary="Add a worker at run time (probed at once; routable when healthy)")
 async def add_worker(spec: schemas.AddWorker, request: Request) -> schemas.WorkerOut:
     state = kv_state(request)
@@ -82,7 +82,7 @@ async def add_worker(spec: schemas.AddWorker, request: Request) -> schemas.Worke
     return worker_out(state, w, (await index_stats_or_error(state))[0], ingestor_statuses(state))
 
 
-@router.delete("/{name}", response_model=schemas.WorkerRemoved,
+@router.delete("/{name}", response_model=schemas.WorkerRemoved, responses=error_responses(404),
                summary="Remove a worker: stop routing to it, unsubscribe its events, drop its index entries")
 async def remove_worker(name: str, request: Request) -> schemas.WorkerRemoved:
     state = kv_state(request)
@@ -94,13 +94,13 @@ async def remove_worker(name: str, request: Request) -> schemas.WorkerRemoved:
     return schemas.WorkerRemoved(removed=name)
 
 
-@router.post("/{name}/drain", response_model=schemas.WorkerOut,
+@router.post("/{name}/drain", response_model=schemas.WorkerOut, responses=error_responses(404),
              summary="Drain a worker: no new requests, in-flight ones finish")
 async def drain_worker(name: str, request: Request) -> schemas.WorkerOut:
     return await _set_draining(request, name, True)
 
 
-@router.post("/{name}/parity", response_model=schemas.ParityOut,
+@router.post("/{name}/parity", response_model=schemas.ParityOut, responses=error_responses(404, 409),
              summary="Run the parity check now (router/parity.py: one probe request to the worker); "
                      "answers within health_timeout_s, at once with no-events for a worker without KV events")
 async def parity(name: str, request: Request) -> schemas.ParityOut:
@@ -117,7 +117,8 @@ async def parity(name: str, request: Request) -> schemas.ParityOut:
     return schemas.ParityOut(**w.parity)
 
 
-@router.post("/{name}/undrain", response_model=schemas.WorkerOut, summary="Route to a drained worker again")
+@router.post("/{name}/undrain", response_model=schemas.WorkerOut,
+             responses=error_responses(404), summary="Route to a drained worker again")
 async def undrain_worker(name: str, request: Request) -> schemas.WorkerOut:
     return await _set_draining(request, name, False)
 

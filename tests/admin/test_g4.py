@@ -65,6 +65,27 @@ def test_g4_store_stats_block_metadata_rebuild_and_gc(admin_env, tmp_path):
     assert bad.status_code == 422
 
 
+def test_g4_maintenance_with_the_index_down_is_503(admin_env, tmp_path):
+    """Redis down: a rebuild (it writes the blocks it finds) and a GC (it drops what it evicted) answer 503
+    in the error shape (they answered 500)."""
+    from cache_tier import store as store_mod
+    from indexer.hashing import sequence_hashes
+    from tests.support.procs import free_port
+
+    ns = store_mod.Namespace(model=MODEL, dtype="float16", block_size=BLOCK, layer_shapes=((2, 2, BLOCK, 8),))
+    st = store_mod.G4Store(tmp_path / "g4", ns)
+    toks = prompt(62, 2)
+    hashes = sequence_hashes(toks[: 2 * BLOCK], BLOCK)
+    for i, h in enumerate(hashes):
+        st.put(h, toks[i * BLOCK:(i + 1) * BLOCK], hashes[i - 1] if i else None, bytes(ns.payload_bytes))
+    env = admin_env(1, index_url=f"redis://127.0.0.1:{free_port()}/0", g4={"path": str(tmp_path / "g4")})
+    r = env.http.post(f"/admin/g4/{MODEL}/rebuild")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "g4_maintenance_failed", r.text
+    r = env.http.post(f"/admin/g4/{MODEL}/gc", params={"capacity_bytes": 0})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "g4_maintenance_failed", r.text
+    assert env.http.get("/admin/g4").json()["configured"] is True
+
+
 def test_g4_maintenance_checks_the_store_off_the_event_loop(admin_env, tmp_path, monkeypatch):
     """The store's root is a shared mount: a stat of a hung one blocks, and on the event loop it stalled
     every request the gateway serves. The maintenance routes check it in a thread."""

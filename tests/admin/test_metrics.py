@@ -150,6 +150,30 @@ def test_openapi_documents_the_admin_api(admin_env):
         assert ok["content"]["application/json"]["schema"]["$ref"].endswith("/" + schema), (path, method)
     assert "ExplainRequest" in spec["components"]["schemas"]
     assert "CandidateOut" in spec["components"]["schemas"]
+    # Errors: the OpenAI shape every error is answered in, 422 included (FastAPI's own 422 body was
+    # declared, which this gateway never sends), and the statuses each route answers besides.
+    comps = spec["components"]["schemas"]
+    assert "HTTPValidationError" not in comps
+    detail = comps["ErrorBody"]["properties"]["error"]["$ref"].rsplit("/", 1)[1]
+    assert set(comps[detail]["properties"]) == {"message", "type", "param", "code"}
+    for path, ops in paths.items():
+        for method, op in ops.items():
+            for status, resp in op["responses"].items():
+                if status[0] in "45":
+                    assert resp["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody"), \
+                        (path, method, status)
+            if path.startswith("/admin"):
+                assert {"401", "403"} <= set(op["responses"]), (path, method)
+    for (path, method), statuses in {
+        ("/admin/workers", "post"): {"400", "409", "422"}, ("/admin/workers/{name}", "get"): {"404"},
+        ("/admin/index/{model}", "delete"): {"409", "503"}, ("/admin/explain", "post"): {"400", "404", "503"},
+        ("/admin/blocks/{model}/{block_hash}", "get"): {"400", "503"}, ("/admin/g4/{model}/gc", "post"):
+            {"400", "409", "503"},
+    }.items():
+        assert statuses <= set(paths[path][method]["responses"]), (path, method)
+    bad = env.http.post("/admin/workers", json={"url": "not a url"})  # a real 422 has the declared shape
+    assert bad.status_code == 422 and set(bad.json()) == {"error"}
+    assert set(bad.json()["error"]) == set(comps[detail]["properties"])
 
 
 def test_tokenize_cache_metrics(admin_env):
