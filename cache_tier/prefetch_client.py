@@ -37,7 +37,8 @@ def prefetch_base(worker: Any) -> str | None:
 
 
 class G4Prefetcher:
-    """Sends prefetch orders; counts what happened (sent, failed, skipped)."""
+    """Sends prefetch orders; counts what happened: ``sent`` (202), ``declined`` (the connector answered
+    otherwise), ``failed`` (no answer: refused connection, timeout), ``skipped`` (no endpoint, no hashes)."""
 
     def __init__(
         self, *, timeout_s: float = 0.5, max_hashes: int = 4096, client: httpx.AsyncClient | None = None
@@ -46,33 +47,33 @@ class G4Prefetcher:
         self.max_hashes = max_hashes
         self._client = client
         self._own = client is None
-        self.counters = {"sent": 0, "failed": 0, "skipped": 0, "hashes": 0}
+        self.counters = {"sent": 0, "declined": 0, "failed": 0, "skipped": 0, "hashes": 0}
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s))
         return self._client
 
-    async def order(self, worker: Any, model: str, hashes: Sequence[int]) -> bool:
-        """Ask ``worker`` to stage ``hashes`` (the G4 blocks of the plan, in prompt order)."""
+    async def order(self, worker: Any, model: str, hashes: Sequence[int]) -> str:
+        """Ask ``worker`` to stage ``hashes`` (the G4 blocks of the plan, in prompt order); the outcome."""
         base = prefetch_base(worker)
         if base is None or not hashes:
             self.counters["skipped"] += 1
-            return False
+            return "skipped"
         body = {
             "model": model,
             "hashes": [f"{h & 0xFFFFFFFFFFFFFFFF:016x}" for h in hashes[: self.max_hashes]],
         }
         try:
             r = await self._http().post(base + PREFETCH_PATH, json=body, timeout=self.timeout_s)
-            ok = r.status_code == 202
+            outcome = "sent" if r.status_code == 202 else "declined"
         except Exception as e:  # noqa: BLE001 - an order is advisory: a bad URL or a refused socket too
             log.debug("prefetch order to %s failed: %s", base, e)
-            ok = False
-        self.counters["sent" if ok else "failed"] += 1
-        if ok:
+            outcome = "failed"
+        self.counters[outcome] += 1
+        if outcome == "sent":
             self.counters["hashes"] += len(body["hashes"])
-        return ok
+        return outcome
 
     async def aclose(self) -> None:
         if self._own and self._client is not None:

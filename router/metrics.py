@@ -128,7 +128,9 @@ class GatewayMetrics:
         self.inflight = Gauge("kvgate_inflight_requests", "Requests in flight per worker", ["worker"], registry=r)
         self.retries = Counter("kvgate_retries", "Requests retried on another worker before the first byte",
                                ["model", "reason"], registry=r)
-        self.prefetch = Counter("kvgate_prefetch_orders", "G4 prefetch orders by outcome (sent, declined, failed)",
+        self.prefetch = Counter("kvgate_prefetch_orders", "G4 prefetch orders by outcome: sent (accepted), "
+                                "declined (the connector answered otherwise), failed (no answer: a refused "
+                                "connection, a timeout), skipped (no prefetch endpoint for the worker)",
                                 ["worker", "outcome"], registry=r)
         self.cache_blind = Gauge("kvgate_worker_cache_blind",
                                  "1 when the parity check found that kvgate's block keys do not match the "

@@ -8,15 +8,17 @@ from router.worker import rank_url
 
 
 class Prefetcher(Protocol):
-    async def order(self, worker, model: str, hashes: list[int]) -> bool:
-        """Ask ``worker`` (a registry Worker) to stage ``hashes`` from G4; True when the order was accepted."""
+    async def order(self, worker, model: str, hashes: list[int]) -> str:
+        """Ask ``worker`` (a registry Worker) to stage ``hashes`` from G4. The outcome, as
+        ``kvgate_prefetch_orders_total`` counts it: ``sent`` (accepted), ``declined`` (the connector answered
+        otherwise), ``failed`` (no answer), ``skipped`` (no endpoint for this worker)."""
 
 
 class NoopPrefetcher:
     """Default: no G4 tier, nothing to stage."""
 
-    async def order(self, worker, model: str, hashes: list[int]) -> bool:
-        return False
+    async def order(self, worker, model: str, hashes: list[int]) -> str:
+        return "skipped"
 
 
 class G4Prefetcher:
@@ -49,20 +51,20 @@ class G4Prefetcher:
                             getattr(worker, "dp_rank", None) or 0)
         return base
 
-    async def order(self, worker, model: str, hashes: list[int]) -> bool:
+    async def order(self, worker, model: str, hashes: list[int]) -> str:
         import time
 
         base = self.base_url(worker)
         if base is None:
-            return False
-        ok = await self.client.order(base, model, hashes)
+            return "skipped"
+        outcome = await self.client.order(base, model, hashes)
         now = time.monotonic()
         if now - self._polled.get(worker.name, 0.0) >= self.interval_s:
             self._polled[worker.name] = now
             if await self.bandwidth.poll(worker.name, base) is not None:
                 worker.g4_bytes_per_s = self.bandwidth.bytes_per_s(worker.name)
                 worker.g4_bytes_per_block = self.bandwidth.block_bytes.get(worker.name, 0)
-        return ok
+        return outcome
 
     async def aclose(self) -> None:
         await self.client.aclose()

@@ -161,11 +161,11 @@ class Forwarder:
 
         async def go():
             try:
-                ok = await asyncio.wait_for(st.prefetcher.order(worker, self.d.namespace, want),
-                                            st.routing.prefetch_timeout_s)
-                st.metrics.prefetch.labels(worker.name, "sent" if ok else "declined").inc()
-            except Exception:
-                st.metrics.prefetch.labels(worker.name, "failed").inc()
+                outcome = await asyncio.wait_for(st.prefetcher.order(worker, self.d.namespace, want),
+                                                 st.routing.prefetch_timeout_s)
+            except Exception:  # the order's deadline
+                outcome = "failed"
+            st.metrics.prefetch.labels(worker.name, outcome).inc()
 
         st.spawn(go())
 

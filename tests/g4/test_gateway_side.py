@@ -72,10 +72,10 @@ async def test_prefetch_order_stages_blocks_and_is_idempotent(endpoint):
     fill(endpoint.store, [11, 12, 13])
     pf = G4Prefetcher(timeout_s=2.0)
     try:
-        assert await pf.order(endpoint.url, "tiny", [11, 12, 13, 99])
+        assert await pf.order(endpoint.url, "tiny", [11, 12, 13, 99]) == "sent"
         assert wait_for(lambda: endpoint.stager.stats()["staged"] == 3)
         assert endpoint.stager.stats()["stage_misses"] == 1  # 99 is not on G4: harmless
-        assert await pf.order(endpoint.url, "tiny", [11, 12])  # again: nothing new is read
+        assert await pf.order(endpoint.url, "tiny", [11, 12]) == "sent"  # again: nothing new is read
         assert endpoint.stager.stats()["staged"] == 3
         # the connector takes staged blocks first, checking token ids
         assert endpoint.stager.take(11, toks(1)) is None  # wrong ids: refused
@@ -83,7 +83,7 @@ async def test_prefetch_order_stages_blocks_and_is_idempotent(endpoint):
         assert got is not None and got.numel() == NS.payload_bytes
         # bounded: staging never exceeds its capacity (4 blocks) however much is ordered
         fill(endpoint.store, list(range(100, 110)))
-        assert await pf.order(endpoint.url, "tiny", list(range(100, 110)))
+        assert await pf.order(endpoint.url, "tiny", list(range(100, 110))) == "sent"
         assert wait_for(lambda: endpoint.stager.stats()["in_flight"] == 0)
         st = endpoint.stager.stats()
         assert st["blocks"] <= 4 and st["bytes"] <= st["capacity_bytes"]
@@ -104,10 +104,12 @@ async def test_prefetch_refusals_and_unreachable_worker(endpoint):
         assert r.status_code == 400
     pf = G4Prefetcher(timeout_s=0.5)
     t0 = time.monotonic()
-    assert not await pf.order(f"http://127.0.0.1:{free_port()}", "tiny", [1, 2])
+    # no answer (a refused connection) fails; an answer other than 202 is the connector declining
+    assert await pf.order(f"http://127.0.0.1:{free_port()}", "tiny", [1, 2]) == "failed"
     assert time.monotonic() - t0 < 5
-    assert not await pf.order(None, "tiny", [1])
-    assert pf.counters == {"sent": 0, "failed": 1, "skipped": 1, "hashes": 0}
+    assert await pf.order(endpoint.url, "other", [1]) == "declined"  # the 404 above
+    assert await pf.order(None, "tiny", [1]) == "skipped"
+    assert pf.counters == {"sent": 0, "declined": 1, "failed": 1, "skipped": 1, "hashes": 0}
     await pf.aclose()
 
 
@@ -156,7 +158,7 @@ def test_the_prefetch_endpoint_refuses_a_negative_length_and_frees_stalled_conne
 async def test_a_prefetch_order_to_a_malformed_url_is_a_failure_not_an_exception():
     p = G4Prefetcher(timeout_s=0.2)
     try:
-        assert await p.order("http://[::1:8200", "m", [1]) is False
+        assert await p.order("http://[::1:8200", "m", [1]) == "failed"
         assert p.counters["failed"] == 1
     finally:
         await p.aclose()
@@ -244,7 +246,7 @@ async def test_gateway_prefetcher_orders_and_calibrates_the_cost_model(endpoint)
 
     bare = make_prefetcher(Settings())  # no fleet port: a worker without its own endpoint gets no order
     nowhere = Worker(name="w0", url="http://127.0.0.1:1", config=WorkerConfig(url="http://127.0.0.1:1"))
-    assert bare.base_url(nowhere) is None and not await bare.order(nowhere, "tiny", [1])
+    assert bare.base_url(nowhere) is None and await bare.order(nowhere, "tiny", [1]) == "skipped"
     assert bare.client.counters["sent"] + bare.client.counters["failed"] == 0
     await bare.aclose()
     port = urlsplit(endpoint.url).port
@@ -257,15 +259,15 @@ async def test_gateway_prefetcher_orders_and_calibrates_the_cost_model(endpoint)
     fill(endpoint.store, [21, 22])
     endpoint.load_bytes, endpoint.load_seconds = 64 << 20, 0.25  # the connector measured 256 MiB/s
     try:
-        assert await pf.order(w, "tiny", [21, 22])
+        assert await pf.order(w, "tiny", [21, 22]) == "sent"
         assert wait_for(lambda: endpoint.stager.stats()["staged"] == 2)
         assert w.g4_bytes_per_s == pytest.approx((64 << 20) / 0.25)
         assert w.g4_bytes_per_block == endpoint.store.file_bytes
         after = cost.score(w, WorkerMatch(), g4=10, num_tokens=10 * B + 1, block_size=B).g4_load_ms
         assert after == pytest.approx(10 * endpoint.store.file_bytes / ((64 << 20) / 0.25) * 1000.0)
         assert after != before
-        assert not await pf.order(Worker(name="gone", url="http://127.0.0.1:1",
-                                         config=WorkerConfig(url="http://127.0.0.1:1")), "other", [21])
+        gone = Worker(name="gone", url="http://127.0.0.1:1", config=WorkerConfig(url="http://127.0.0.1:1"))
+        assert await pf.order(gone, "other", [21]) == "declined"  # the endpoint serves no model "other"
     finally:
         await pf.aclose()
 
@@ -299,18 +301,18 @@ async def test_two_workers_on_one_host_each_get_their_own_prefetch_order(tmp_pat
     assert ws[0].to_dict()["prefetch_url"] == eps[0].url
     pf = make_prefetcher(settings)
     try:
-        assert await pf.order(ws[0], "tiny", [101])
-        assert await pf.order(ws[1], "tiny", [102, 103])
+        assert await pf.order(ws[0], "tiny", [101]) == "sent"
+        assert await pf.order(ws[1], "tiny", [102, 103]) == "sent"
         assert wait_for(lambda: eps[0].stager.stats()["staged"] == 1)
         assert wait_for(lambda: eps[1].stager.stats()["staged"] == 2)
         assert eps[2].stager.stats()["staged"] == 0  # nothing went to the fleet-wide port
-        assert await pf.order(ws[2], "tiny", [101, 102, 103])
+        assert await pf.order(ws[2], "tiny", [101, 102, 103]) == "sent"
         assert wait_for(lambda: eps[2].stager.stats()["staged"] == 3)
         assert eps[0].stager.stats()["staged"] == 1 and eps[1].stager.stats()["staged"] == 2
         none = Settings(workers=[WorkerConfig(url="http://127.0.0.1:8004", name="d")])
         d = await WorkerRegistry(none, Index()).add(none.workers[0], probe=False)
         bare = make_prefetcher(none)
-        assert d.prefetch_url is None and not await bare.order(d, "tiny", [101])
+        assert d.prefetch_url is None and await bare.order(d, "tiny", [101]) == "skipped"
         assert bare.client.counters["skipped"] + bare.client.counters["sent"] == 0  # not even tried
         await bare.aclose()
     finally:
@@ -359,10 +361,10 @@ async def test_each_data_parallel_rank_gets_its_prefetch_order_on_its_own_port(t
     assert (r0.prefetch_url, r1.prefetch_url) == (f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}")
     pf = make_prefetcher(settings)
     try:
-        assert await pf.order(r1, "tiny", [102, 103])
+        assert await pf.order(r1, "tiny", [102, 103]) == "sent"
         assert wait_for(lambda: eps[1].stager.stats()["staged"] == 2)
         assert eps[0].stager.stats()["staged"] == 0  # not to rank 0's engine
-        assert await pf.order(r0, "tiny", [101])
+        assert await pf.order(r0, "tiny", [101]) == "sent"
         assert wait_for(lambda: eps[0].stager.stats()["staged"] == 1)
         assert w.prefetch_url == f"http://127.0.0.1:{port}"  # the server's own: rank 0's
     finally:

@@ -137,6 +137,9 @@ async def test_plan_sends_nothing_and_matches_choice(fleet, start_gateway, token
 
 
 async def test_prefetch_ordered_for_g4_plan(fleet, start_gateway, tokenizer_dir):
+    """The G4 part of the plan is ordered from the chosen worker, and ``kvgate_prefetch_orders_total``
+    counts the order's outcome as the prefetcher gave it (a connector that answered, not accepting it, is
+    ``declined``; before, every order not accepted was, an unreachable connector too)."""
     fleet.add("a")
     gw = start_gateway(fleet)
     orders = []
@@ -144,7 +147,7 @@ async def test_prefetch_ordered_for_g4_plan(fleet, start_gateway, tokenizer_dir)
     class Recorder:
         async def order(self, worker, model, hashes):
             orders.append((worker.name, model, list(hashes)))
-            return True
+            return "declined"
 
     gw.state.prefetcher = gw.state.datapath.prefetcher = Recorder()
     body = chat_body(LONG)
@@ -159,6 +162,9 @@ async def test_prefetch_ordered_for_g4_plan(fleet, start_gateway, tokenizer_dir)
         assert (await c.post(gw.url + "/v1/chat/completions", json=body)).status_code == 200
     await wait_until(lambda: orders)
     assert orders == [("a", MODEL, hashes[2:6])]
+    prefetch = gw.state.metrics.prefetch
+    await wait_until(lambda: prefetch.labels("a", "declined")._value.get() == 1)
+    assert prefetch.labels("a", "sent")._value.get() == 0 and prefetch.labels("a", "failed")._value.get() == 0
 
 
 async def test_metrics_scraped_and_parsed(fleet, start_gateway):
