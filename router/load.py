@@ -283,7 +283,9 @@ class ActiveSequences:
         # and blocks another recent release freed too are not new to the free queue (they move to its
         # recent end): the LRU clock does not count them either
         recent = self._shared(seq, (x for x, _ in islice(reversed(self._recent), DEDUP)))
-        self.released_tokens += self._kv_tokens(seq, max(live, recent))
+        # nor does a last block the request did not fill: vLLM frees a block without a hash to the free
+        # queue's front (reused first, block_pool.free_blocks), not behind the prefixes released before it
+        self.released_tokens += self._kv_tokens(seq, max(live, recent), full_only=True)
         if seq.hashes:
             self._recent.append((seq.hashes, self.released_tokens))
 
@@ -306,17 +308,17 @@ class ActiveSequences:
 
     @staticmethod
     def _kv_tokens(seq: Sequence, shared: int, generation: bool = True,
-                   completion: int | None = None) -> int:
+                   completion: int | None = None, full_only: bool = False) -> int:
         """The KV tokens ``seq`` holds less ``shared`` leading blocks: its prompt and (``generation``) all it
         generates (``completion``, else what its response said, else what it is expected to), in whole blocks
-        (the generation grows into the prompt's last one). The last token generated is never fed back, so its
-        KV is never written: one less."""
+        (the generation grows into the prompt's last one; ``full_only``: only the blocks it fills, those
+        vLLM hashes). The last token generated is never fed back, so its KV is never written: one less."""
         bs = seq.block_size
         if completion is None:
             completion = seq.completion_tokens if seq.completion_tokens is not None else seq.expected
         held = seq.tokens + (max(0, completion - 1) if generation else 0)
         if bs > 0:
-            held = -(-held // bs) * bs
+            held = (held // bs if full_only else -(-held // bs)) * bs
         return max(0, held - shared * bs)
 
     def mark_scrape(self, waiting: float | None = None) -> None:

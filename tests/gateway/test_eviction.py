@@ -168,9 +168,10 @@ def test_the_workers_releases_place_a_prefix_in_the_lru_order():
 
 def test_releases_count_what_a_request_generated_not_its_max_tokens():
     """Clients ask for more than they get: two sessions of 40-block prompts with ``max_tokens`` 4,096 that
-    answer in 15 tokens. A's prefix sits behind B's release of 640 + 14 tokens (41 blocks), so the 720
-    older free tokens absorb the 300 queued ahead and it is priced whole; counted at ``max_tokens``, B's
-    release would be 4,735 tokens and A's prefix priced evicted. A response that does not say what it
+    answer in 15 tokens. A's prefix sits behind B's release of 640 + 14 tokens, of which 40 full blocks go
+    behind it in vLLM's free queue (the last, unfilled block has no hash: vLLM frees it to the queue's
+    front), so the 720 older free tokens absorb the 300 queued ahead and it is priced whole; counted at
+    ``max_tokens``, B's release would be 4,735 tokens and A's prefix priced evicted. A response that does not say what it
     generated is counted at the worker's average answer (at ``max_tokens`` before any response said)."""
     cm = model(RoutingConfig(prefill_tokens_per_s=1000.0, attention_knee_tokens=0))
     w = worker("a")
@@ -181,18 +182,18 @@ def test_releases_count_what_a_request_generated_not_its_max_tokens():
                            block_size=16)
         w.active.first_token(seq)
         w.active.finish(seq, completion_tokens=15)
-    assert w.active.prefix_age(a_hashes, 40) == 41 * 16
+    assert w.active.prefix_age(a_hashes, 40) == 40 * 16
     w.active.add(300, 300.0, 1e6)  # 300 tokens ahead of the next request, prefilling
     old = cm.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16, hashes=a_hashes)
     assert old.eviction_model == "lru" and old.evicted_blocks == 0
-    assert old.lru_older_tokens == 2000 - 640 - 656
+    assert old.lru_older_tokens == 2000 - 640 - 640
     # the KV the gateway's requests took and freed since the last scrape: each at the length it had
     assert w.active.kv_since_scrape() == 0
     unknown = w.active.add(0, 0.0, 1.0, streamed=True, tokens=640, max_tokens=4096,
                            hashes=list(range(300, 340)), block_size=16)
     w.active.first_token(unknown)
     w.active.finish(unknown)
-    assert w.active.prefix_age(a_hashes, 40) == 41 * 16 + 41 * 16
+    assert w.active.prefix_age(a_hashes, 40) == 40 * 16 + 40 * 16
     assert w.active.kv_since_scrape() == 0
 
 
@@ -278,12 +279,12 @@ def test_a_document_released_by_several_requests_is_counted_once():
         a.finish(a.add(0, 0.0, 1.0, tokens=64 * 16, max_tokens=16, hashes=prompt, block_size=16))
         if first is None:
             first = a.released_tokens
-    assert first == 64 * 16 + 16
-    assert a.released_tokens == first + 3 * (2 * 16 + 16)  # each later one: its question and answer
+    assert first == 64 * 16  # the answer's 15 tokens fill no block: vLLM frees that one to the queue's front
+    assert a.released_tokens == first + 3 * 2 * 16  # each later one: its question
     holding = a.add(0, 0.0, 1e6, tokens=63 * 16, hashes=doc + [3000], block_size=16)
     before = a.released_tokens
     a.finish(a.add(0, 0.0, 1.0, tokens=64 * 16, max_tokens=16, hashes=doc + [4000, 4001], block_size=16))
-    assert a.released_tokens - before == 2 * 16 + 16  # the document stays held
+    assert a.released_tokens - before == 2 * 16  # the document stays held
     a.finish(holding)
 
 
