@@ -43,8 +43,11 @@ class TimingModel:
     decode_s_per_seq: float = 0.0004
     kv_bytes_per_token: int = 73_728        # gpt-oss-120b: 2 (K,V) x 36 layers x 8 KV heads x 64 dims x bf16
     g4_read_bytes_per_s: float = 20e9
-    max_num_seqs: int = 64                  # continuous-batching concurrency cap
-    max_num_batched_tokens: int = 8192      # per-step token budget (chunked prefill), vLLM's common default
+    # continuous-batching concurrency cap: vLLM 0.32's default for its OpenAI API server on a GPU of at
+    # least 70 GiB that is not an A100, like the reference RTX PRO 6000 (96 GB): get_batch_defaults in
+    # vllm/engine/arg_utils.py
+    max_num_seqs: int = 1024
+    max_num_batched_tokens: int = 8192      # per-step token budget (chunked prefill), vLLM 0.32's default too
     time_scale: float = 1.0                 # >1 runs faster than real time (divides every sleep)
     # G4 loads as with an async-loading KV connector (vLLM's WAITING_FOR_REMOTE_KVS): the request waits for
     # its blocks outside the step, one load at a time per worker at g4_read_bytes_per_s, and joins a step

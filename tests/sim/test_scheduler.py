@@ -100,6 +100,29 @@ async def test_first_tokens_come_in_arrival_order():
         assert all(s[0] <= 2048 for s in e.step_log)
 
 
+async def test_a_hundred_short_requests_run_together_as_on_vllm_on_a_96_gb_gpu():
+    # vLLM 0.32's API server runs up to 1024 sequences on a GPU of 70 GiB or more that is not an A100
+    # (EngineArgs.get_batch_defaults), like the timing model's reference RTX PRO 6000: 100 short requests
+    # submitted together are all admitted in the first step and get their first token in it
+    async with engine() as e:
+        reqs = [e.submit(prompt(32, 200 + i), 50) for i in range(100)]
+        while any(r.n_out == 0 for r in reqs):
+            await asyncio.sleep(0.001)
+        assert e.running == 100 and e.num_waiting == 0
+        assert len({r.first_token_clock for r in reqs}) == 1
+        for r in reqs:
+            e.abort(r)
+        await drain(*reqs)
+
+
+async def test_max_num_seqs_caps_the_running_requests():
+    async with engine(max_num_seqs=64) as e:
+        reqs = [e.submit(prompt(32, 300 + i), 3) for i in range(100)]
+        await drain(*reqs)
+        firsts = sorted({r.first_token_clock for r in reqs})
+        assert len(firsts) == 2 and sum(r.first_token_clock == firsts[0] for r in reqs) == 64
+
+
 async def test_running_decodes_slow_a_prefill():
     async def ttft_with(decoders: int) -> float:
         async with engine(budget=512) as e:
