@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -87,6 +87,7 @@ class Allocation:
     prompt_len: int
     g4_blocks: int = 0            # blocks loaded from the shared G4 store after the local hit
     cached_upto: int = 0          # full blocks cached (announced) so far
+    loading: bool = False         # its G4 blocks are loading (asynchronously), not cached until the load ends
     extra: dict = field(default_factory=dict)
 
 
@@ -191,13 +192,17 @@ class PrefixCache:
     # -- allocation ----------------------------------------------------------------------------------------
     def allocate(self, tokens, reserve_tokens: int, cache_salt: str | None = None,
                  digests: list[bytes] | None = None, hold_tokens: int | None = None,
-                 preempted: bool = False) -> Allocation | None:
+                 preempted: bool = False,
+                 load_async: Callable[[int], bool] | None = None) -> Allocation | None:
         """Admit a prompt if the pool has room for ``reserve_tokens`` (vLLM 0.32's admission gate: the whole
         prompt must fit, its free prefix hit counted as taken). It holds blocks for all of them, or, with
         ``hold_tokens``, only for the prefix hit and that many tokens past it (the first chunk: vLLM
         allocates chunk by chunk; ``grow`` takes the rest). None when the gate fails (the request waits).
         Queues BlockRemoved/BlockStored events. ``preempted``: a preempted request readmitted, whose lookup
-        vLLM leaves out of its prefix cache counters (``PrefixCacheStats.record``)."""
+        vLLM leaves out of its prefix cache counters (``PrefixCacheStats.record``). ``load_async(g4
+        tokens)``: whether the G4 blocks found load outside the step (vLLM's ``load_kv_async``); then the
+        allocation (``loading``) holds the blocks of the prefix hit only, and caches none of the loaded ones
+        (``delay_cache_blocks``): the engine caches them when the load has ended."""
         n_tok = len(tokens)
         digests = self.digests(tokens, cache_salt) if digests is None else digests
         hashes = [external(d) for d in digests]
@@ -229,16 +234,19 @@ class PrefixCache:
                 self.external_queries += n_tok - hit * self.block_size
                 self.external_hits += g4_hit * self.block_size
             self.g4.reads += g4_hit
+        loading = bool(g4_hit) and load_async is not None and load_async(g4_hit * self.block_size)
         held = reserve_tokens
         if hold_tokens is not None:
-            held = min(reserve_tokens, (hit + g4_hit) * self.block_size + hold_tokens)
+            held = min(reserve_tokens, (hit + g4_hit) * self.block_size + (0 if loading else hold_tokens))
             need_total = self.blocks_needed(held)
         new_ids = self._get_new_blocks(need_total - hit)
         alloc = Allocation(blocks=hit_ids + new_ids, digests=digests, hashes=hashes, hit_blocks=hit, prompt_len=n_tok,
-                           g4_blocks=g4_hit, cached_upto=hit, extra={"salt": cache_salt} if cache_salt else {})
+                           g4_blocks=g4_hit, cached_upto=hit, loading=loading,
+                           extra={"salt": cache_salt} if cache_salt else {})
         # the blocks the scheduled tokens fill (vLLM's allocate_slots caches min(computed + new, num_tokens)
         # tokens' full blocks), not a chunk's last, partly scheduled block
-        self.cache_full_blocks(alloc, tokens, min(len(digests), held // self.block_size))
+        if not loading:
+            self.cache_full_blocks(alloc, tokens, min(len(digests), held // self.block_size))
         return alloc
 
     def grow(self, alloc: Allocation, tokens, num_tokens: int) -> bool:

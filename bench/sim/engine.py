@@ -310,12 +310,18 @@ class SimEngine:
             budget -= u
         if preempted:  # vLLM admits nothing in a step that preempted
             return _Step(start, prefills, decodes, compute)
-        # requests whose G4 load has completed join first, as they were admitted earlier
+        # requests whose G4 load has completed join first, as they were admitted earlier. Their loaded blocks
+        # are cached (hittable, announced) now, not at admission: vLLM allocates an async load's blocks with
+        # delay_cache_blocks and caches them when it sees the load done (_update_waiting_for_remote_kv),
+        # before it schedules the request's first chunk
         while budget > 0 and self._loading and self._loading[0].load_done <= start + 1e-9 \
                 and len(self._running) < t.max_num_seqs:
             r = self._loading[0]
             u = min(r.prefill_len - r.computed, budget)
-            if not self.cache.grow(r.alloc, self._seq_tokens(r), r.computed + u):
+            tokens = self._seq_tokens(r)
+            self.cache.cache_full_blocks(r.alloc, tokens, r.computed // self.block_size)
+            r.alloc.loading = False
+            if not self.cache.grow(r.alloc, tokens, r.computed + u):
                 break
             self._loading.popleft()
             self._running.append(r)
@@ -325,7 +331,7 @@ class SimEngine:
         while budget > 0 and self.waiting and len(self._running) < t.max_num_seqs:
             r = self.waiting[0]
             a = self.cache.allocate(self._seq_tokens(r), r.prefill_len, r.cache_salt, hold_tokens=budget,
-                                    preempted=bool(r.preemptions))
+                                    preempted=bool(r.preemptions), load_async=self._loads_async)
             if a is None:
                 break  # FIFO, like vLLM's waiting queue: the head waits for room
             self.waiting.popleft()
@@ -337,7 +343,7 @@ class SimEngine:
                 r.cached_tokens = r.computed
                 r.g4_tokens = g4
             # loads outside the step (a short one in it, g4_sync_load_max_s); joins once its blocks are in
-            if g4 and t.g4_async_load and t.g4_load_s(g4) > t.g4_sync_load_max_s:
+            if a.loading:
                 begin = max(start, self._g4_free_at)
                 r.load_done = self._g4_free_at = begin + t.wall(t.g4_load_s(g4))
                 self._loading.append(r)
@@ -348,6 +354,11 @@ class SimEngine:
             prefills.append((r, u))
             budget -= u
         return _Step(start, prefills, decodes, compute)
+
+    def _loads_async(self, g4_tokens: int) -> bool:
+        """Whether a load of ``g4_tokens`` from G4 runs outside the steps (vLLM's ``load_kv_async``)."""
+        t = self.timing
+        return t.g4_async_load and t.g4_load_s(g4_tokens) > t.g4_sync_load_max_s
 
     def _seq_len(self, r: SimRequest) -> int:
         """Tokens that need KV slots in r's next decode step: the prompt and every token sampled so far."""
@@ -474,6 +485,8 @@ class SimEngine:
     def _cache_generated(self, req: SimRequest) -> None:
         """Cache the full blocks its generated tokens filled (all but the last sampled token have KV)."""
         a = req.alloc
+        if a.loading:  # vLLM frees a request aborted during its load without caching the blocks
+            return
         all_tokens = req.tokens + [int(x) for x in req.output[:req.n_out]] if req.output is not None \
             else req.tokens
         n_full = min((len(all_tokens) - 1) // self.block_size, len(a.blocks))

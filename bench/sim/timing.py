@@ -51,8 +51,8 @@ class TimingModel:
     time_scale: float = 1.0                 # >1 runs faster than real time (divides every sleep)
     # G4 loads as with an async-loading KV connector (vLLM's WAITING_FOR_REMOTE_KVS): the request waits for
     # its blocks outside the step, one load at a time per worker at g4_read_bytes_per_s, and joins a step
-    # once they are in; False: the load runs inside the step that starts the prefill, stalling that step
-    # (a synchronous ``start_load_kv``).
+    # once they are in, when its loaded blocks are cached (``delay_cache_blocks``); False: the load runs
+    # inside the step that starts the prefill, stalling that step (a synchronous ``start_load_kv``).
     g4_async_load: bool = True
     # ... except a load no longer than this, which runs in the step (kvgate's connector, ``load_async:
     # auto`` with its ``sync_load_max_s``; 0: every load outside the step)

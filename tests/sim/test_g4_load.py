@@ -1,6 +1,7 @@
 """G4 loads in the simulated engine, as vLLM runs them with an async-loading KV connector: the request waits
 for its blocks outside the step loop (WAITING_FOR_REMOTE_KVS), so the load adds to its own TTFT only; the
-worker's G4 reads are served one after another at its bandwidth; other requests keep their steps.
+worker's G4 reads are served one after another at its bandwidth; other requests keep their steps; the loaded
+blocks are cached, and announced, only once the load is done.
 
 Checked on the engine's own clock (model seconds of steps run), on lower bounds of scaled wall time (a sleep
 never ends early), and on the virtual clock of ``bench.sim.virtual``; never on wall-time upper bounds."""
@@ -15,6 +16,9 @@ from bench.replay_workloads import WorkItem
 from bench.sim import cli as sim_cli
 from bench.sim import virtual
 from bench.sim.cache import PrefixCache, SharedG4Store
+from bench.sim.engine import SimEngine
+from bench.sim.events import BlockStored
+from bench.sim.timing import DEFAULT_TIMING
 from tests.sim import test_scheduler as sched
 from tests.sim.test_scheduler import drain, prompt
 
@@ -111,6 +115,89 @@ async def test_a_request_aborted_during_its_load_frees_its_blocks():
         await drain(nxt)
         assert r.done and e.num_waiting == 0
         assert e.cache.num_free == e.cache.usable
+
+
+class Recorder:
+    """A publisher that keeps each batch with the engine's step count and loop time when it went out."""
+
+    def __init__(self):
+        self.engine: SimEngine | None = None
+        self.batches: list[tuple[int, float, list]] = []
+
+    def publish(self, events):
+        self.batches.append((self.engine.steps, asyncio.get_running_loop().time(), events))
+
+    def gpu_stored(self) -> list[tuple[int, float, BlockStored]]:
+        return [(steps, at, ev) for steps, at, evs in self.batches for ev in evs
+                if isinstance(ev, BlockStored) and ev.medium == "GPU"]
+
+
+async def _half_on_g4(*, burst: bool = False, followup: bool = False, abort: bool = False):
+    """On the virtual clock (model seconds): a 2000-token prompt whose first 64 blocks are on G4, loaded at
+    1 MB/s (76 s) outside the steps; with ``abort`` it is aborted during its load; with ``burst`` the same
+    prompt again while that load is in flight, with ``followup`` once more after the first request's end.
+    The engine, its publisher and the requests."""
+    store = SharedG4Store()
+    big = prompt(2000, 7)
+    on_g4(store, big[:64 * B])
+    pub = Recorder()
+    e = pub.engine = SimEngine(PrefixCache(1000, B, g4=store), pub,
+                               DEFAULT_TIMING.with_(time_scale=1.0, g4_read_bytes_per_s=1e6))
+    e.start()
+    try:
+        reqs = [e.submit(big, 1)]
+        while reqs[0].alloc is None:
+            await asyncio.sleep(0.001)
+        assert e.num_waiting == 1 and e.running == 0  # loading
+        if abort:
+            e.abort(reqs[0])
+        if burst:
+            reqs.append(e.submit(big, 1))
+        await drain(*reqs)
+        if followup:
+            reqs.append(e.submit(big, 1))
+            await drain(reqs[-1])
+    finally:
+        await e.stop()
+    return e, pub, reqs
+
+
+def test_a_request_behind_an_async_load_of_its_prefix_loads_it_too():
+    # vLLM caches an async load's blocks only when the load is done (allocate_slots with delay_cache_blocks,
+    # then _update_waiting_for_remote_kv), and computes nothing of the request before: a second request with
+    # the same prompt, admitted while the load is in flight, finds none of it in the local prefix cache and
+    # loads the same blocks from G4 itself, after the first load (one G4 read at a time per worker)
+    e, _, (first, second) = virtual.run(_half_on_g4(burst=True))
+    assert first.cached_tokens == first.g4_tokens == 64 * B
+    assert second.cached_tokens == second.g4_tokens == 64 * B
+    assert e.cache.hits == 0 and e.cache.external_hits == 2 * 64 * B  # vllm:(external_)prefix_cache_hits
+    load_s = e.timing.g4_load_s(64 * B)
+    assert second.prefill_s >= 2 * load_s > first.prefill_s >= load_s
+    # once the first has run, its whole prompt is cached: a third finds it locally
+    e, _, reqs = virtual.run(_half_on_g4(followup=True))
+    assert reqs[-1].cached_tokens == (2000 - 1) // B * B and reqs[-1].g4_tokens == 0
+
+
+def test_a_request_aborted_during_its_load_leaves_nothing_cached():
+    # vLLM frees a request aborted in WAITING_FOR_REMOTE_KVS without caching its blocks: the next request
+    # with the same prompt loads them from G4 again, and no BlockStored went out for the aborted one
+    e, pub, (aborted, again) = virtual.run(_half_on_g4(abort=True, burst=True))
+    assert aborted.n_out == 0 and again.g4_tokens == again.cached_tokens == 64 * B
+    assert {h for _, _, ev in pub.gpu_stored() for h in ev.block_hashes} == set(again.alloc.hashes)
+
+
+def test_an_async_loads_blocks_are_announced_after_the_step_that_follows_the_load():
+    # vLLM publishes a step's KV events after it: the loaded blocks' BlockStored goes out with the step
+    # where the request joins once its load is done (cached first, then its first chunk's blocks), never at
+    # admission
+    e, pub, (r,) = virtual.run(_half_on_g4())
+    stored = pub.gpu_stored()
+    h = r.alloc.hashes
+    assert [(steps, ev.block_hashes, ev.parent_block_hash) for steps, _, ev in stored] == [
+        (1, h[:64], None), (1, h[64:125], h[63])]
+    assert stored[0][1] >= r.load_done
+    assert not any(isinstance(ev, BlockStored) and ev.medium == "GPU"
+                   for steps, _, evs in pub.batches if steps == 0 for ev in evs)
 
 
 def _sessions(n: int, turns: int, first: int, per_turn: int, gap_s: float, seed: int = 3) -> list[WorkItem]:
