@@ -167,10 +167,12 @@ class PrefixCache:
     def longest_hit(self, digests: list[bytes], num_tokens: int, hashes: list[int] | None = None) -> int:
         """Blocks of the prompt's prefix that are cached locally, never reaching the last token."""
         limit = min(len(digests), (num_tokens - 1) // self.block_size)
-        if hashes is None:
-            hashes = [external(d) for d in digests[:limit]]
         cached = self._cached
         n = 0
+        if hashes is None:  # only the hit's and the first miss's
+            while n < limit and cached.get(external(digests[n])):
+                n += 1
+            return n
         while n < limit and cached.get(hashes[n]):
             n += 1
         return n
@@ -205,16 +207,17 @@ class PrefixCache:
         (``delay_cache_blocks``): the engine caches them when the load has ended."""
         n_tok = len(tokens)
         digests = self.digests(tokens, cache_salt) if digests is None else digests
-        hashes = [external(d) for d in digests]
-        hit = self.longest_hit(digests, n_tok, hashes)
+        hit = self.longest_hit(digests, n_tok)
         need_total = self.blocks_needed(reserve_tokens)
         if need_total > self.usable:
             raise ValueError(f"request needs {need_total} blocks, the pool has {self.usable}")
-        hit_ids = [self._cached[h][0] for h in hashes[:hit]]
+        hashes = [external(d) for d in digests[:hit]]
+        hit_ids = [self._cached[h][0] for h in hashes]
         # Hit blocks that are free stop being free once touched.
         free_hits = sum(1 for b in hit_ids if self._blocks[b].ref == 0)
         if len(self._free) - free_hits < need_total - hit:
-            return None
+            return None  # before hashing the rest: a head that waits for room tries again every step
+        hashes += [external(d) for d in digests[hit:]]
         if not preempted:
             self.queries += n_tok
             self.hits += hit * self.block_size

@@ -84,6 +84,7 @@ class SimRequest:
     cache_salt: str | None = None
     out: asyncio.Queue = field(default_factory=asyncio.Queue)  # lists of token ids, then None
     alloc: Allocation | None = None
+    digests: list[bytes] | None = None  # of the full blocks of what it prefills (hashed once while it waits)
     cached_tokens: int = 0
     generated: list[int] = field(default_factory=list)  # tokens pushed to ``out`` so far
     cancelled: bool = False
@@ -330,8 +331,12 @@ class SimEngine:
             budget -= u
         while budget > 0 and self.waiting and len(self._running) < t.max_num_seqs:
             r = self.waiting[0]
-            a = self.cache.allocate(self._seq_tokens(r), r.prefill_len, r.cache_salt, hold_tokens=budget,
-                                    preempted=bool(r.preemptions), load_async=self._loads_async)
+            tokens = self._seq_tokens(r)
+            if r.digests is None:
+                r.digests = self.cache.digests(tokens, r.cache_salt)
+            a = self.cache.allocate(tokens, r.prefill_len, r.cache_salt, digests=r.digests,
+                                    hold_tokens=budget, preempted=bool(r.preemptions),
+                                    load_async=self._loads_async)
             if a is None:
                 break  # FIFO, like vLLM's waiting queue: the head waits for room
             self.waiting.popleft()
@@ -379,6 +384,7 @@ class SimEngine:
         r.alloc = None
         r.computed = 0
         r.prefill_len = self._seq_len(r)
+        r.digests = None  # it prefills more than its prompt now
         r.preemptions += 1
         self.stats.preemptions += 1
         self.waiting.appendleft(r)
