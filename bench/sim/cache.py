@@ -29,16 +29,15 @@ def none_hash(seed: str = "vllm-none-hash") -> bytes:
 
 
 def block_digests(tokens: Sequence[int] | np.ndarray, block_size: int, root: bytes,
-                  cache_salt: str | None = None, start: int = 0, parent: bytes | None = None,
-                  n_blocks: int | None = None) -> list[bytes]:
-    """Chained sha256 digests of full blocks ``start..`` of ``tokens`` (``parent``: digest of block start-1)."""
-    arr = np.asarray(tokens, dtype="<u4")
-    total = len(arr) // block_size if n_blocks is None else n_blocks
-    raw = arr[: total * block_size].tobytes()
+                  cache_salt: str | None = None) -> list[bytes]:
+    """Chained sha256 digests of the full blocks of ``tokens`` (anything sliceable), the first chained to
+    ``root`` (the chain's root, or the digest of the block before them) and salted with ``cache_salt``."""
+    total = len(tokens) // block_size
+    raw = np.asarray(tokens[: total * block_size], dtype="<u4").tobytes()
     step = 4 * block_size
-    prev = parent if (parent is not None and start > 0) else root
+    prev = root
     out = []
-    for i in range(start, total):
+    for i in range(total):
         h = hashlib.sha256(prev)
         h.update(raw[i * step:(i + 1) * step])
         if i == 0 and cache_salt:
@@ -81,7 +80,8 @@ class Allocation:
     """What admitting a request got from the cache; ``blocks`` are held until ``free``."""
 
     blocks: list[int]
-    digests: list[bytes]          # chained digests of the prompt's full blocks
+    digests: list[bytes]          # chained digests of the prompt's full blocks, then of the blocks its
+                                  # generated tokens fill, as they are cached
     hashes: list[int]             # their external (event) hashes
     hit_blocks: int               # local prefix hit, in blocks
     prompt_len: int
@@ -249,20 +249,21 @@ class PrefixCache:
         # the blocks the scheduled tokens fill (vLLM's allocate_slots caches min(computed + new, num_tokens)
         # tokens' full blocks), not a chunk's last, partly scheduled block
         if not loading:
-            self.cache_full_blocks(alloc, tokens, min(len(digests), held // self.block_size))
+            self.cache_full_blocks(alloc, tokens, held // self.block_size)
         return alloc
 
     def grow(self, alloc: Allocation, tokens, num_tokens: int) -> bool:
-        """Hold blocks for the first ``num_tokens`` of a running request (its next chunk, or a decode step
-        crossing into a new block); the prompt's blocks these tokens fill are cached at once, as vLLM caches
-        a chunk's full blocks when it schedules them (a block the chunk fills only in part waits for the
-        chunk that completes it). False, holding nothing more, when the pool is short."""
+        """Hold blocks for the first ``num_tokens`` of a running request's sequence ``tokens`` (its next
+        chunk, or a decode step); the blocks these tokens fill are cached at once, as vLLM's allocate_slots
+        caches the full blocks of what it schedules: a chunk's, and in a decode step the block whose last
+        token the step computes, generated tokens included (a block filled only in part waits for the step
+        that completes it). False, holding nothing more, when the pool is short."""
         need = self.blocks_needed(num_tokens) - len(alloc.blocks)
         if need > 0:
             if need > len(self._free):
                 return False
             alloc.blocks.extend(self._get_new_blocks(need))
-        self.cache_full_blocks(alloc, tokens, min(len(alloc.digests), num_tokens // self.block_size))
+        self.cache_full_blocks(alloc, tokens, num_tokens // self.block_size)
         return True
 
     def _get_new_blocks(self, n: int) -> list[int]:
@@ -283,16 +284,21 @@ class PrefixCache:
             out.append(bid)
         return out
 
-    def cache_full_blocks(self, alloc: Allocation, all_tokens, num_full: int,
-                          digests: list[bytes] | None = None) -> None:
-        """Hash and announce blocks ``alloc.cached_upto..num_full`` (one BlockStored for the run)."""
-        if digests is not None:
-            alloc.hashes = alloc.hashes + [external(d) for d in digests[len(alloc.digests):]]
-            alloc.digests = digests
+    def cache_full_blocks(self, alloc: Allocation, all_tokens, num_full: int) -> None:
+        """Hash and announce blocks ``alloc.cached_upto..num_full`` of the sequence ``all_tokens`` (anything
+        sliceable; one BlockStored for the run), never past its last full block (vLLM caps what it caches at
+        the request's tokens); blocks past the prompt's continue its chain."""
+        B = self.block_size
+        num_full = min(num_full, len(all_tokens) // B)
         start = alloc.cached_upto
         if num_full <= start:
             return
-        B = self.block_size
+        known = len(alloc.digests)
+        if num_full > known:
+            parent, salt = (alloc.digests[-1], None) if known else (self.root, alloc.extra.get("salt"))
+            more = block_digests(all_tokens[known * B:num_full * B], B, parent, salt)
+            alloc.digests = alloc.digests + more
+            alloc.hashes = alloc.hashes + [external(d) for d in more]
         hashes = alloc.hashes[start:num_full]
         blocks, cached = self._blocks, self._cached
         for h, bid in zip(hashes, alloc.blocks[start:num_full]):

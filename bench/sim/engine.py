@@ -4,7 +4,9 @@ at most ``max_num_seqs`` running, and a per-step token budget (``max_num_batched
 Each step goes through the running requests first come first served: a request in decode takes one token of
 the budget, a request still in prefill takes the next chunk of its prompt (as much as the budget left
 allows). Blocks are held as vLLM holds them: a chunk's blocks when it is scheduled, a decode's next block when
-its tokens reach it. A running request the pool cannot grow preempts the last admitted one (its blocks freed,
+its tokens reach it; they are cached (hittable, announced) as vLLM's allocate_slots caches them, in the
+step that computes their last token: a chunk's full blocks, a block of generated tokens in the decode step
+that fills it. A running request the pool cannot grow preempts the last admitted one (its blocks freed,
 cached ones staying hittable; it goes back to the head of the queue and later recomputes its prompt and what
 it generated). Then, if nothing was preempted, waiting requests are admitted while budget and seats remain:
 the head is admitted only if its whole prompt fits in the free blocks (vLLM's ``scheduler_reserve_full_isl``
@@ -105,6 +107,23 @@ class SimRequest:
     first_token_clock: float | None = None
     load_done: float | None = None      # loop time its async G4 load completes
     g4_tokens: int = 0                  # of cached_tokens, those loaded from G4
+
+
+class _Sequence:
+    """A request's tokens, its prompt then its first ``n`` sampled ones, sliced without joining the two."""
+
+    __slots__ = ("prompt", "output", "n")
+
+    def __init__(self, prompt: list[int], output: np.ndarray, n: int):
+        self.prompt, self.output, self.n = prompt, output, n
+
+    def __len__(self) -> int:
+        return len(self.prompt) + self.n
+
+    def __getitem__(self, s: slice) -> list[int]:
+        lo, hi, _ = s.indices(len(self))
+        p = len(self.prompt)
+        return list(self.prompt[lo:min(hi, p)]) + self.output[max(lo, p) - p:max(hi, p) - p].tolist()
 
 
 @dataclass
@@ -250,12 +269,15 @@ class SimEngine:
             dt = t.wall(step.model_s)
             # A decode-only step that schedules everything repeats identically until a request reaches its
             # next streamed chunk or its end, or a request arrives or is aborted: sleep once for the run.
+            # A run has no KV events: a step whose scheduling queued some (a decode's new block evicting a
+            # cached one, a decode filling a block) runs alone, so they go out after it, as vLLM's.
             n = 1
-            if not step.prefills and len(step.decodes) == len(self._running):
+            if not step.prefills and len(step.decodes) == len(self._running) and not self.cache.events:
                 k = self.stream_interval
                 n = min(min(r.max_tokens, len(r.generated) + k) - r.n_out for r in step.decodes)
-                # ... and until a decode needs a block it does not hold yet
-                n = min(n, min(len(r.alloc.blocks) * self.block_size - self._seq_len(r) for r in step.decodes) + 1)
+                # ... and ends before a step where a decode fills a block: that step caches the block (vLLM's
+                # allocate_slots), so it is planned anew (a decode needs a block it does not hold only later)
+                n = max(1, min(n, min(-self._seq_len(r) % self.block_size for r in step.decodes)))
                 if self._loading and dt > 0:  # a finished load joins the next step
                     n = max(1, min(n, math.ceil((self._loading[0].load_done - start) / dt)))
             done = await self._sleep_steps(loop, start, dt, n)
@@ -369,17 +391,15 @@ class SimEngine:
         """Tokens that need KV slots in r's next decode step: the prompt and every token sampled so far."""
         return len(r.tokens) + r.n_out
 
-    def _seq_tokens(self, r: SimRequest) -> list[int]:
-        """The sequence r prefills: its prompt, and after a preemption what it had generated."""
-        if r.prefill_len <= len(r.tokens):
-            return r.tokens
-        return r.tokens + [int(x) for x in r.output[:r.prefill_len - len(r.tokens)]]
+    def _seq_tokens(self, r: SimRequest):
+        """r's sequence: its prompt and every token sampled so far (what a preempted request prefills again,
+        and what a decode step's blocks hold)."""
+        return r.tokens if not r.n_out else _Sequence(r.tokens, r.output, r.n_out)
 
     def _preempt(self, r: SimRequest) -> SimRequest:
         """vLLM's recompute preemption: free r's blocks (its full blocks stay cached and hittable) and put it
         back at the head of the queue, to prefill its prompt and its output so far when readmitted."""
         self._running.remove(r)
-        self._cache_generated(r)
         self.cache.free(r.alloc)
         r.alloc = None
         r.computed = 0
@@ -469,7 +489,6 @@ class SimEngine:
         if req.output is not None and req.n_out > len(req.generated):  # sampled, not streamed yet (aborted)
             req.generated.extend(int(x) for x in req.output[len(req.generated):req.n_out])
         if req.alloc is not None:  # None: preempted and aborted before it was readmitted
-            self._cache_generated(req)
             self.cache.free(req.alloc)
         self.stats.generation_tokens += len(req.generated)
         # A request the engine finished: vLLM records its per-request histograms together, at finish
@@ -487,26 +506,6 @@ class SimEngine:
         else:
             self.stats.requests_ok += 1
         req.out.put_nowait(None)
-
-    def _cache_generated(self, req: SimRequest) -> None:
-        """Cache the full blocks its generated tokens filled (all but the last sampled token have KV)."""
-        a = req.alloc
-        if a.loading:  # vLLM frees a request aborted during its load without caching the blocks
-            return
-        all_tokens = req.tokens + [int(x) for x in req.output[:req.n_out]] if req.output is not None \
-            else req.tokens
-        n_full = min((len(all_tokens) - 1) // self.block_size, len(a.blocks))
-        if n_full > a.cached_upto:
-            digests = a.digests + self._more_digests(a, all_tokens, n_full) if n_full > len(a.digests) else None
-            self.cache.cache_full_blocks(a, all_tokens, n_full, digests)
-
-    def _more_digests(self, a: Allocation, all_tokens: list[int], n_full: int) -> list[bytes]:
-        from bench.sim.cache import block_digests
-
-        start = len(a.digests)
-        parent = a.digests[-1] if a.digests else None
-        return block_digests(all_tokens, self.block_size, self.cache.root, None, start=start, parent=parent,
-                             n_blocks=n_full)
 
     def reset_prefix_cache(self) -> bool:
         ok = self.cache.reset()

@@ -99,13 +99,13 @@ def test_decode_blocks_continue_the_chain():
     tokens = toks(0, 20)
     a = c.allocate(tokens, 60)
     c.take_events()
-    from bench.sim.cache import block_digests
     all_tokens = tokens + toks(5000, 30)
-    more = block_digests(all_tokens, B, c.root, start=len(a.digests), parent=a.digests[-1], n_blocks=3)
-    c.cache_full_blocks(a, all_tokens, 3, a.digests + more)
+    c.cache_full_blocks(a, all_tokens, 3)
     (st,) = c.take_events()
     from bench.sim.cache import external
     assert st.parent_block_hash == external(a.digests[0]) and st.token_ids == all_tokens[16:48]
+    # the chain goes on as if the whole sequence had been the prompt
+    assert a.digests == c.digests(all_tokens) and st.block_hashes == [external(d) for d in a.digests[1:3]]
 
 
 def test_cache_salt_changes_every_block_hash():

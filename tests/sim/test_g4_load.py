@@ -20,7 +20,7 @@ from bench.sim.engine import SimEngine
 from bench.sim.events import BlockStored
 from bench.sim.timing import DEFAULT_TIMING
 from tests.sim import test_scheduler as sched
-from tests.sim.test_scheduler import drain, prompt
+from tests.sim.test_scheduler import Recorder, drain, prompt
 
 B = 16
 SCALE = 1e3
@@ -115,21 +115,6 @@ async def test_a_request_aborted_during_its_load_frees_its_blocks():
         await drain(nxt)
         assert r.done and e.num_waiting == 0
         assert e.cache.num_free == e.cache.usable
-
-
-class Recorder:
-    """A publisher that keeps each batch with the engine's step count and loop time when it went out."""
-
-    def __init__(self):
-        self.engine: SimEngine | None = None
-        self.batches: list[tuple[int, float, list]] = []
-
-    def publish(self, events):
-        self.batches.append((self.engine.steps, asyncio.get_running_loop().time(), events))
-
-    def gpu_stored(self) -> list[tuple[int, float, BlockStored]]:
-        return [(steps, at, ev) for steps, at, evs in self.batches for ev in evs
-                if isinstance(ev, BlockStored) and ev.medium == "GPU"]
 
 
 async def _half_on_g4(*, burst: bool = False, followup: bool = False, abort: bool = False):

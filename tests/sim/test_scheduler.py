@@ -11,8 +11,10 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 
-from bench.sim.cache import PrefixCache
+from bench.sim import virtual
+from bench.sim.cache import PrefixCache, external
 from bench.sim.engine import SimEngine
+from bench.sim.events import BlockRemoved, BlockStored
 from bench.sim.fleet import FleetConfig, SimFleet
 from bench.sim.timing import DEFAULT_TIMING
 
@@ -37,6 +39,29 @@ async def drain(*reqs) -> None:
     for r in reqs:
         while await r.out.get() is not None:
             pass
+
+
+class Recorder:
+    """A publisher that keeps each batch with the engine's step count and loop time when it went out."""
+
+    def __init__(self):
+        self.engine: SimEngine | None = None
+        self.batches: list[tuple[int, float, list]] = []
+
+    def publish(self, events):
+        self.batches.append((self.engine.steps, asyncio.get_running_loop().time(), events))
+
+    def gpu_stored(self) -> list[tuple[int, float, BlockStored]]:
+        return [(steps, at, ev) for steps, at, evs in self.batches for ev in evs
+                if isinstance(ev, BlockStored) and ev.medium == "GPU"]
+
+
+def recorded(num_blocks: int = 2000, time_scale: float = 1.0, **timing) -> tuple[SimEngine, Recorder]:
+    """An engine (block size 16; unscaled by default, for the virtual clock) publishing to a Recorder."""
+    pub = Recorder()
+    pub.engine = SimEngine(PrefixCache(num_blocks, 16), pub,
+                           DEFAULT_TIMING.with_(time_scale=time_scale, **timing))
+    return pub.engine, pub
 
 
 def test_lone_chunked_prefill_stays_calibrated():
@@ -248,22 +273,91 @@ async def test_a_steps_kv_events_are_published_after_the_step_with_its_output():
     # vLLM publishes the events of a step's scheduling (its chunk's blocks cached) in
     # Scheduler.update_from_output, after the forward pass: the first chunk's BlockStored goes out when
     # the first step has run, not when it is planned
-    class Recorder:
-        def __init__(self):
-            self.batches = []
-
-        def publish(self, events):
-            self.batches.append((e.steps, events))
-
-    pub = Recorder()
-    e = SimEngine(PrefixCache(2000, 16), pub, DEFAULT_TIMING.with_(time_scale=1e4, max_num_batched_tokens=1000))
+    e, pub = recorded(time_scale=1e4, max_num_batched_tokens=1000)
     e.start()
     try:
         await drain(e.submit(prompt(4500, 80), 2))
     finally:
         await e.stop()
-    stored = [(steps, len(ev.block_hashes)) for steps, evs in pub.batches for ev in evs]
+    stored = [(steps, len(ev.block_hashes)) for steps, _, ev in pub.gpu_stored()]
     assert stored[:5] == [(1, 62), (2, 63), (3, 62), (4, 63), (5, 31)]
+
+
+async def _decoding(e: SimEngine, *, then=None):
+    """Run a 20-token prompt for 40 tokens on ``e``; ``then(e, r)``: a coroutine run beside it once it has
+    its first token. The request."""
+    e.start()
+    try:
+        r = e.submit(prompt(20, 90), 40)
+        if then is not None:
+            while r.n_out == 0:
+                await asyncio.sleep(0.001)
+            await then(e, r)
+        await drain(r)
+    finally:
+        await e.stop()
+    return r
+
+
+def test_a_decode_caches_and_announces_a_generated_block_after_the_step_that_fills_it():
+    # vLLM's allocate_slots caches min(computed + new, num_tokens) tokens' full blocks in every step, output
+    # tokens included, and the step's BlockStored goes out after it (update_from_output): a 20-token prompt's
+    # block 1 (its last 4 tokens and the first 12 generated) fills in the step that computes the 12th
+    # generated token's KV, the 13th step; block 2 (generated 12-27) in the 29th; the request ends at the 40th
+    e, pub = recorded()
+    r = virtual.run(_decoding(e))
+    seq = prompt(20, 90) + r.generated
+    stored = [(steps, ev.token_ids, ev.parent_block_hash) for steps, _, ev in pub.gpu_stored()]
+    h = [external(d) for d in e.cache.digests(seq)]
+    assert stored == [(1, seq[:16], None), (13, seq[16:32], h[0]), (29, seq[32:48], h[1])]
+
+
+def test_a_prompt_that_extends_a_running_requests_output_hits_the_blocks_it_generated():
+    # while the request still runs, a prompt made of its prompt, its first 16 tokens and more finds the
+    # block its output filled already cached: 32 cached tokens, not 16
+    async def extend(e, r):
+        while len(r.generated) < 16:
+            await asyncio.sleep(0.001)
+        q = e.submit(prompt(20, 90) + r.generated[:16] + prompt(10, 91), 1)
+        await drain(q)
+        assert not r.done
+        extend.cached = q.cached_tokens
+
+    virtual.run(_decoding(recorded()[0], then=extend))
+    assert extend.cached == 32
+
+
+def test_a_steps_events_keep_vllms_order_running_requests_first():
+    # vLLM schedules the running requests in admission order, then the waiting ones, and its events follow:
+    # a decode filling a block and, after it, the chunk of a long prompt admitted later, in one batch
+    async def long_prompt(e, r):
+        await drain(e.submit(prompt(200_000, 92), 1))
+
+    e, pub = recorded(num_blocks=20_000)
+    r = virtual.run(_decoding(e, then=long_prompt))
+    h = [external(d) for d in e.cache.digests(prompt(20, 90) + r.generated)]
+    (batch,) = [evs for _, _, evs in pub.batches
+                if any(isinstance(ev, BlockStored) and ev.block_hashes == [h[1]] for ev in evs)]
+    assert batch[0].block_hashes == [h[1]] and len(batch) == 2 and len(batch[1].block_hashes) > 500
+
+
+def test_a_decodes_new_block_evicting_a_cached_one_is_announced_after_that_step():
+    # 5 blocks: a 64-token prompt (step 1) leaves 4 cached blocks in the free queue; the decoding request
+    # evicts one at admission (step 2), one when its 33rd token needs a third block (its 14th step) and
+    # one when its 49th needs a fourth (its 30th): each BlockRemoved goes out after the step that evicted,
+    # not at the end of a run of decode steps
+    async def main():
+        e.start()
+        try:
+            await drain(e.submit(prompt(64, 93), 1))
+        finally:
+            await e.stop()
+        return await _decoding(e)
+
+    e, pub = recorded(num_blocks=6)
+    virtual.run(main())
+    removed = [steps for steps, _, evs in pub.batches for ev in evs if isinstance(ev, BlockRemoved)]
+    assert removed == [2, 15, 31]
 
 
 async def test_preemptions_are_exported_as_vllm_num_preemptions():
