@@ -233,9 +233,25 @@ async def test_redis_restarted_under_load(sims, gateways, persistence):
         load.stop.set()
         await asyncio.wait_for(runner, 60)
         assert load.failed() == [] and not load.cut_mid_stream()
-        # Cache-aware again: a decision without an index error after Redis came back.
-        recent = gw.state.decisions.recent(5)
-        assert recent and all(d.index_error is None for d in recent), [d.index_error for d in recent]
+        # Cache-aware again after Redis came back: a request planned on the index (no index error). Asked
+        # after the load, while the ingestor drains its backlog: the load's streams decode at 20x real time
+        # and publish a filled block every few ms each, as vLLM's engine does per step, which on a busy
+        # 2-core host pushes a lookup under load past its 50 ms budget now and then. Fails only when the
+        # index never comes back.
+        errors: list = []
+
+        async def planned_on_the_index() -> bool:
+            async with httpx.AsyncClient(timeout=30, trust_env=False) as c:
+                res = await request(c, gw.url, [9000 + len(errors)] * 40, stream=False)
+            assert res.done, res
+            errors.append(gw.state.decisions.recent(1)[0].index_error)
+            return errors[-1] is None
+
+        for _ in range(50):
+            if await planned_on_the_index():
+                break
+            await asyncio.sleep(0.2)
+        assert errors[-1] is None, errors
         ds = [await _settled(gw, s) for s in (a, b)]  # no orphans, nothing missing
         record(f"Redis restarted under load ({'AOF' if persistence else 'no persistence'})", **load_figures(load),
                degraded_requests=gw.metric("kvgate_routing_degraded_total"),
