@@ -205,6 +205,7 @@ def summarize_rounds(rounds: list[list[dict]]) -> list[dict]:
                 row[key + "_interval"] = {k: iv for k in ("hit_rate_points", "ttft_mean")
                                           if (iv := median_interval([p.get(k) for p in per]))}
                 row[key + "_faster_rounds"] = sum(1 for p in per if (p.get("ttft_mean") or 1.0) < 1.0)
+                row[key + "_rounds"] = len(per)  # fewer than the target's when the baseline failed in a round
         preds = [r["prediction"] for r in rs if r.get("prediction")]
         if preds:
             row["prediction"] = {k: _median([p.get(k) for p in preds])
@@ -223,7 +224,8 @@ def interval_lines(rows: list[dict]) -> list[str]:
             if r["target"] == base or "ttft_mean" not in iv:
                 continue
             (tl, th, tc), vs = iv["ttft_mean"], r[key]
-            line = (f"{r['target']} vs {base} over {r['rounds']} rounds: mean TTFT {vs['ttft_mean']:.2f}x "
+            n = r.get(key + "_rounds", r["rounds"])
+            line = (f"{r['target']} vs {base} over {n} rounds: mean TTFT {vs['ttft_mean']:.2f}x "
                     f"({tl:.2f}-{th:.2f}x, a {tc:.0%} interval for the median; faster in "
                     f"{r[key + '_faster_rounds']} rounds)")
             if "hit_rate_points" in iv:
@@ -639,6 +641,8 @@ def run(args, model_dir: str) -> int:
     print(reference_line(rows, ws["lru_reference"]))
     for k, v in checked.items():
         print(f"- {k}: {'met' if v else 'NOT met'}")
+    for name, why in failed.items():  # their rounds have no ratio against them: the medians are over fewer
+        print(f"FAILED {name}: {why.splitlines()[0] if why else ''}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     from bench.sim.harness import peer_version

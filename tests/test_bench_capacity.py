@@ -176,6 +176,21 @@ def test_rounds_summarize_as_medians_of_per_round_ratios():
     assert "faster in 1 rounds" in line and "hit rate +5.0 points (+5.0 to +5.0)" in line
 
 
+def test_a_round_where_the_peer_failed_has_no_ratio_and_the_line_says_over_how_many():
+    """A target that failed in a round leaves that round without a ratio against it: the median and the
+    "over N rounds" of the interval line count the rounds that have one (it said the target's own count)."""
+    rounds = []
+    for kv_mean, peer_ok in ((0.8, True), (0.9, True), (1.2, False)):
+        rows = [row("kv", 0.55, kv_mean)] + ([row(cb.PEER, 0.50, 1.0)] if peer_ok else [])
+        cb.add_ratios(rows)
+        rounds.append(rows)
+    kv = next(r for r in cb.summarize_rounds(rounds) if r["target"] == "kv")
+    assert kv["rounds"] == 3 and kv["vs_sglang_rounds"] == 2
+    assert kv["vs_sglang"]["ttft_mean"] == pytest.approx(0.85)
+    (line,) = cb.interval_lines([kv])
+    assert line.startswith("kv vs sglang-router over 2 rounds: mean TTFT 0.85x"), line
+
+
 def test_the_median_of_a_few_rounds_comes_with_an_interval_that_covers_it():
     """The k-th smallest and k-th largest of n per-round ratios, k as large as keeps 90% coverage."""
     assert cb.median_interval([1.0]) is None and cb.median_interval([None, 2.0]) is None
