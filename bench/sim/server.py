@@ -169,7 +169,7 @@ def create_worker_app(w: WorkerInfo, kv_event_sources: dict | None = None) -> Fa
         model = w.model
         if not body.get("stream"):
             try:
-                while (chunk := await req.out.get()) is not None:
+                while await req.out.get() is not None:  # drain to the end: the whole answer
                     pass
             finally:
                 if not req.done:
