@@ -117,6 +117,11 @@ class Candidate:
     # "pressure", "lru" (the worker's releases place the prefix), "held" (a request in flight holds it)
     eviction_model: str = ""
     lru_older_tokens: float = 0.0  # lru: free tokens released before the prefix (absorbed first)
+    # the KV released on the worker since the prefix's last use (router/load.py prefix_age), where an
+    # eviction model looked it up; None: not looked up, unknown or held. With the scale, what a reader of the
+    # decision records needs to replay the LRU and occupancy models against what vLLM delivered
+    prefix_age_tokens: float | None = None
+    eviction_scale: float = 1.0  # the worker's learnt pressure scale at pricing (router/eviction.py)
     eviction_pressure: float = 0.0  # the queue's demand / free blocks, unscaled (router/eviction.py; -1: none free)
     # KV room from vLLM's last scrape: the share of blocks no running request holds, and those blocks in
     # tokens (with num_gpu_blocks); None when the metrics are missing or malformed
@@ -308,6 +313,8 @@ class CostModel:
             step_ms=step_ms, overhead_ms=overhead_ms, calibration=cal.source, clamped=clamped,
             evicted_blocks=m_local - local, eviction_pressure=p if math.isfinite(p) else -1.0,
             eviction_model=ev_model, lru_older_tokens=older,
+            prefix_age_tokens=None if age is None or age == HELD else age,
+            eviction_scale=worker.eviction.scale,
             kv_free=kv_free, kv_free_tokens=kv_free_tokens, kv_wait_ms=wait_ms,
         )
 

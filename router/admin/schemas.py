@@ -345,6 +345,11 @@ class CandidateOut(_Open):
                                 "them)")
     lru_older_tokens: float = Field(0.0, description="lru: the free tokens released before the prefix, which "
                                     "the queue's demand evicts first")
+    prefix_age_tokens: float | None = Field(
+        None, description="the KV the worker released since the prefix's last use, where an eviction model "
+        "looked it up (null: not looked up, unknown, or a request in flight holds it)")
+    eviction_scale: float = Field(1.0, description="the worker's learnt eviction pressure scale when this "
+                                  "candidate was priced")
     eviction_pressure: float = Field(0.0, description="the queue ahead's block demand / the worker's free "
                                      "blocks, before the worker's learnt pressure scale (0: no queue or "
                                      "capacity unknown; -1: no free block)")

@@ -160,7 +160,7 @@ def test_the_workers_releases_place_a_prefix_in_the_lru_order():
     holder = w.active.add(0, 0.0, 1e6, tokens=640, hashes=a_hashes[:30] + [999] * 10)
     assert w.active.prefix_age(a_hashes, 30) == HELD
     held = cm.score(w, WorkerMatch(gpu=30, local=30), 0, 1000, 16, hashes=a_hashes)
-    assert held.eviction_model == "held" and held.evicted_blocks == 0
+    assert held.eviction_model == "held" and held.evicted_blocks == 0 and held.prefix_age_tokens is None
     w.active.finish(holder), w.active.finish(queued)
     idle = cm.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16, hashes=a_hashes)
     assert idle.eviction_model == "" and idle.evicted_blocks == 0  # no queue ahead: nothing to price
@@ -187,6 +187,8 @@ def test_releases_count_what_a_request_generated_not_its_max_tokens():
     old = cm.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16, hashes=a_hashes)
     assert old.eviction_model == "lru" and old.evicted_blocks == 0
     assert old.lru_older_tokens == 2000 - 640 - 640
+    # the record carries what priced it: the age the releases gave the prefix and the worker's scale
+    assert old.to_dict()["prefix_age_tokens"] == 40 * 16 and old.to_dict()["eviction_scale"] == 1.0
     # the KV the gateway's requests took and freed since the last scrape: each at the length it had
     assert w.active.kv_since_scrape() == 0
     unknown = w.active.add(0, 0.0, 1.0, streamed=True, tokens=640, max_tokens=4096,
