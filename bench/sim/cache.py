@@ -14,6 +14,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 import numpy as np
 
@@ -169,11 +170,10 @@ class PrefixCache:
         limit = min(len(digests), (num_tokens - 1) // self.block_size)
         cached = self._cached
         n = 0
-        if hashes is None:  # only the hit's and the first miss's
-            while n < limit and cached.get(external(digests[n])):
-                n += 1
-            return n
-        while n < limit and cached.get(hashes[n]):
+        # without ``hashes``, only the hit's and the first miss's are computed (lazily)
+        for h in islice(map(external, digests) if hashes is None else hashes, limit):
+            if not cached.get(h):
+                break
             n += 1
         return n
 
