@@ -9,7 +9,7 @@ KVGATE_CACHE ?= $(HOME)/.cache/kvgate
 VLLM_VENV ?= $(KVGATE_CACHE)/vllm-venv
 export KVGATE_CACHE VLLM_VENV
 
-.PHONY: demo test test-fast bench redis vllm-env clean
+.PHONY: demo test test-fast bench redis vllm-env wheel clean
 
 $(VENV)/.demo-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,14 @@ test-fast: $(VENV)/.test-installed redis
 
 bench: $(VENV)/.test-installed redis
 	$(PY) -m bench.run_all
+
+# kvgate's wheel, for vLLM's image (its KV connector, cache_tier.connector): install it there with
+# `pip install --no-deps` (vLLM keeps its own pinned packages) and `pip install xxhash`. kvgate is not on
+# PyPI: this file is the package. DIST: where it goes.
+DIST ?= dist
+wheel: $(VENV)/.demo-installed
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation --wheel-dir $(DIST) .
+	@ls $(DIST)/kvgate-*.whl
 
 clean:
 	rm -rf $(VENV) .pytest_cache
