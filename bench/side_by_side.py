@@ -44,6 +44,7 @@ def variant(spec: str) -> tuple[str, dict]:
 
 
 PEER = "sglang-router cache_aware"
+RR = "kvgate round_robin"  # the baseline of the table
 
 
 def vs_peer(rounds: list[dict[str, dict]], peer: str = PEER) -> list[str]:
@@ -88,15 +89,27 @@ def targets(text: bool, redis: bool, include: set[str] | None, with_ids: bool = 
     if with_ids and text:  # the same routing without the gateway's text path, in the same run
         ts.append(Target("kvgate kv (memory, token ids)", "kvgate", "kv", "memory", False))
     ts += [
-        Target("kvgate round_robin", "kvgate", "round_robin", "memory", text),
+        Target(RR, "kvgate", "round_robin", "memory", text),
         Target("kvgate least_loaded", "kvgate", "least_loaded", "memory", text),
         Target("kvgate session", "kvgate", "session", "memory", text),
         Target("sglang-router cache_aware", "sglang-router", "cache_aware", text=True),
         Target("vllm-router cache_aware", "vllm-router", "cache_aware", text=True),
     ]
+    if not text:  # name what kvgate is sent: its text path is not in these rows (peers always get text)
+        for t in ts:
+            if t.kind == "kvgate":
+                if t.name in ROUTING:
+                    ROUTING[ids_name(t.name)] = ROUTING[t.name]
+                t.name = ids_name(t.name)
     if include:
         ts = [t for t in ts if any(k in t.name for k in include)]
     return ts
+
+
+def ids_name(name: str) -> str:
+    """A kvgate target's name when it is sent token ids: ``kvgate kv (memory, token ids)``, ``kvgate
+    round_robin (token ids)``."""
+    return f"{name[:-1]}, token ids)" if name.endswith(")") else f"{name} (token ids)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             if not results:
                 continue
             sums = [r.summary() for r in results]
-            tab = rp.table(sums, baseline="kvgate round_robin")
+            tab = rp.table(sums, baseline=ids_name(RR) if args.token_ids else RR)
             ref = wl.trace_ceiling(sliced, n * (args.num_blocks - 1) * args.block_size)  # less the null block
             note = (f"LRU reference {100 * ref:.1f}%: one least-recently-used cache of the fleet's whole KV "
                     f"({n} x {args.num_blocks} blocks) over the slice; cache-aware routers in front of LRU "

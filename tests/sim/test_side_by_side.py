@@ -29,3 +29,16 @@ def test_ratios_are_taken_within_a_round_and_reported_as_their_median():
 def test_no_peer_no_lines():
     assert vs_peer([{"kv": run(0.2, 1.0)}]) == []
     assert vs_peer([]) == []
+
+
+def test_kvgate_targets_sent_token_ids_say_so_and_keep_their_settings():
+    """With ``--token-ids`` every kvgate row was named as if it took text (its tokenize stage not in it):
+    the report now says so, and a variant keeps its routing settings under the new name."""
+    from bench.side_by_side import BEFORE, ROUTING, RR, ids_name, targets
+
+    names = [t.name for t in targets(False, True, None, before=True)]
+    assert "kvgate kv (memory, token ids)" in names and "kvgate kv (redis, token ids)" in names
+    assert ids_name(RR) == "kvgate round_robin (token ids)" in names
+    assert "sglang-router cache_aware" in names  # peers always get text
+    assert ROUTING[ids_name(BEFORE)] == ROUTING[BEFORE]
+    assert "kvgate kv (memory)" in [t.name for t in targets(True, False, None)]
