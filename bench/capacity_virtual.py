@@ -433,6 +433,27 @@ def placements(variants: dict[str, dict], scrape_s: float = 0.0, live: bool = Tr
     return out
 
 
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The capacity-bound run's workload flags, at the values its real-vLLM runs use (docs/BENCHMARKS.md)."""
+    p.add_argument("--sessions", type=int, default=4)
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--first-tokens", type=int, default=800)
+    p.add_argument("--turn-tokens", type=int, default=300)
+    p.add_argument("--agents", type=int, default=3)
+    p.add_argument("--agent-turns", type=int, default=6)
+    p.add_argument("--rag-docs", type=int, default=3)
+    p.add_argument("--rag-users", type=int, default=4)
+    p.add_argument("--rag-questions", type=int, default=5)
+    p.add_argument("--doc-tokens", type=int, default=1000)
+
+
+def workload_spec(args) -> mw.MixSpec:
+    return mw.MixSpec(rag_docs=args.rag_docs, rag_users=args.rag_users, rag_questions=args.rag_questions,
+                      doc_tokens=args.doc_tokens, agents=args.agents, agent_turns=args.agent_turns,
+                      chats=args.sessions, chat_turns=args.turns, first_tokens=args.first_tokens,
+                      turn_tokens=args.turn_tokens)
+
+
 def main(argv: list[str] | None = None) -> int:
     from bench.tiny_model import build_tokenizer
 
@@ -469,24 +490,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--predict", action="store_true",
                    help="instead: how well the gateway's cost model predicts each request's cached tokens under "
                         "the kv placement (the eviction model now and before session 16)")
-    # the capacity-bound run's workload flags (docs/BENCHMARKS.md)
-    p.add_argument("--sessions", type=int, default=4)
-    p.add_argument("--turns", type=int, default=5)
-    p.add_argument("--first-tokens", type=int, default=800)
-    p.add_argument("--turn-tokens", type=int, default=300)
-    p.add_argument("--agents", type=int, default=3)
-    p.add_argument("--agent-turns", type=int, default=6)
-    p.add_argument("--rag-docs", type=int, default=3)
-    p.add_argument("--rag-users", type=int, default=4)
-    p.add_argument("--rag-questions", type=int, default=5)
-    p.add_argument("--doc-tokens", type=int, default=1000)
+    add_workload_arguments(p)
     args = p.parse_args(argv)
     from bench.sim.harness import overrides
 
-    spec = mw.MixSpec(rag_docs=args.rag_docs, rag_users=args.rag_users, rag_questions=args.rag_questions,
-                      doc_tokens=args.doc_tokens, agents=args.agents, agent_turns=args.agent_turns,
-                      chats=args.sessions, chat_turns=args.turns, first_tokens=args.first_tokens,
-                      turn_tokens=args.turn_tokens)
+    spec = workload_spec(args)
     variants = dict(VARIANTS)
     for v in args.variant:
         variants[f"kv {v}"] = overrides(v)
