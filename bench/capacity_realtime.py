@@ -196,6 +196,7 @@ def run(args) -> dict:
                     ttfts = asyncio.run(drive(gw.url, clients, args.max_tokens, args.stagger))
                     decisions = httpx.get(f"{gw.url}/admin/decisions",
                                           params={"limit": prediction.MAX_DECISIONS}, timeout=60.0).json()
+                (wd / "decisions.json").write_text(json.dumps(decisions))  # for a look at the misses
                 s = summary(decisions["decisions"], ttfts)
                 s["seed"] = seed
                 results[target].append(s)
@@ -228,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{t}: over {q['rounds']} rounds, cached == delivered {100 * (q['exact'] or 0):.1f}% of "
               f"{q['decisions']} (pooled), hit rate {100 * q['hit_rate_median']:.1f}% and mean TTFT "
               f"{q['ttft_mean_s_median']:.3f} s (medians); by eviction model {q['by_model']}")
+    print(f"decision records and logs: {out['workdir']}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

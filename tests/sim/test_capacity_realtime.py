@@ -3,6 +3,7 @@ simulated vLLM servers in real time (no vLLM, no mocks: the simulator is the eng
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -47,4 +48,9 @@ def test_a_short_run_goes_through_the_gateway_to_the_simulated_servers(tmp_path,
     kv = res["kv"]["rounds"][0]
     assert kv["hit_rate"] > 0.2 and kv["predicted_cached_tokens"] > 0
     assert sum(c.get("exact", 0) for c in kv["by_model"].values()) >= 4 and kv["exact"] >= 0.5
-    assert "cached == delivered" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "cached == delivered" in printed
+    workdir = json.loads(out.read_text())["workdir"]
+    assert workdir in printed
+    records = json.loads(next(Path(workdir).glob("round1-target1-kv/decisions.json")).read_text())
+    assert len(records["decisions"]) == 8  # kept for a look at the misses
