@@ -9,11 +9,11 @@ events, at the CPU timing ``--prefill-tps`` / ``--step-ms`` / ``--batched-tokens
 emptied before every target. Each round is one workload seed; the targets run in a balanced order.
 
 Why: the virtual clock's "gateway's predictions" mode (``bench.capacity_virtual --gateway``) prices with
-the gateway's cost model but not through the gateway (an index that is always current, first tokens and
-ends seen the instant the engine has them, no HTTP), and two eviction-model changes that raised its
-predicted cached == delivered by 2-4 points lowered it on real vLLM by 0-5 (docs/BENCHMARKS.md, session
-42). Here the gateway is the real one, and the same change scored as on real vLLM (80.2% against main's
-85.8%; real vLLM 80.5% against 85.9%), at about a minute per target and round, without vLLM.
+the gateway's cost model but not through the gateway (first tokens and ends seen the instant the engine
+has them, no HTTP; until session 42 an index that was always current, which made two eviction-model
+changes look 2-4 points better that were 0-5 points worse on real vLLM: docs/BENCHMARKS.md). Here the
+gateway is the real one, and the same change scored as on real vLLM (80.2% against main's 85.8%; real
+vLLM 80.5% against 85.9%), at about a minute per target and round, without vLLM.
 
 Targets: ``kv`` (the gateway's defaults), ``kv[key=value,...]`` (routing settings), ``round_robin``,
 ``least_loaded``, ``session``. Reported per target and round: prompt tokens from cache (vLLM's
