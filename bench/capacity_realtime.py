@@ -45,6 +45,7 @@ from bench.capacity_virtual import add_workload_arguments, prompts_of, render_cl
 from bench.sim.harness import order_of
 
 MODEL = "capacity-sim"
+BS = 32  # the capacity-bound run's block size
 VOCAB = 200_000  # the simulator's word tokenizer; the tiny model's token ids are all below it
 # the fleet process: the simulated servers at ``bench.capacity_virtual.cpu_timing``, streaming every token
 # (vLLM's default stream interval)
@@ -53,10 +54,10 @@ import asyncio, sys
 from bench.capacity_virtual import cpu_timing
 from bench.sim.cli import serve
 from bench.sim.fleet import FleetConfig
-blocks, path, tps, step, batched, model, vocab, max_len = sys.argv[1:]
-cfg = FleetConfig(workers=2, model=model, block_size=32, num_blocks=int(blocks), max_model_len=int(max_len),
-                  vocab_size=int(vocab), timing=cpu_timing(float(tps), float(step), int(batched)),
-                  stream_interval=1)
+blocks, path, tps, step, batched, model, vocab, max_len, bs = sys.argv[1:]
+cfg = FleetConfig(workers=2, model=model, block_size=int(bs), num_blocks=int(blocks),
+                  max_model_len=int(max_len), vocab_size=int(vocab),
+                  timing=cpu_timing(float(tps), float(step), int(batched)), stream_interval=1)
 asyncio.run(serve(cfg, path))
 """
 
@@ -80,13 +81,14 @@ class Fleet:
         self.path = workdir / f"workers-{time.monotonic_ns()}.json"
         self.log = workdir / "fleet.log"
         self.argv = [str(blocks), str(self.path), str(args.prefill_tps), str(args.step_ms),
-                     str(args.batched_tokens), MODEL, str(VOCAB), str(max_model_len)]
+                     str(args.batched_tokens), MODEL, str(VOCAB), str(max_model_len), str(BS)]
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> list[dict]:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-c", FLEET, *self.argv], cwd=ROOT, stdout=log,
-                                         stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                         stderr=subprocess.STDOUT,
+                                         env={**os.environ, "PYTHONPATH": str(ROOT)})
         deadline = time.monotonic() + 60
         while not self.path.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -143,7 +145,7 @@ def summary(decisions: list[dict], ttfts: list[float | None]) -> dict:
     ok = [d for d in decisions if d.get("outcome") == "ok" and d.get("prompt_tokens")
           and d.get("delivered_cached_tokens") is not None]
     prompt = sum(d["prompt_tokens"] for d in ok)
-    cached = sum(d.get("delivered_cached_tokens") or 0 for d in ok)
+    cached = sum(d["delivered_cached_tokens"] for d in ok)
     seen = [t for t in ttfts if t is not None]
     acc = prediction.accuracy(decisions)
     return {"requests": len(ttfts), "no_token": len(ttfts) - len(seen),
@@ -182,8 +184,8 @@ def run(args) -> dict:
         clients = render_clients(str(work / "tiny"), spec, seed, args.max_tokens)
         prompts = prompts_of(clients)
         longest = max(map(len, prompts)) + args.max_tokens
-        blocks = mw.kv_blocks_for(mw.distinct_blocks(prompts, 32), args.kv_ratio, 32, longest)
-        with Fleet(blocks, work, args, -(-(longest + 64) // 32) * 32) as desc:
+        blocks = mw.kv_blocks_for(mw.distinct_blocks(prompts, BS), args.kv_ratio, BS, longest)
+        with Fleet(blocks, work, args, -(-(longest + 64) // BS) * BS) as desc:
             for target in order_of(targets, rnd):
                 for d in desc:
                     httpx.post(d["url"] + "/reset_prefix_cache", timeout=10.0).raise_for_status()
@@ -205,7 +207,7 @@ def run(args) -> dict:
                       f"obs/pred {s['ttft_ratio_p50'] or 0:.2f} / p90 {s['ttft_ratio_p90'] or 0:.2f}  "
                       f"{s['by_model']}", flush=True)
     return {"targets": {t: {"rounds": rows, "pooled": pooled(rows)} for t, rows in results.items() if rows},
-            "blocks_note": "two servers, 1/--kv-ratio of the working set each", "workdir": str(work)}
+            "workdir": str(work)}
 
 
 def main(argv: list[str] | None = None) -> int:
