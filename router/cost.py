@@ -122,6 +122,12 @@ class Candidate:
     # decision records needs to replay the LRU and occupancy models against what vLLM delivered
     prefix_age_tokens: float | None = None
     eviction_scale: float = 1.0  # the worker's learnt pressure scale at pricing (router/eviction.py)
+    # occupancy, where it looked (None: not): the KV the requests in flight hold when this one is admitted
+    # (with vLLM's waiting ones the gateway did not send), the prefix's leading blocks one of them has (None:
+    # not probed) and the excess over the capacity priced evicted from the prefix's tail (<= 0: it fits)
+    occupancy_tokens: float | None = None
+    occupancy_held_blocks: int | None = None
+    occupancy_excess_tokens: float | None = None
     eviction_pressure: float = 0.0  # the queue's demand / free blocks, unscaled (router/eviction.py; -1: none free)
     # KV room from vLLM's last scrape: the share of blocks no running request holds, and those blocks in
     # tokens (with num_gpu_blocks); None when the metrics are missing or malformed
@@ -199,6 +205,7 @@ class CostModel:
         demand = v.kv_demand_tokens + lost  # what the queue allocates beyond the room
         p = eviction.pressure(demand, kv_free_tokens)
         ev_model, older, age = "", 0.0, None
+        occupied = over = occ_held = None  # occupancy's terms, where it looked (the decision record's)
         waiting = cfg.waiting_evicts and load.waiting > 0
         held = None
         if indexed > 0 and (p > 0 or waiting):
@@ -229,7 +236,8 @@ class CostModel:
             # the part of this prompt's prefix that no longer fits beside them is taken from the free
             # queue while it waits (its own uncached blocks come after it is admitted: not counted).
             # Held blocks only lower the excess: probed only when the whole prefix would not fit.
-            over = worker.active.inflight_tokens() + v.unknown_waiting * v.mean_tokens + local * block_size - cap
+            occupied = worker.active.inflight_tokens() + v.unknown_waiting * v.mean_tokens
+            over = occupied + local * block_size - cap
             # blocks released after the prefix sit behind it in the free queue: vLLM evicts the prefix
             # before them, so they do not spare it (router/load.py prefix_age; HELD or unknown: none).
             # Only free blocks sit there: a release a request in flight since reused (a shared document
@@ -245,6 +253,7 @@ class CostModel:
                 if held is None:
                     held = worker.active.held_blocks(hashes, indexed) if hashes else 0
                 over -= held * block_size
+                occ_held = held
                 keep = max(held, local - math.ceil(over / block_size)) if over > 0 else local
                 if keep < local:
                     ev_model, local = "occupancy", keep
@@ -314,7 +323,8 @@ class CostModel:
             evicted_blocks=m_local - local, eviction_pressure=p if math.isfinite(p) else -1.0,
             eviction_model=ev_model, lru_older_tokens=older,
             prefix_age_tokens=None if age is None or age == HELD else age,
-            eviction_scale=worker.eviction.scale,
+            eviction_scale=worker.eviction.scale, occupancy_tokens=occupied, occupancy_held_blocks=occ_held,
+            occupancy_excess_tokens=over,
             kv_free=kv_free, kv_free_tokens=kv_free_tokens, kv_wait_ms=wait_ms,
         )
 

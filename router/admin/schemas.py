@@ -350,6 +350,16 @@ class CandidateOut(_Open):
         "looked it up (null: not looked up, unknown, or a request in flight holds it)")
     eviction_scale: float = Field(1.0, description="the worker's learnt eviction pressure scale when this "
                                   "candidate was priced")
+    occupancy_tokens: float | None = Field(None, description=(
+        "occupancy, where it looked (null: not): the KV the requests in flight on the worker hold once this "
+        "one is admitted (the decoding ones at their expected answer), with vLLM's waiting requests the "
+        "gateway did not send at its mean prompt"))
+    occupancy_held_blocks: int | None = Field(None, description=(
+        "occupancy: the prefix's leading blocks a request in flight has in its prompt (not evictable; null: "
+        "not probed, the prefix fitted)"))
+    occupancy_excess_tokens: float | None = Field(None, description=(
+        "occupancy: occupancy_tokens + the prefix + the KV released after it - the capacity - held blocks; "
+        "the part over 0 is priced evicted from the prefix's tail (<= 0: it fits)"))
     eviction_pressure: float = Field(0.0, description="the queue ahead's block demand / the worker's free "
                                      "blocks, before the worker's learnt pressure scale (0: no queue or "
                                      "capacity unknown; -1: no free block)")

@@ -437,9 +437,13 @@ def test_a_prefix_that_does_not_fit_beside_the_requests_in_flight_is_priced_evic
     # each holds 38 blocks (its last one partial): 1,216 in flight + 640 of prefix = 1,856 > 1,600: 256 tokens
     # (16 blocks) go from its tail
     assert (c.local_blocks, c.evicted_blocks, c.eviction_model) == (24, 16, "occupancy")
+    # the decision record has the terms to replay it: 1,216 in flight, none of the prefix held, 256 over
+    assert (c.occupancy_tokens, c.occupancy_held_blocks, c.occupancy_excess_tokens) == (1216, 0, 256)
     assert off.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16, hashes=prefix + [99] * 22).local_blocks == 40
     # a shorter prefix fits beside them: nothing lost (its 600 uncached tokens do not count)
-    assert on.score(w, WorkerMatch(gpu=20, local=20), 0, 1000, 16, hashes=prefix[:20] + [99] * 42).local_blocks == 20
+    c = on.score(w, WorkerMatch(gpu=20, local=20), 0, 1000, 16, hashes=prefix[:20] + [99] * 42)
+    assert c.local_blocks == 20 and c.occupancy_excess_tokens == 1216 + 320 - 1600
+    assert c.occupancy_held_blocks is None  # not probed: it fits
     # a request in flight that holds the prefix: it is not in the free queue
     w.active.add(0, 0.0, 1e6, streamed=True, tokens=640, max_tokens=0, hashes=prefix, block_size=16)
     c = on.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16, hashes=prefix + [99] * 22)
@@ -466,6 +470,7 @@ def test_kv_released_after_a_prefix_does_not_spare_it():
     # 800 in flight + 640 of prefix = 1,440 fit in 1,600; the 320 released after it do not: 160 over
     c = on.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16, hashes=hashes)
     assert (c.local_blocks, c.evicted_blocks, c.eviction_model) == (30, 10, "occupancy")
+    assert (c.occupancy_tokens, c.occupancy_excess_tokens, c.prefix_age_tokens) == (800, 160, 320)
     assert off.score(w, WorkerMatch(gpu=40, local=40), 0, 1000, 16, hashes=hashes).local_blocks == 40
     # only free blocks sit behind the prefix: with 800 free (a scrape shows 800 held), at most 160 of them
     w.load.kv_usage = 0.5
