@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 STEP_RANGE_S = (1e-4, 5.0)
 SEQ_RANGE_S = (0.0, 0.5)
+MAX_DECODES = 1e5  # a mean running count beyond it is a broken gauge's (vLLM's max_num_seqs is ~1e3)
 OVERHEAD_RANGE_S = (0.0, 10.0)
 DECAY = 0.9  # weight of the past in the step-time regression, per interval
 OVERHEAD_WINDOW = 32  # scrape intervals the overhead's floor is taken over
@@ -80,7 +81,7 @@ class EngineCalibration:
 
     def observe_steps(self, mean_decodes: float, itl_s: float) -> None:
         """One interval's mean inter-token latency at its mean running count."""
-        if not (itl_s > 0.0 and mean_decodes >= 0.0):
+        if not (itl_s > 0.0 and 0.0 <= mean_decodes <= MAX_DECODES):  # NaN and inf too: one would stay in the sums
             return
         lo, hi = STEP_RANGE_S[0], STEP_RANGE_S[1] * 4
         if not lo <= itl_s <= hi:

@@ -91,11 +91,12 @@ class ModelConfig(_Section):
 class RoutingConfig(_Section):
     policy: Literal["kv", "round_robin", "least_loaded", "session"] = "kv"
     session_header: str = "x-session-id"
-    prefill_tokens_per_s: float = 10_000.0
+    # (the predictor's figures below are bounded and finite: nan or inf put every prediction at a clamp)
+    prefill_tokens_per_s: float = Field(10_000.0, gt=0, le=1e8, allow_inf_nan=False)
     # Attention makes a prompt token's prefill cost grow with its context: a token at context L costs
     # (1 + L / attention_knee_tokens) times one at context 0 (router/cost.py); 0 = linear in tokens.
     attention_knee_tokens: int = Field(16_384, ge=0)
-    g4_bytes_per_s: float = 2e9
+    g4_bytes_per_s: float = Field(2e9, gt=0, allow_inf_nan=False)
     decisions_kept: int = 1000
     # Probe each worker when it registers (router/parity.py): a mismatch marks it cache-blind.
     parity_check: bool = True
@@ -104,15 +105,15 @@ class RoutingConfig(_Section):
     # an engine step costs step_ms plus per_decode_ms for each request decoding in it; a request pays
     # request_overhead_ms once (API server: tokenize, detokenize, HTTP); a step batches at most
     # max_num_batched_tokens prompt tokens (vLLM's --max-num-batched-tokens; WorkerConfig overrides it).
-    step_ms: float = Field(10.0, gt=0)
-    per_decode_ms: float = Field(0.5, ge=0)
-    request_overhead_ms: float = Field(5.0, ge=0)
+    step_ms: float = Field(10.0, gt=0, le=60_000, allow_inf_nan=False)
+    per_decode_ms: float = Field(0.5, ge=0, le=60_000, allow_inf_nan=False)
+    request_overhead_ms: float = Field(5.0, ge=0, le=3_600_000, allow_inf_nan=False)
     max_num_batched_tokens: int = Field(8192, ge=16)
     # A request vLLM reports waiting that the gateway did not send counts as this many prompt tokens (until
     # the worker's own mean is known).
     queued_request_tokens: int = 1024
     # EWMA weight of one observation in the fleet-wide prefill-speed calibration (router/cost.py).
-    calibration_alpha: float = 0.2
+    calibration_alpha: float = Field(0.2, gt=0, le=1, allow_inf_nan=False)
     # Price each worker at its own calibrated speed (the fleet's times its learnt ratio) instead of the
     # fleet's: for fleets of mixed hardware. Off by default: on identical workers the ratios drift apart
     # with each worker's request mix, and the one that looks fastest draws more than its share.

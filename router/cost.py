@@ -63,7 +63,15 @@ STEP_FLOOR_SHARE = 0.01
 # The share of vLLM's prefill seconds always counted as prefill compute (observe_engine_prefill).
 MIN_COMPUTE_SHARE = 0.5
 MIN_TTFT_MS, MAX_TTFT_MS = 0.1, 3_600_000.0
-TPS_RANGE = (1.0, 1e8)  # prefill tokens/s a first sample may set (later ones move within 10x per sample)
+TPS_RANGE = (1.0, 1e8)  # prefill tokens/s the fleet's speed stays within (a sample moves it 10x at most)
+RATIO_RANGE = (0.01, 100.0)  # a worker's prefill speed against the fleet's
+MAX_CONTEXT = 1e8  # tokens per request a calibration sample may show (more is a broken exporter's)
+MAX_STEPS = 1e9  # engine steps priced at most (a queue beyond it is clamped with the prediction)
+
+
+def _steps(x: float) -> int:
+    """Engine steps for ``x`` budgets of tokens, at most ``MAX_STEPS`` (0 for NaN): never raises."""
+    return math.ceil(min(x, MAX_STEPS)) if x == x else 0
 
 
 @dataclass(slots=True)
@@ -254,7 +262,7 @@ class CostModel:
                     held = worker.active.held_blocks(hashes, indexed) if hashes else 0
                 over -= held * block_size
                 occ_held = held
-                keep = max(held, local - math.ceil(over / block_size)) if over > 0 else local
+                keep = max(held, local - math.ceil(min(over / block_size, local))) if over > 0 else local
                 if keep < local:
                     ev_model, local = "occupancy", keep
         if local == indexed:  # nothing evicted ahead of them: the pending blocks extend the prefix
@@ -271,8 +279,8 @@ class CostModel:
         budget = self.budget(worker)
         decodes = min(v.decodes, budget - 1)
         per_step = budget - decodes
-        queue_steps = math.ceil(queue_tokens / per_step)
-        steps = max(queue_steps + 1, math.ceil((queue_tokens + uncached) / per_step))
+        queue_steps = _steps(queue_tokens / per_step)
+        steps = max(queue_steps + 1, _steps((queue_tokens + uncached) / per_step))
         step_ms = cal.step_time_s(decodes) * 1000.0
         # the part of the queue's first prefill the worker has done already (at most all of that prefill)
         done_ms = min(v.head_elapsed_s, v.head_work / tps) * 1000.0 if cfg.queue_progress else 0.0
@@ -357,9 +365,9 @@ class CostModel:
         of the prefill work (capacity-bound real vLLM on CPU: mean ITL 1-2.4 s where a decode-only step
         took tens of ms, and with it every queued step was priced at a second or more). At least
         ``STEP_FLOOR_SHARE`` of the latency is kept (a prefill speed that is off must not zero it)."""
-        itl = sample.itl_s
-        if itl is not None and sample.prefill_tokens_per_step:
-            prefill_s = sample.prefill_tokens_per_step / self.prefill_speed(worker)
+        itl, per_step = sample.itl_s, sample.prefill_tokens_per_step
+        if itl is not None and per_step and math.isfinite(per_step):  # NaN: max() below would keep 1% of it
+            prefill_s = per_step / self.prefill_speed(worker)
             itl = max(itl * STEP_FLOOR_SHARE, itl - prefill_s)
         for cal in (worker.engine, self.fleet_engine):
             if itl is not None:
@@ -378,11 +386,12 @@ class CostModel:
         prefill chunks off the inter-token latency at it), so a looser bound fed back: on capacity-bound CPU
         vLLM, a tenth let a speed 4-5x too high leave most of the prefill in the step figure, which took
         most of the next interval's prefill seconds off, and the speed swung 500-3,100 tokens/s."""
-        if requests <= 0 or seconds <= 1e-4 or tokens / requests < MIN_CALIBRATION_TOKENS:
+        if requests <= 0 or seconds <= 1e-4 or not MIN_CALIBRATION_TOKENS <= tokens / requests <= MAX_CONTEXT \
+                or not math.isfinite(seconds):
             return
         per_request = tokens / requests
         cached = max(0.0, prompt_tokens - tokens) / requests
-        steps = math.ceil(per_request / self.budget(worker))
+        steps = _steps(per_request / self.budget(worker))
         stepping = requests * steps * self.engine_of(worker).step_time_s(worker.load.running)
         compute_s = max(seconds * MIN_COMPUTE_SHARE, seconds - stepping)
         self._calibrate(worker, requests * self.work(per_request, cached) / compute_s)
@@ -394,7 +403,7 @@ class CostModel:
         that. Why: the prior is a guess (10,000 tokens/s), and the clamp and EWMA meant for noisy samples
         kept it for the whole run where it was 100x off (capacity-bound CPU vLLM: the warm-up measured 35
         tokens/s, the first scrape moved the prior to 6,724, and the first wave was priced 180-560x under)."""
-        if not observed_tps == observed_tps:  # NaN
+        if not (math.isfinite(observed_tps) and observed_tps > 0):  # NaN, inf: one would stay in the mean
             return
         n, fleet = self.fleet_samples, self.fleet_tps
         self.fleet_samples = n + 1
@@ -402,8 +411,9 @@ class CostModel:
             self.fleet_tps = clamp(observed_tps, *TPS_RANGE)
         else:
             w = max(self.cfg.calibration_alpha, 1.0 / (n + 1))
-            self.fleet_tps = (1 - w) * fleet + w * clamp(observed_tps, fleet / 10, fleet * 10)
+            self.fleet_tps = clamp((1 - w) * fleet + w * clamp(observed_tps, fleet / 10, fleet * 10), *TPS_RANGE)
             b = self.cfg.calibration_alpha * RATIO_ALPHA_SHARE
             ratio = worker.prefill_ratio
-            worker.prefill_ratio = (1 - b) * ratio + b * clamp(observed_tps / fleet, ratio / 10, ratio * 10)
+            worker.prefill_ratio = clamp((1 - b) * ratio + b * clamp(observed_tps / fleet, ratio / 10, ratio * 10),
+                                         *RATIO_RANGE)
         worker.prefill_samples += 1

@@ -511,7 +511,7 @@ class ActiveSequences:
         v.unknown_waiting = max(0.0, waiting - sent)
         # the gateway's prefilling requests that vLLM does not count as waiting are running (prefilling)
         running_prefills = sent - min(float(sent), waiting)
-        v.decodes = int(max(own_decodes, running - running_prefills, 0))
+        v.decodes = int(min(max(own_decodes, running - running_prefills, 0), 1e9))  # never int(inf)
         if head is not None:
             # vLLM prefills its waiting requests in arrival order, a step's budget at a time: the first one
             # sent has been worked on since it was sent or since the prefill before it ended

@@ -24,6 +24,12 @@ _READ = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cach
          *_PREFILL_HISTOGRAMS, *_LATENCY_HISTOGRAMS, "vllm:iteration_tokens_total",
          "vllm:prompt_tokens_by_source", "process_start_time_seconds", "vllm:cache_config_info")
 _KEEP = tuple(_READ) + tuple(f"# TYPE {n}" for n in _READ)
+# The largest value a series read here can sanely have: a token count of decades at a million tokens a second
+# is ~1e15, a request gauge a million. Beyond them an exporter is broken, and the sums and products the
+# gateway forms from them overflow (a finite waiting gauge of 1e306 made every plan over the model raise).
+MAX_VALUE = 1e15
+MAX_REQUESTS = 1e6
+_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
 def wanted_metrics(text: str) -> str:
@@ -50,9 +56,10 @@ def parse_metrics(text: str, engine: str | None = None, kept: bool = False) -> t
         if engine is not None:
             fam.samples = [s for s in fam.samples if s.labels.get("engine", engine) == engine]
         # every series read here is a count, a share, a sum of durations or a time: one that is not a finite
-        # non-negative number is a broken exporter's, dropped (a +Inf running gauge made every plan over
-        # the model fail: int(inf)), and counted; the value stays at its default
-        good = [s for s in fam.samples if math.isfinite(s.value) and s.value >= 0]
+        # non-negative number within its bound is a broken exporter's, dropped (a +Inf running gauge made
+        # every plan over the model fail: int(inf)), and counted; the value stays at its default
+        top = MAX_REQUESTS if name in _GAUGES else MAX_VALUE
+        good = [s for s in fam.samples if math.isfinite(s.value) and 0 <= s.value <= top]
         if len(good) != len(fam.samples):
             load.rejected += len(fam.samples) - len(good)
             fam.samples = good
@@ -97,4 +104,6 @@ def parse_metrics(text: str, engine: str | None = None, kept: bool = False) -> t
                     load.num_gpu_blocks = (load.num_gpu_blocks or 0) + int(nb)
     if usage:
         load.kv_usage = max(usage)
+    else:  # none, or none valid (an exporter with another name): the room is unknown, not all free
+        load.usage_known = False
     return load, block_size

@@ -4,6 +4,7 @@ data-parallel ranks as routing targets of their own (``RankTarget``). The regist
 keeps these up to date; the cost model and the policies read them."""
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
@@ -37,6 +38,7 @@ class WorkerLoad:
     waiting: float = 0.0
     kv_usage: float = 0.0
     updated_at: float = 0.0
+    usage_known: bool = True  # False: the last page had no valid kv_cache_usage_perc (kv_usage is no evidence)
     # Cumulative, from vLLM's per-request histograms (recorded together when a request finishes):
     # tokens computed in prefill, seconds from scheduled to first token, and the requests counted.
     prefill_tokens: float = 0.0
@@ -81,6 +83,8 @@ class WorkerLoad:
         if steps > 0 and self.computed_tokens is not None and before.computed_tokens is not None \
                 and self.computed_tokens >= before.computed_tokens:
             per_step = (self.computed_tokens - before.computed_tokens) / steps
+            if not math.isfinite(per_step):
+                per_step = None
         return EngineSample(itl, (self.running + before.running) / 2.0, overhead, per_step)
 
     def prefill_since(self, before: WorkerLoad) -> tuple[float, float, float, float] | None:

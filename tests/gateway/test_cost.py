@@ -157,6 +157,51 @@ def test_the_first_measurement_replaces_a_prior_that_is_far_off():
     assert cm.prefill_speed(w) < 50.0 * 10
 
 
+def test_absurd_engine_samples_never_leave_a_calibration_at_zero_or_infinity():
+    """Calibration samples from a broken exporter (found by a review): a prefill-token sum of 1e300 (each
+    sample moved the fleet's speed up to 10x, past its range after two and to inf after 671, where no honest
+    sample brought it back and every prediction lost its compute); a running count of 1e200 (inf in the
+    step regression's sums for good: the step time sat at its floor); an inter-token latency whose prefill
+    part is NaN (the step learnt at 1% of it). None of them moves anything now, and the figures stay in range."""
+    from router.calibrate import STEP_RANGE_S
+    from router.cost import RATIO_RANGE, TPS_RANGE
+
+    cm = model(RoutingConfig(attention_knee_tokens=0))
+    w = worker("a")
+    cm.observe_engine_prefill(w, tokens=4000, seconds=4.0, requests=4)
+    assert cm.prefill_speed(w) == pytest.approx(1000.0)
+    for _ in range(700):
+        cm.observe_engine_prefill(w, tokens=4e300, seconds=2.0, requests=4.0)
+    assert cm.prefill_speed(w) == pytest.approx(1000.0)
+    for _ in range(50):  # a speed far off still moves by at most 10x a sample and stays in range
+        cm.observe_engine_prefill(w, tokens=4e7, seconds=1e-3, requests=4)
+    assert TPS_RANGE[0] <= cm.fleet_tps <= TPS_RANGE[1] and RATIO_RANGE[0] <= w.prefill_ratio <= RATIO_RANGE[1]
+    cal = EngineCalibration(0.02, 0.002, 0.0)
+    for running in (2.0, 4.0, 8.0, 1e200, float("inf"), float("nan")):
+        cal.observe_steps(running, 0.02 + 0.002 * min(running, 8.0))
+    assert cal.step_samples == 3 and STEP_RANGE_S[0] < cal.step_s < 0.05
+    cm.observe_engine(w, EngineSample(itl_s=0.05, running=2.0, overhead_s=None, prefill_tokens_per_step=None))
+    before = cm.fleet_engine.step_s
+    nan_prefill = EngineSample(itl_s=0.05, running=2.0, overhead_s=None, prefill_tokens_per_step=float("nan"))
+    from router.worker import WorkerLoad
+    now, then = WorkerLoad(steps=10.0, computed_tokens=float("inf")), WorkerLoad(steps=5.0, computed_tokens=1e15)
+    assert now.engine_since(then).prefill_tokens_per_step is None  # inf - 1e15: not a count
+    cm.observe_engine(w, nan_prefill)
+    assert cm.fleet_engine.step_s >= before * 0.5
+
+
+def test_the_predictors_settings_are_bounded():
+    """An EWMA weight above 1 drove the speed negative; an infinite overhead or a NaN prior put every
+    prediction at a clamp: the settings refuse them (a clear error at load, not a gateway that prices
+    nothing)."""
+    import pydantic
+
+    for bad in ({"calibration_alpha": 2.0}, {"calibration_alpha": 0.0}, {"request_overhead_ms": float("inf")},
+                {"prefill_tokens_per_s": float("nan")}, {"step_ms": float("inf")}, {"g4_bytes_per_s": 0.0}):
+        with pytest.raises(pydantic.ValidationError):
+            RoutingConfig(**bad)
+
+
 def test_policies_order():
     cm = model(RoutingConfig(prefill_tokens_per_s=1000.0))
     a, b, c = worker("a"), worker("b", decoding=2), worker("c")

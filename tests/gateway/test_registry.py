@@ -60,6 +60,42 @@ def test_parse_metrics():
     assert (load.running, load.waiting, load.kv_usage, bs, load.rejected) == (3.0, 4.0, 0.5, 32, 3)
 
 
+def test_a_finite_but_absurd_gauge_is_dropped_and_never_makes_a_plan_raise():
+    """A finite sample no vLLM can report (a waiting gauge of 1e306; two engines' running gauges of 1e308,
+    whose sum is inf) is dropped and counted like +Inf: kept, it made every request over the model raise
+    OverflowError in the cost model (found by a review). Every candidate still gets a finite prediction."""
+    from indexer.index.base import WorkerMatch
+    from router.config import RoutingConfig
+    from router.cost import CostModel
+    from router.worker import Worker
+
+    page = ('vllm:cache_config_info{block_size="16",num_gpu_blocks="1000"} 1.0\n'
+            'vllm:kv_cache_usage_perc 0.5\nvllm:num_requests_waiting 1e306\n'
+            'vllm:num_requests_running{engine="0"} 1e308\nvllm:num_requests_running{engine="1"} 1e308\n'
+            'vllm:request_prefill_kv_computed_tokens_sum 1e308\n')
+    load, _ = parse_metrics(page)
+    assert (load.waiting, load.running, load.prefill_tokens, load.rejected) == (0.0, 0.0, 0.0, 4)
+    w = Worker("w", "http://w:8000", WorkerConfig(url="http://w:8000"))
+    w.load = load
+    c = CostModel(RoutingConfig()).score(w, WorkerMatch(gpu=4, local=4), 0, 2000, 16, hashes=list(range(125)))
+    assert 0 < c.predicted_ttft_ms < 3_600_000
+
+
+def test_a_page_without_a_valid_kv_usage_leaves_the_room_unknown_not_all_free():
+    """A page whose kv_cache_usage_perc is NaN, or absent (an exporter with another name), said 0% used:
+    every prefix on a full worker priced as kept. The room is unknown instead (the candidate's kv_free is
+    null), so no eviction is priced from it either way."""
+    from router.kv_room import kv_room
+
+    full = ('vllm:cache_config_info{block_size="16",num_gpu_blocks="1000"} 1.0\n'
+            'vllm:num_requests_waiting 6\nvllm:kv_cache_usage_perc 0.97\n')
+    load, _ = parse_metrics(full)
+    assert kv_room(load, 16)[0] == pytest.approx(0.03)
+    for page in (full.replace("0.97", "NaN"), full.replace("vllm:kv_cache_usage_perc 0.97\n", "")):
+        load, _ = parse_metrics(page)
+        assert load.usage_known is False and kv_room(load, 16) == (None, None)
+
+
 async def test_discovery_events_restart_and_runtime_changes(fleet, start_gateway):
     fleet.add("a", events_endpoint="tcp://*:5557")
     fleet.states[0].block_size = 32
