@@ -92,7 +92,7 @@ class PrefillGate:
         if not self._held and self._fits(active, seq.uncached, budget):
             seq.gated = False
             return 0.0
-        t0 = self._clock()
+        t0 = seq.held_since = self._clock()
         fut = asyncio.get_running_loop().create_future()
         heapq.heappush(self._held, self._key(seq) + (seq.uncached, seq, fut))
         self.wake()
@@ -106,11 +106,7 @@ class PrefillGate:
                 self._held = [e for e in self._held if e[4] is not seq]
                 heapq.heapify(self._held)
                 self._let_go(seq)
-        waited = self._clock() - t0
-        seq.sent_at += waited
-        if seq.deadline != float("inf"):
-            seq.deadline += waited  # a response with no first token: its prefill starts now
-        return waited
+        return self._clock() - t0
 
     def _key(self, seq: Sequence) -> tuple[int, int, int]:
         """Its place: shortest uncached prompt first, equal ones in arrival order. A request planned on the
@@ -143,6 +139,14 @@ class PrefillGate:
         """``seq`` is held no more: counted as outstanding from now on (before its task runs), and it reaches
         the worker after those sent while it was held."""
         seq.gated = False
+        if seq.held_since is not None:  # it is sent now: its time at the worker starts now
+            waited = self._clock() - seq.held_since
+            seq.held_since = None
+            seq.sent_at += waited
+            if seq.deadline != float("inf"):
+                # a response with no first token: its prefill starts now (shifted here, not when its task
+                # resumes: until then the gate must count it outstanding, or one wake sends every held one)
+                seq.deadline += waited
         if self._active is not None:
             self._active.released(seq)
 

@@ -81,7 +81,8 @@ class EngineCalibration:
 
     def observe_steps(self, mean_decodes: float, itl_s: float) -> None:
         """One interval's mean inter-token latency at its mean running count."""
-        if not (itl_s > 0.0 and 0.0 <= mean_decodes <= MAX_DECODES):  # NaN and inf too: one would stay in the sums
+        # (a NaN or infinite count, kept, would stay in the sums for good)
+        if not (itl_s > 0.0 and 0.0 <= mean_decodes <= MAX_DECODES):
             return
         lo, hi = STEP_RANGE_S[0], STEP_RANGE_S[1] * 4
         if not lo <= itl_s <= hi:

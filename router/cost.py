@@ -386,8 +386,8 @@ class CostModel:
         prefill chunks off the inter-token latency at it), so a looser bound fed back: on capacity-bound CPU
         vLLM, a tenth let a speed 4-5x too high leave most of the prefill in the step figure, which took
         most of the next interval's prefill seconds off, and the speed swung 500-3,100 tokens/s."""
-        if requests <= 0 or seconds <= 1e-4 or not MIN_CALIBRATION_TOKENS <= tokens / requests <= MAX_CONTEXT \
-                or not math.isfinite(seconds):
+        if requests <= 0 or not 1e-4 < seconds < math.inf \
+                or not MIN_CALIBRATION_TOKENS <= tokens / requests <= MAX_CONTEXT:
             return
         per_request = tokens / requests
         cached = max(0.0, prompt_tokens - tokens) / requests
@@ -411,9 +411,10 @@ class CostModel:
             self.fleet_tps = clamp(observed_tps, *TPS_RANGE)
         else:
             w = max(self.cfg.calibration_alpha, 1.0 / (n + 1))
-            self.fleet_tps = clamp((1 - w) * fleet + w * clamp(observed_tps, fleet / 10, fleet * 10), *TPS_RANGE)
+            moved = (1 - w) * fleet + w * clamp(observed_tps, fleet / 10, fleet * 10)
+            self.fleet_tps = clamp(moved, *TPS_RANGE)
             b = self.cfg.calibration_alpha * RATIO_ALPHA_SHARE
             ratio = worker.prefill_ratio
-            worker.prefill_ratio = clamp((1 - b) * ratio + b * clamp(observed_tps / fleet, ratio / 10, ratio * 10),
-                                         *RATIO_RANGE)
+            moved = (1 - b) * ratio + b * clamp(observed_tps / fleet, ratio / 10, ratio * 10)
+            worker.prefill_ratio = clamp(moved, *RATIO_RANGE)
         worker.prefill_samples += 1

@@ -27,16 +27,16 @@ def capacity_tokens(load, block_size: int) -> int:
 
 def kv_room(load, block_size: int, since_tokens: float = 0.0,
             running_tokens: float = 0.0) -> tuple[float | None, float | None]:
-    """The share of KV blocks no running request holds, and those blocks in tokens (with
-    ``num_gpu_blocks``). None unless the last scrape gave a usage in [0, 1] (a worker never scraped, or a
-    page without a valid usage, reads 0, which is no evidence of free room); the tokens are None too when the capacity is unknown. ``since_tokens``:
-    KV the gateway's requests freed less what they took since that scrape (router/load.py
+    """The share of KV blocks no running request holds, and those blocks in tokens (with ``num_gpu_blocks``).
+    None unless the last scrape gave a usage in [0, 1] (a worker never scraped, or a page without a valid
+    usage, reads 0, which is no evidence of free room); the tokens are None too when the capacity is unknown.
+    ``since_tokens``: KV the gateway's requests freed less what they took since that scrape (router/load.py
     ``kv_since_scrape``), which moves the room (within the capacity) when the capacity is known.
-    ``running_tokens``: KV the gateway's requests that vLLM runs hold (router/load.py ``running_tokens``):
-    the room is at most the capacity less that. The corrected usage alone can read a busy worker as
-    empty: the frees since the scrape are counted at once, while a request vLLM admitted since is taken
-    only at its first token (capacity-bound real vLLM, session 20: 6,538 of 6,560 tokens read free with
-    two requests running and three sent)."""
+    ``running_tokens``: KV the gateway's requests that vLLM runs hold (router/load.py ``running_tokens``): the
+    room is at most the capacity less that. The corrected usage alone can read a busy worker as empty: the
+    frees since the scrape are counted at once, while a request vLLM admitted since is taken only at its first
+    token (capacity-bound real vLLM, session 20: 6,538 of 6,560 tokens read free with two requests running and
+    three sent)."""
     u = load.kv_usage
     if not load.updated_at or not getattr(load, "usage_known", True) or not isinstance(u, (int, float)) \
             or not 0.0 <= u <= 1.0:  # NaN included

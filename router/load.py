@@ -66,6 +66,7 @@ class Sequence:
     # the held request whose blocks its predicted prefix counts (router/pending.py): it goes after it
     after: Sequence | None = None
     sent_at: float = 0.0  # when it went to the worker (after the prefill gate's wait)
+    held_since: float | None = None  # when the prefill gate began to hold it (None: not held)
 
     def __post_init__(self) -> None:
         if self.expected < 0:
@@ -159,11 +160,15 @@ def _most_shared(hashes, others) -> int:
     return max((shared_blocks(hashes, x) for x in others), default=0)
 
 
-def _holds(sh, hashes, n: int) -> bool:
+def _holds(sh, hashes, n: int, held: int = 0) -> bool:
     """Whether a request whose prompt blocks are ``sh`` held the first ``n`` of ``hashes``: it had them in
-    its prompt, or its whole prompt is their start (the rest is its own output, which the index shows)."""
+    its prompt, or its whole prompt is their start and it held about ``n`` blocks in all (``held``: its
+    prompt's and its output's full blocks, a block of slack for an answer length estimated; the rest is its
+    own output, which the index shows: a conversation's last turn). Not a shorter prompt that is only their
+    start: a short chat whose blocks are a system prompt held none of another conversation that begins with
+    it (it read every such conversation as held, then as just used; found by a review)."""
     m = len(sh)
-    return sh[n - 1] == hashes[n - 1] if m >= n else m > 0 and sh[m - 1] == hashes[m - 1]
+    return sh[n - 1] == hashes[n - 1] if m >= n else 0 < m and n <= held + 1 and sh[m - 1] == hashes[m - 1]
 
 
 class ActiveSequences:
@@ -176,7 +181,8 @@ class ActiveSequences:
         self.mean_work = default_work
         self.mean_tokens = default_work
         self.released_tokens = 0.0  # KV tokens released by finished requests, cumulative: the LRU clock
-        self._recent: deque = deque(maxlen=RECENT)  # (hashes, clock just after its release), oldest first
+        # (hashes, clock just after its release, full blocks it held: prompt and output), oldest first
+        self._recent: deque = deque(maxlen=RECENT)
         # KV tokens taken (at first token) and freed (at the end) by the gateway's requests, cumulative, and
         # both at the last scrape of vLLM's usage
         self.kv_taken = 0.0
@@ -238,8 +244,9 @@ class ActiveSequences:
             seq.first_at = self._prefilled_at = self._clock()
             if id(seq) in self._live:
                 # admitted at a scrape: its prompt is in that usage already, only its generation is new
+                # (only a running request holds blocks: a waiting one that shares them has not taken them)
                 self.kv_taken += self._kv_tokens(seq, 0) - self._prompt_tokens(seq) if seq.admitted else \
-                    self._kv_tokens(seq, self._shared(seq, self._live_hashes(seq)))
+                    self._kv_tokens(seq, self._shared(seq, self._live_hashes(seq, running=True)))
                 seq.taken_at, seq.taken_gen = self._scrapes, seq.expected
 
     def _expected(self, max_tokens: int) -> int:
@@ -278,16 +285,38 @@ class ActiveSequences:
         if self._live.pop(id(seq), None) is None:
             return
         self._held_memo.clear()
-        live = self._shared(seq, self._live_hashes(seq))  # blocks a request in flight holds are not freed
-        self.kv_freed += self._kv_tokens(seq, live)
+        # blocks a running request holds are not freed; and KV taken since the last scrape at its expected
+        # length is freed at that length (another response may have moved the expectation since)
+        gen = seq.taken_gen if completion_tokens is None and seq.taken_at == self._scrapes else None
+        self.kv_freed += self._kv_tokens(seq, self._shared(seq, self._live_hashes(seq, running=True)),
+                                         completion=gen)
+        live = self._shared(seq, self._live_hashes(seq))  # nor new to the free queue: read again soon
         # and blocks another recent release freed too are not new to the free queue (they move to its
         # recent end): the LRU clock does not count them either
-        recent = self._shared(seq, (x for x, _ in islice(reversed(self._recent), DEDUP)))
+        recent = self._shared(seq, (r[0] for r in islice(reversed(self._recent), DEDUP)))
         # nor does a last block the request did not fill: vLLM frees a block without a hash to the free
         # queue's front (reused first, block_pool.free_blocks), not behind the prefixes released before it
         self.released_tokens += self._kv_tokens(seq, max(live, recent), full_only=True)
         if seq.hashes:
-            self._recent.append((seq.hashes, self.released_tokens))
+            bs = seq.block_size
+            held = self._kv_tokens(seq, 0, full_only=True) // bs if bs else len(seq.hashes)
+            self._recent.append((seq.hashes, self.released_tokens, held))
+
+    def withdraw(self, seq: Sequence) -> None:
+        """``seq`` never ran on the worker (refused, its connection failed, or the client left while the
+        gateway held it): it leaves without taking or freeing KV, moving the LRU clock or counting as a
+        recent release. Ended as a release, it counted its whole prompt and expected answer as freed after
+        every cached prefix there (a prefix's age went from 0 to 5,680 tokens, found by a review) and
+        restarted the progress priced on the request at the queue's head. One seen running (a first token,
+        its blocks stored, admitted at a scrape) ends as a release."""
+        if seq.first_at is not None or seq.admitted:
+            self.finish(seq)
+            return
+        if self._live.pop(id(seq), None) is None:
+            return
+        if seq.admit_keys:
+            self._drop_keys(seq)
+        self._held_memo.clear()
 
     def _live_hashes(self, seq: Sequence | None, running: bool = False):
         """The block hashes of the last ``LIVE_PROBES`` requests in flight other than ``seq`` (references;
@@ -394,11 +423,11 @@ class ActiveSequences:
         or older than the window: unknown)."""
         if n <= 0 or not hashes or n > len(hashes):
             return None
-        for s in islice(reversed(self._live.values()), LIVE_PROBES):
+        for s in islice(reversed(self._live.values()), LIVE_PROBES):  # its output is not in a prompt yet
             if s.hashes is not None and _holds(s.hashes, hashes, n):
                 return HELD
-        for sh, at in reversed(self._recent):
-            if _holds(sh, hashes, n):
+        for sh, at, held in reversed(self._recent):
+            if _holds(sh, hashes, n, held):
                 return self.released_tokens - at
         return None
 
@@ -417,7 +446,7 @@ class ActiveSequences:
         live = self._live.values()
         for s in chain((s for s in live if not s.gated),
                        sorted((s for s in live if s.gated), key=lambda s: s.uncached)):
-            if s.first_at is not None or s.admitted or now >= s.deadline:
+            if s.first_at is not None or s.admitted or (now >= s.deadline and not s.gated):
                 continue
             if s.prefix_at is not None:
                 bs = s.block_size
@@ -489,7 +518,7 @@ class ActiveSequences:
         v = LoadView(inflight=len(self._live), mean_work=self.mean_work, mean_tokens=self.mean_tokens, now=now)
         head = None
         for s in self._live.values():
-            if s.first_at is None and now < s.deadline:
+            if s.first_at is None and (s.gated or now < s.deadline):  # a held one's deadline starts when sent
                 if s.gated:
                     if v.gated is None:
                         v.gated = []

@@ -96,11 +96,15 @@ class _Lease:
         self.metrics.child(self.metrics.gate_wait, self.worker.name).observe(waited)
         return waited
 
-    def release(self, completion_tokens: int | None = None) -> None:
-        """It ended; ``completion_tokens``: what it generated, when its usage said (router/load.py)."""
+    def release(self, completion_tokens: int | None = None, ran: bool = True) -> None:
+        """It ended; ``completion_tokens``: what it generated, when its usage said (router/load.py); ``ran``
+        False: the worker never ran it (refused, not reached, the client left while it was held)."""
         if self.active:
             self.active = False
-            self.worker.active.finish(self.seq, completion_tokens)
+            if ran:
+                self.worker.active.finish(self.seq, completion_tokens)
+            else:
+                self.worker.active.withdraw(self.seq)
             self.worker.gate.wake()
             self.metrics.child(self.metrics.inflight, self.worker.name).set(self.worker.inflight)
 
@@ -209,7 +213,8 @@ class Forwarder:
                 cost = st.router.cost
                 waited = await lease.admit(st.routing, cost.budget(w), cost.prefill_speed(w))
                 d.gate_wait_ms = round(d.gate_wait_ms + waited * 1000.0, 3)  # every attempt's
-                if waited > 0 and not w.routable:  # it failed, drains or left while the request was held
+                # it failed, drains or left while the request was held (a request for a draining owner: left)
+                if waited > 0 and not (w.reachable if self.draining_ok else w.routable):
                     self._withdraw(w, cand, recorded)
                     last_error = f"unavailable: worker {w.name} left while the request was held"
                     last_status = 503
@@ -236,7 +241,7 @@ class Forwarder:
                     usage = self.hooks.usage if ok else None
                 else:
                     usage = usage_from_body(raw) if ok else None
-                lease.release(completion_of(usage))
+                lease.release(completion_of(usage), ran=ok)
                 if not ok:  # refused (a prompt too long, a bad parameter): nothing was computed
                     self._withdraw(w, cand, recorded)
                 elif recorded:
@@ -262,8 +267,8 @@ class Forwarder:
                     self._withdraw(w, cand, recorded)  # it or aborts it now; no claim on its blocks
                 self.finish("client_disconnected", 499)
                 raise
-            finally:
-                lease.release()
+            finally:  # (not reached, refused, or held when the client left: the worker ran none of it)
+                lease.release(ran=resp is not None and resp.status < 400)
                 if resp is not None:
                     resp.close()
         self.finish("failed", last_status)

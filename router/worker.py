@@ -38,7 +38,7 @@ class WorkerLoad:
     waiting: float = 0.0
     kv_usage: float = 0.0
     updated_at: float = 0.0
-    usage_known: bool = True  # False: the last page had no valid kv_cache_usage_perc (kv_usage is no evidence)
+    usage_known: bool = True  # False: the page had no valid kv_cache_usage_perc (kv_usage is no evidence)
     # Cumulative, from vLLM's per-request histograms (recorded together when a request finishes):
     # tokens computed in prefill, seconds from scheduled to first token, and the requests counted.
     prefill_tokens: float = 0.0

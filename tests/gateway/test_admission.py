@@ -370,3 +370,27 @@ async def test_a_second_question_over_a_held_document_reaches_the_worker_after_t
     d1, d2 = gw.state.decisions.get("q1"), gw.state.decisions.get("q2")
     assert d2.predicted_cached_tokens > len(doc) / 8  # planned on q1's blocks
     assert got == {"first": 0, "q1": d1.predicted_cached_tokens, "q2": d2.predicted_cached_tokens}
+
+
+async def test_a_held_request_without_a_first_token_counts_as_prefilling_until_it_is_sent():
+    """Non-streamed requests (no first token seen: prefilling until twice their predicted TTFT) held at the
+    gate longer than that deadline: it ran while they were held, so one wake sent all of them over the
+    budget (the first no longer counted outstanding), and meanwhile the load view counted them as decodes
+    (found by a review). A held request's deadline starts when it is sent."""
+    t = [0.0]
+    a, g = ActiveSequences(clock=lambda: t[0]), PrefillGate(clock=lambda: t[0])
+    first = a.add(1000, 1000.0, 0.05, streamed=True, tokens=1000)
+    assert await g.admit(a, first, 1000, 30.0) == 0.0
+    b = a.add(500, 500.0, 0.05, streamed=False, tokens=500)
+    c = a.add(600, 600.0, 0.05, streamed=False, tokens=600)
+    tasks = [asyncio.create_task(g.admit(a, s, 1000, 30.0)) for s in (b, c)]
+    await held(g, 2)
+    t[0] = 2.0  # held 2 s: past their 0.1 s deadlines
+    v = a.view()
+    assert (v.prefill_requests, v.gated_requests, v.decoding) == (3, 2, None)
+    a.first_token(first)
+    g.wake()  # a step's budget: the shorter goes, the other waits for it
+    assert (b.gated, c.gated, g.outstanding(a)) == (False, True, 500)
+    assert await tasks[0] == 2.0 and b.deadline == 2.0 + 0.1
+    g.release_all()
+    await tasks[1]

@@ -162,7 +162,7 @@ def test_absurd_engine_samples_never_leave_a_calibration_at_zero_or_infinity():
     sample moved the fleet's speed up to 10x, past its range after two and to inf after 671, where no honest
     sample brought it back and every prediction lost its compute); a running count of 1e200 (inf in the
     step regression's sums for good: the step time sat at its floor); an inter-token latency whose prefill
-    part is NaN (the step learnt at 1% of it). None of them moves anything now, and the figures stay in range."""
+    part is NaN (the step learnt at 1% of it). None of them moves anything now; the figures stay in range."""
     from router.calibrate import STEP_RANGE_S
     from router.cost import RATIO_RANGE, TPS_RANGE
 
@@ -175,7 +175,8 @@ def test_absurd_engine_samples_never_leave_a_calibration_at_zero_or_infinity():
     assert cm.prefill_speed(w) == pytest.approx(1000.0)
     for _ in range(50):  # a speed far off still moves by at most 10x a sample and stays in range
         cm.observe_engine_prefill(w, tokens=4e7, seconds=1e-3, requests=4)
-    assert TPS_RANGE[0] <= cm.fleet_tps <= TPS_RANGE[1] and RATIO_RANGE[0] <= w.prefill_ratio <= RATIO_RANGE[1]
+    assert TPS_RANGE[0] <= cm.fleet_tps <= TPS_RANGE[1]
+    assert RATIO_RANGE[0] <= w.prefill_ratio <= RATIO_RANGE[1]
     cal = EngineCalibration(0.02, 0.002, 0.0)
     for running in (2.0, 4.0, 8.0, 1e200, float("inf"), float("nan")):
         cal.observe_steps(running, 0.02 + 0.002 * min(running, 8.0))
@@ -184,7 +185,8 @@ def test_absurd_engine_samples_never_leave_a_calibration_at_zero_or_infinity():
     before = cm.fleet_engine.step_s
     nan_prefill = EngineSample(itl_s=0.05, running=2.0, overhead_s=None, prefill_tokens_per_step=float("nan"))
     from router.worker import WorkerLoad
-    now, then = WorkerLoad(steps=10.0, computed_tokens=float("inf")), WorkerLoad(steps=5.0, computed_tokens=1e15)
+    now = WorkerLoad(steps=10.0, computed_tokens=float("inf"))
+    then = WorkerLoad(steps=5.0, computed_tokens=1e15)
     assert now.engine_since(then).prefill_tokens_per_step is None  # inf - 1e15: not a count
     cm.observe_engine(w, nan_prefill)
     assert cm.fleet_engine.step_s >= before * 0.5

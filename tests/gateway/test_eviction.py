@@ -347,3 +347,21 @@ def test_the_queues_own_prefixes_cascade_into_the_demand_behind_them():
     assert a.queue_losses(5000.0) == 0  # room to spare: nothing lost
     a.mark_scrape(waiting=1)  # vLLM runs the first one: its 300 are in the usage, A's turn still waits
     assert a.queue_losses(1000.0) == 0
+
+
+def test_a_short_chat_of_the_system_prompt_holds_no_other_conversation():
+    """A chat in flight whose blocks are only the system prompt every conversation starts with (its question
+    in the last, partial block) made every conversation read as held (priced never evicted), and once it
+    ended as just used (found by a review). A request holds a prefix it has whole, or, released, one its
+    prompt and answer covered: a conversation's last turn."""
+    from router.load import HELD, ActiveSequences
+
+    a = ActiveSequences()
+    system = [7, 8]
+    chat = a.add(40, 40.0, 1.0, streamed=True, tokens=40, max_tokens=16, hashes=list(system), block_size=16)
+    other = system + list(range(1000, 1098))  # another user's 100 blocks
+    assert a.prefix_age(other, 100) is None and a.held_blocks(other, 100) == 2
+    assert a.prefix_age(other, 2) == HELD  # the system prompt itself is held
+    a.first_token(chat)
+    a.finish(chat, 16)
+    assert a.prefix_age(other, 100) is None and a.prefix_age(other, 2) == 0

@@ -326,3 +326,65 @@ def test_a_prompt_holds_whole_blocks_and_its_generation_grows_into_the_last():
     assert c.inflight_tokens() == 1024
     c.first_token(crossing)
     assert c.inflight_tokens() == 1056
+
+
+def test_a_shared_document_is_taken_when_its_first_reader_runs_not_when_the_last_does():
+    """Two readers of one document wait at a scrape; when the first runs, vLLM allocates the document. Its
+    blocks were left out of the KV taken because the second, still waiting, "shared" them, and again when
+    the second ran (the first held them then): the room read the document free until the next scrape
+    (found by a review). Only running requests hold blocks."""
+    a = ActiveSequences()
+    doc = list(range(100))  # 1,600 tokens
+    kw = dict(streamed=True, tokens=1600, max_tokens=16, block_size=16)
+    first = a.add(1600, 1600.0, 1.0, hashes=doc, **kw)
+    second = a.add(1600, 1600.0, 1.0, hashes=list(doc), **kw)
+    a.mark_scrape(2.0)  # both waiting at the scrape: none of it in the usage
+    a.first_token(first)
+    assert a.kv_since_scrape() == -(1600 + 16)  # the document and the first's answer block
+    a.first_token(second)
+    assert a.kv_since_scrape() == -(1600 + 16 + 16)  # the second adds only its answer's block
+    a.finish(first, 16)
+    assert a.kv_since_scrape() == -(1600 + 16 + 16) + 16  # the second still holds the document
+    a.finish(second, 16)
+    assert a.kv_since_scrape() == 0
+
+
+def test_kv_taken_at_one_expected_length_is_freed_at_that_length():
+    """A response without usage (a client that left mid-stream) was freed at the worker's expected answer as
+    it is at its end, which another response may have moved since its KV was taken: 4,032 tokens of room
+    misread until the next scrape (found by a review). It is freed at the length it was taken at."""
+    a = ActiveSequences()
+    long = a.add(1600, 1600.0, 1.0, streamed=True, tokens=1600, max_tokens=4096, block_size=16)
+    short = a.add(16, 16.0, 1.0, streamed=True, tokens=16, max_tokens=4096, block_size=16)
+    a.mark_scrape(0.0)  # both running at the scrape: their prompts are in its usage
+    a.first_token(long)  # its generation taken at max_tokens (nothing learnt yet)
+    a.first_token(short)
+    a.finish(short, 50)  # answers here are 50 tokens: long's expected length drops to 50
+    assert long.expected == 50
+    a.finish(long)  # no usage: freed at the 4,096 it was taken at
+    assert a.kv_since_scrape() == 1600 + 16  # what the scrape's usage had of them: both prompts
+
+
+def test_a_request_that_never_ran_leaves_no_trace():
+    """A request the worker never ran (refused, not reached, its client gone while the gateway held it)
+    was ended as a release: its whole prompt and expected answer moved the LRU clock, so every cached
+    prefix there read 5,680 tokens older (found by a review), and the progress priced on the head of the
+    queue restarted. Withdrawn, it leaves the tracker with nothing counted; one seen running ends as a
+    release."""
+    clock = [10.0]
+    a = ActiveSequences(clock=lambda: clock[0])
+    prefix = list(range(100))
+    a.finish(a.add(0, 0.0, 1.0, streamed=True, tokens=1600, max_tokens=16, hashes=prefix, block_size=16), 16)
+    head = a.add(2000, 2000.0, 1.0, streamed=True, tokens=2000, hashes=list(range(500, 625)), block_size=16)
+    gone = a.add(1600, 1600.0, 1.0, streamed=True, tokens=1600, max_tokens=4096,
+                 hashes=list(range(1000, 1100)), block_size=16)
+    clock[0] = 13.0
+    def state():
+        return a.prefix_age(prefix, 100), a.released_tokens, a.kv_since_scrape(), a.view().head_elapsed_s
+
+    before = state()
+    a.withdraw(gone)
+    assert len(a) == 1 and state() == before
+    a.first_token(head)
+    a.withdraw(head)  # it ran: a release
+    assert len(a) == 0 and a.released_tokens > before[1]

@@ -271,6 +271,10 @@ async def test_retry_before_first_byte_on_5xx(fleet, start_gateway):
     assert len(bad.requests) >= 1 and len(good.requests) == 4
     text = (await httpx.AsyncClient().get(gw.url + "/metrics")).text
     assert "kvgate_retries_total" in text
+    # the refusals ran nothing on a: its tracker freed no KV and moved no LRU clock for them (a release
+    # of each counted its prompt and expected answer as freed after every prefix cached there)
+    a = gw.state.registry.get("a").active
+    assert len(a) == 0 and a.released_tokens == 0 and a.kv_freed == 0
 
 
 async def test_retry_on_refused_connection(fleet, start_gateway):
