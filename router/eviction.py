@@ -134,6 +134,11 @@ def observe_delivery(cal: EvictionCalibration, cand, delivered_tokens: int, bloc
     if block_size <= 0:
         return
     indexed = cand.local_blocks + cand.evicted_blocks
+    if cand.g4_blocks and delivered_tokens // block_size < indexed + cand.g4_blocks:
+        # short of the local prefix and the G4 blocks: a local eviction, or a G4 load that did not happen
+        # (a failed prefetch), which cached_tokens cannot tell apart (six failed loads of a whole local
+        # prefix drove the scale from 1.0 to 2.1, found by a review): no evidence either way
+        return
     delivered_local = min(indexed, max(0, delivered_tokens // block_size - cand.g4_blocks))
     if cand.eviction_model == "lru":
         cal.observe_lru(cand.kv_demand_tokens, cand.lru_older_tokens, indexed, delivered_local, block_size)

@@ -365,3 +365,20 @@ def test_a_short_chat_of_the_system_prompt_holds_no_other_conversation():
     a.first_token(chat)
     a.finish(chat, 16)
     assert a.prefix_age(other, 100) is None and a.prefix_age(other, 2) == 0
+
+
+def test_a_short_delivery_with_g4_blocks_priced_says_nothing_about_local_eviction():
+    """A candidate priced with its local prefix and G4 blocks beyond it that vLLM delivered short of both: a
+    local eviction or a G4 load that did not happen, which ``cached_tokens`` cannot tell apart. Read as the
+    first, six failed loads of a whole local prefix drove the worker's scale from 1.0 to 2.1 (found by a
+    review); it learns nothing from them. Delivered whole, the sample still counts."""
+    from router.cost import Candidate
+    from router.eviction import EvictionCalibration, observe_delivery
+
+    cal = EvictionCalibration()
+    c = Candidate(worker="a", local_blocks=10, g4_blocks=10, eviction_model="pressure", eviction_pressure=0.9)
+    for _ in range(6):
+        observe_delivery(cal, c, 10 * 16, 16)  # the local 10 came, the G4 10 did not
+    assert (cal.scale, cal.samples) == (1.0, 0)
+    observe_delivery(cal, c, 20 * 16, 16)  # all of it: nothing evicted at a pressure the model discounted
+    assert cal.samples == 1 and cal.scale < 1.0
