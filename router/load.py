@@ -171,6 +171,13 @@ def _holds(sh, hashes, n: int, held: int = 0) -> bool:
     return sh[n - 1] == hashes[n - 1] if m >= n else 0 < m and n <= held + 1 and sh[m - 1] == hashes[m - 1]
 
 
+def _gate_order(s: Sequence) -> tuple[int, int]:
+    """Where the prefill gate sends a held request (router/admission.py): shortest uncached prompt first, one
+    held after another right behind that one (with its length), equal ones in arrival order (a stable sort)."""
+    a = s.after
+    return (a.uncached, 1) if a is not None and a.gated else (s.uncached, 0)
+
+
 class ActiveSequences:
     """A worker's in-flight requests from this gateway (bounded by what is in flight), and its last
     ``RECENT`` releases."""
@@ -444,8 +451,7 @@ class ActiveSequences:
         now = self._clock() if now is None else now
         demand = lost = 0.0
         live = self._live.values()
-        for s in chain((s for s in live if not s.gated),
-                       sorted((s for s in live if s.gated), key=lambda s: s.uncached)):
+        for s in chain((s for s in live if not s.gated), sorted((s for s in live if s.gated), key=_gate_order)):
             if s.first_at is not None or s.admitted or (now >= s.deadline and not s.gated):
                 continue
             if s.prefix_at is not None:

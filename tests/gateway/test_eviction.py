@@ -382,3 +382,27 @@ def test_a_short_delivery_with_g4_blocks_priced_says_nothing_about_local_evictio
     assert (cal.scale, cal.samples) == (1.0, 0)
     observe_delivery(cal, c, 20 * 16, 16)  # all of it: nothing evicted at a pressure the model discounted
     assert cal.samples == 1 and cal.scale < 1.0
+
+
+def test_held_requests_cascade_in_the_order_the_gate_sends_them():
+    """At the prefill gate a request held after another (planned on its blocks) goes right behind that one,
+    not by its own length; the cascade of the queue's own losses took it by its own length, so its short
+    prompt counted as demand ahead of requests the gate sends first (found by a review)."""
+    from router.load import ActiveSequences
+
+    a = ActiveSequences()
+    prefix = list(range(100, 110))  # 10 blocks of 16, released first, 640 tokens released after it
+    a.finish(a.add(0, 0.0, 1.0, tokens=160, hashes=prefix, block_size=16))
+    a.finish(a.add(0, 0.0, 1.0, tokens=640, hashes=list(range(200, 240)), block_size=16))
+    lead = a.add(1000, 1000.0, 1e6, streamed=True, hashes=list(range(300, 370)), block_size=16)
+    turn = a.add(200, 200.0, 1e6, streamed=True, tokens=360, hashes=prefix + [1, 2, 3], block_size=16,
+                 prefix_blocks=10)
+    follower = a.add(60, 60.0, 1e6, streamed=True)
+    follower.after = lead
+    for s in (lead, turn, follower):
+        s.gated = True
+    # the gate sends the turn (200), then the lead (1,000) and the follower behind it: nothing passes the
+    # 20 free tokens older than the turn's prefix before it (free 820 - 160 prefix - 640 after it)
+    assert a.queue_losses(820.0) == 0
+    follower.after = None  # on its own, the follower (60) goes first and cuts the prefix by 40: 3 blocks
+    assert a.queue_losses(820.0) == 48
