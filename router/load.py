@@ -172,8 +172,8 @@ def _holds(sh, hashes, n: int, held: int = 0) -> bool:
 
 
 def _gate_order(s: Sequence) -> tuple[int, int]:
-    """Where the prefill gate sends a held request (router/admission.py): shortest uncached prompt first, one
-    held after another right behind that one (with its length), equal ones in arrival order (a stable sort)."""
+    """Where the prefill gate sends a held request (router/admission.py): shortest uncached prompt first,
+    one held after another right behind that one (at its length), equal ones in arrival order (stable)."""
     a = s.after
     return (a.uncached, 1) if a is not None and a.gated else (s.uncached, 0)
 
@@ -451,7 +451,8 @@ class ActiveSequences:
         now = self._clock() if now is None else now
         demand = lost = 0.0
         live = self._live.values()
-        for s in chain((s for s in live if not s.gated), sorted((s for s in live if s.gated), key=_gate_order)):
+        held = sorted((s for s in live if s.gated), key=_gate_order)
+        for s in chain((s for s in live if not s.gated), held):
             if s.first_at is not None or s.admitted or (now >= s.deadline and not s.gated):
                 continue
             if s.prefix_at is not None:
