@@ -25,6 +25,7 @@ class _Snapshot:
         self.events: dict[str, dict] = {}
         self.health: dict[str, bool] = {}
         self.gated: dict[str, int] = {}  # routing target -> requests at its prefill gate
+        self.rejected: dict[str, int] = {}  # worker -> /metrics samples dropped so far
         self.tokenize: dict[str, dict] = {}
 
     def collect(self):
@@ -44,6 +45,12 @@ class _Snapshot:
         for worker, ok in self.health.items():
             health.add_metric([worker], 1.0 if ok else 0.0)
         yield health
+        rejected = CounterMetricFamily("kvgate_worker_metrics_rejected", "Samples dropped from the worker's "
+                                       "/metrics page: not a finite, non-negative number within what vLLM "
+                                       "can report", labels=["worker"])
+        for worker, n in self.rejected.items():
+            rejected.add_metric([worker], float(n))
+        yield rejected
         gated = GaugeMetricFamily("kvgate_prefill_gate_held", "Requests waiting at the worker's prefill gate "
                                   "(routing.prefill_gate), not sent yet", labels=["worker"])
         for worker, n in self.gated.items():
@@ -180,6 +187,7 @@ class GatewayMetrics:
         """Copy the index, ingestion and health counts into the snapshot collector."""
         snap = self.snapshot
         snap.health = {w.name: w.healthy for w in state.registry.workers()}
+        snap.rejected = {w.name: w.metrics_rejected for w in state.registry.workers()}
         snap.gated = {t.name: len(t.gate) for w in state.registry.workers() for t in w.targets()}
         snap.tokenize = state.tokenizers.cache_stats()
         if state.ingestor is not None:

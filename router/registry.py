@@ -459,6 +459,7 @@ class WorkerRegistry:
         except (UpstreamError, ValueError) as e:
             w.last_error = f"/metrics: {e}"
             return
+        w.metrics_rejected += load.rejected
         before = w.load.process_start
         # Prefills finished since the last scrape calibrate the target that ran them: each rank, or the
         # server. The first scrape compares with zero: what the server did before this gateway saw it

@@ -134,6 +134,9 @@ class Worker:
     down: bool = False  # refused connections check after check: entries dropped (router/registry.py _down)
     refused: int = 0  # health checks in a row that found nothing listening
     last_error: str | None = None
+    # /metrics samples dropped so far (router/vllm_metrics.py: not a finite, non-negative number within
+    # what vLLM can report): a broken exporter, counted on the server
+    metrics_rejected: int = 0
     last_check: float = 0.0
     added_at: float = field(default_factory=time.time)
     # Last parity check (router/parity.py), at registration or on demand (POST /admin/workers/{name}/parity).

@@ -39,6 +39,11 @@ class WorkerLoadOut(BaseModel):
     running: float = Field(0, description="vLLM's num_requests_running (last scrape)")
     waiting: float = Field(0, description="vLLM's num_requests_waiting (last scrape)")
     kv_usage: float = Field(0, description="vLLM's kv_cache_usage_perc (0-1)")
+    kv_usage_known: bool = Field(True, description="false when the last /metrics page had no valid "
+                                 "kv_cache_usage_perc: the free KV room is unknown, no eviction is priced "
+                                 "from it")
+    rejected_samples: int = Field(0, description="/metrics samples dropped so far: not a finite, "
+                                  "non-negative number within what vLLM can report (a broken exporter)")
     inflight: int = Field(0, description="requests the gateway has in flight on this worker")
     pending_tokens: int = Field(0, description="prefill work sent and not yet prefilled, in tokens at "
                                                "context 0 (see routing.attention_knee_tokens)")

@@ -37,7 +37,8 @@ def worker_out(state, w, stats: dict, events: dict) -> schemas.WorkerOut:
         models=sorted(w.models), block_size=w.block_size,
         events=schemas.EventsStatus(**ev) if isinstance(ev, dict) else None,
         load=schemas.WorkerLoadOut(
-            running=w.load.running, waiting=w.load.waiting, kv_usage=w.load.kv_usage, inflight=w.inflight,
+            running=w.load.running, waiting=w.load.waiting, kv_usage=w.load.kv_usage,
+            kv_usage_known=w.load.usage_known, rejected_samples=w.metrics_rejected, inflight=w.inflight,
             pending_tokens=round(view.prefill_work), prefill_tokens_per_s=state.router.cost.prefill_speed(w),
             prefill_ratio=w.prefill_ratio, prefill_samples=w.prefill_samples, ttft_samples=w.ttft_samples,
             pending_requests=view.prefill_requests, gated_requests=view.gated_requests, decodes=view.decodes,

@@ -361,3 +361,21 @@ async def test_a_worker_removed_while_its_probe_waits_is_not_subscribed_again(fl
     with pytest.raises(Exception, match="removed while it was being added"):
         adding.result(10)
     assert reg.get("b") is None and not [s for s in rec.added if s.worker == "b"]
+
+
+async def test_a_broken_exporters_samples_are_counted_where_an_operator_sees_them(fleet, start_gateway):
+    """A worker whose /metrics gives a NaN KV usage: the sample is dropped at every scrape and counted in
+    ``kvgate_worker_metrics_rejected_total`` and ``/admin/workers`` (a count nobody could read before), which
+    also says the usage is unknown (no eviction priced from it)."""
+    st = fleet.add("a")
+    st.kv_usage = float("nan")
+    gw = start_gateway(fleet)
+    a = gw.state.registry.get("a")
+    await wait_until(lambda: a.metrics_rejected >= 1)
+    async with httpx.AsyncClient(timeout=30) as c:
+        text = (await c.get(gw.url + "/metrics")).text
+        load = (await c.get(gw.url + "/admin/workers")).json()["workers"][0]["load"]
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    [sample] = [s for s in fams["kvgate_worker_metrics_rejected"].samples if s.name.endswith("_total")]
+    assert sample.labels == {"worker": "a"} and sample.value >= 1
+    assert load["kv_usage_known"] is False and load["rejected_samples"] >= 1
