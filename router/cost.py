@@ -130,6 +130,9 @@ class Candidate:
     # decision records needs to replay the LRU and occupancy models against what vLLM delivered
     prefix_age_tokens: float | None = None
     eviction_scale: float = 1.0  # the worker's learnt pressure scale at pricing (router/eviction.py)
+    # of the local prefix, the leading blocks a request in flight has, which the eviction model kept (only
+    # the tail past them is priced; what the scale learns from is that tail too)
+    eviction_held_blocks: int = 0
     # occupancy, where it looked (None: not): the KV the requests in flight hold when this one is admitted
     # (with vLLM's waiting ones the gateway did not send), the prefix's leading blocks one of them has (None:
     # not probed) and the excess over the capacity priced evicted from the prefix's tail (<= 0: it fits)
@@ -331,7 +334,8 @@ class CostModel:
             evicted_blocks=m_local - local, eviction_pressure=p if math.isfinite(p) else -1.0,
             eviction_model=ev_model, lru_older_tokens=older,
             prefix_age_tokens=None if age is None or age == HELD else age,
-            eviction_scale=worker.eviction.scale, occupancy_tokens=occupied, occupancy_held_blocks=occ_held,
+            eviction_scale=worker.eviction.scale, eviction_held_blocks=held or 0,
+            occupancy_tokens=occupied, occupancy_held_blocks=occ_held,
             occupancy_excess_tokens=over,
             kv_free=kv_free, kv_free_tokens=kv_free_tokens, kv_wait_ms=wait_ms,
         )

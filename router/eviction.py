@@ -142,5 +142,6 @@ def observe_delivery(cal: EvictionCalibration, cand, delivered_tokens: int, bloc
     delivered_local = min(indexed, max(0, delivered_tokens // block_size - cand.g4_blocks))
     if cand.eviction_model == "lru":
         cal.observe_lru(cand.kv_demand_tokens, cand.lru_older_tokens, indexed, delivered_local, block_size)
-    elif cand.eviction_model == "pressure":
-        cal.observe(cand.eviction_pressure, indexed, delivered_local)
+    elif cand.eviction_model == "pressure":  # it priced the tail past the held blocks: the scale is for that
+        held = min(indexed, max(0, cand.eviction_held_blocks))
+        cal.observe(cand.eviction_pressure, indexed - held, max(0, delivered_local - held))

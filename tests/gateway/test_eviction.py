@@ -406,3 +406,30 @@ def test_held_requests_cascade_in_the_order_the_gate_sends_them():
     assert a.queue_losses(820.0) == 0
     follower.after = None  # on its own, the follower (60) goes first and cuts the prefix by 40: 3 blocks
     assert a.queue_losses(820.0) == 48
+
+
+def test_the_pressure_scale_learns_from_the_tail_it_priced_not_the_held_blocks():
+    """The pressure model keeps the leading blocks a request in flight holds and discounts only the tail past
+    them, but its scale learnt from the whole prefix: deliveries exactly as predicted read as shortfalls
+    and pulled the scale from 1.0 to 0.73 in twelve (found by a review), under-pricing eviction wherever
+    prefixes are shared with running requests. It learns from the tail."""
+    import time
+
+    from router import eviction
+    from router.config import WorkerConfig
+    from router.cost import CostModel
+    from router.worker import Worker
+
+    cm = CostModel(RoutingConfig(occupancy_evicts=False))  # the pressure model alone
+    w = Worker("w", "http://w:8000", WorkerConfig(url="http://w:8000"))
+    bs, prompt = 16, list(range(1000, 1020))  # 20 blocks, the first 10 cached on the worker
+    running = w.active.add(64, 64.0, 1.0, streamed=True, tokens=6 * bs + 64, hashes=prompt[:6] + [1, 2, 3, 4],
+                           block_size=bs)
+    w.active.first_token(running)  # holds the first 6 blocks
+    w.load = WorkerLoad(running=1, waiting=1, kv_usage=0.355, updated_at=time.time(), num_gpu_blocks=101)
+    w.active.mark_scrape(1)
+    c = cm.score(w, WorkerMatch(gpu=10, local=10), 0, 20 * bs, bs, hashes=prompt)
+    assert c.eviction_model == "pressure" and c.eviction_held_blocks == 6 and 6 <= c.local_blocks < 10
+    for _ in range(12):  # vLLM delivers exactly what the model predicted
+        eviction.observe_delivery(w.eviction, c, c.local_blocks * bs, bs)
+    assert w.eviction.scale == pytest.approx(1.0, abs=0.1)
