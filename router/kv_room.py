@@ -38,7 +38,7 @@ def kv_room(load, block_size: int, since_tokens: float = 0.0,
     token (capacity-bound real vLLM, session 20: 6,538 of 6,560 tokens read free with two requests running and
     three sent)."""
     u = load.kv_usage
-    if not load.updated_at or not getattr(load, "usage_known", True) or not isinstance(u, (int, float)) \
+    if not load.updated_at or not load.usage_known or not isinstance(u, (int, float)) \
             or not 0.0 <= u <= 1.0:  # NaN included
         return None, None
     cap = capacity_tokens(load, block_size)
