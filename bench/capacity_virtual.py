@@ -289,8 +289,8 @@ class _Session15Tracker(ActiveSequences):
     prefilling request's uncached prompt is demand (none admitted), the queue's own prefixes are not lost
     ahead of it (no cascade), and no request in flight holds part of a prefix."""
 
-    def mark_scrape(self, waiting: float | None = None) -> None:
-        super().mark_scrape(None)
+    def mark_scrape(self, waiting: float | None = None, snapshot: tuple | None = None) -> None:
+        super().mark_scrape(None, snapshot)
 
     def queue_losses(self, free_tokens: float, now: float | None = None) -> float:
         return 0.0

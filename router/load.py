@@ -59,8 +59,12 @@ class Sequence:
     prefix_blocks: int = 0  # the cached prefix it was predicted to find (its local blocks)
     prefix_at: float | None = None  # where that prefix sat on the LRU clock when sent (None: held or unknown)
     admitted: bool = False  # vLLM runs it (its KV allocated): seen at a scrape or in its blocks' events
-    taken_at: int = -1  # the tracker's scrape count when its KV was taken (at its first token)
+    taken_at: int = -1  # the tracker's scrape-snapshot count when its KV was taken (at its first token)
     taken_gen: int = 0  # the generation its KV was taken at (its expected length then)
+    # its prompt's KV counted as taken (less blocks running requests hold), and the scrape-snapshot count
+    # then: a scrape that saw it running after all has it in its usage already (mark_scrape)
+    prompt_taken: int = 0
+    prompt_at: int = -1
     admit_keys: tuple = ()  # the hashes of its first uncached blocks: their BlockStored says vLLM runs it
     gated: bool = False  # waiting at the gateway's prefill gate, not sent yet (router/admission.py)
     # the held request whose blocks its predicted prefix counts (router/pending.py): it goes after it
@@ -195,7 +199,10 @@ class ActiveSequences:
         self.kv_taken = 0.0
         self.kv_freed = 0.0
         self._kv_mark = (0.0, 0.0)
-        self._scrapes = 0  # scrapes marked so far: whether a request's KV was taken since the last one
+        # scrape snapshots taken so far (a take records the count: :meth:`_since_mark`), and the count of the
+        # one the usage was last marked with
+        self._scrapes = 0
+        self._marked = 0
         # tokens this worker's responses generated (usage.completion_tokens), moving average; None: none said
         self.mean_completion: float | None = None
         # of its responses to requests with a max_tokens, the share that generated all of it (moving average)
@@ -252,8 +259,12 @@ class ActiveSequences:
             if id(seq) in self._live:
                 # admitted at a scrape: its prompt is in that usage already, only its generation is new
                 # (only a running request holds blocks: a waiting one that shares them has not taken them)
-                self.kv_taken += self._kv_tokens(seq, 0) - self._prompt_tokens(seq) if seq.admitted else \
-                    self._kv_tokens(seq, self._shared(seq, self._live_hashes(seq, running=True)))
+                if seq.admitted:
+                    self.kv_taken += self._kv_tokens(seq, 0) - self._prompt_tokens(seq)
+                else:
+                    shared = self._shared(seq, self._live_hashes(seq, running=True))
+                    self.kv_taken += self._kv_tokens(seq, shared)
+                    self._took_prompt(seq, shared)
                 seq.taken_at, seq.taken_gen = self._scrapes, seq.expected
 
     def _expected(self, max_tokens: int) -> int:
@@ -279,7 +290,7 @@ class ActiveSequences:
                 full = 1.0 if completion_tokens >= seq.max_tokens else 0.0
                 f = self.full_share
                 self.full_share = full if f is None else 0.9 * f + 0.1 * full
-            if seq.first_at is not None and seq.taken_at == self._scrapes:
+            if seq.first_at is not None and self._since_mark(seq):
                 # taken since the last scrape at its expected length: take it at the length it had (a take
                 # before that scrape is in the scrape's mark and its usage, which held no more than it had)
                 self.kv_taken -= self._kv_tokens(seq, 0, completion=seq.taken_gen) - self._kv_tokens(
@@ -294,7 +305,7 @@ class ActiveSequences:
         self._held_memo.clear()
         # blocks a running request holds are not freed; and KV taken since the last scrape at its expected
         # length is freed at that length (another response may have moved the expectation since)
-        gen = seq.taken_gen if completion_tokens is None and seq.taken_at == self._scrapes else None
+        gen = seq.taken_gen if completion_tokens is None and self._since_mark(seq) else None
         self.kv_freed += self._kv_tokens(seq, self._shared(seq, self._live_hashes(seq, running=True)),
                                          completion=gen)
         live = self._shared(seq, self._live_hashes(seq))  # nor new to the free queue: read again soon
@@ -357,18 +368,42 @@ class ActiveSequences:
             held = (held // bs if full_only else -(-held // bs)) * bs
         return max(0, held - shared * bs)
 
-    def mark_scrape(self, waiting: float | None = None) -> None:
-        """vLLM's KV usage was just scraped: it includes what the gateway's requests took and freed so far,
-        and the prompts of the prefilling ones vLLM runs: with its ``waiting`` gauge, all but the last
-        ``waiting`` of them (vLLM admits in arrival order), which are *admitted*: their KV is in the usage, so
-        they are no demand on the room a placement reads (their prefill time still queues)."""
-        self._kv_mark = (self.kv_taken, self.kv_freed)
+    def _since_mark(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s KV was taken after the snapshot the usage was last marked with (not in it)."""
+        return seq.taken_at >= self._marked
+
+    def scrape_snapshot(self) -> tuple:
+        """The tracker's state as a scrape of vLLM's ``/metrics`` starts: KV taken and freed so far, and the
+        requests sent and prefilling (not held at the gate), in arrival order. The scrape's usage and waiting
+        gauge describe this moment, not the one :meth:`mark_scrape` runs at after the fetch and parse (their
+        awaits let first tokens, finishes and new requests in between: marked at the end, KV taken in that
+        window was lost until the next scrape, and requests sent in it pushed older waiting ones into
+        "admitted"; found by a review)."""
         self._scrapes += 1
+        return (self._scrapes, self.kv_taken, self.kv_freed,
+                [s for s in self._live.values() if s.first_at is None and not s.gated])
+
+    def mark_scrape(self, waiting: float | None = None, snapshot: tuple | None = None) -> None:
+        """vLLM's KV usage was just scraped (as of ``snapshot``, :meth:`scrape_snapshot`; None: now): it
+        includes what the gateway's requests took and freed until then, and the prompts of the prefilling
+        ones vLLM runs: with its ``waiting`` gauge, all but the last ``waiting`` of them (vLLM admits in
+        arrival order), which are *admitted*: their KV is in the usage, so they are no demand on the room a
+        placement reads (their prefill time still queues). A snapshot older than the last one marked (a
+        slow scrape overtaken) marks nothing."""
+        count, taken, freed, prefilling = snapshot or self.scrape_snapshot()
+        if count < self._marked:
+            return
+        self._marked = count
+        self._kv_mark = (taken, freed)
         self._held_memo.clear()
         if waiting is None or not waiting == waiting:  # NaN: unknown
             return
-        prefilling = [s for s in self._live.values() if s.first_at is None and not s.gated]
         for s in prefilling[: max(0, len(prefilling) - int(max(0.0, waiting)))]:
+            if id(s) not in self._live:  # finished since
+                continue
+            if s.prompt_at >= count:  # its prompt counted as taken since: the usage has it already
+                self.kv_taken -= s.prompt_taken
+                s.prompt_taken = 0
             s.admitted = True
 
     def stored(self, hashes) -> None:
@@ -408,8 +443,13 @@ class ActiveSequences:
         self._held_memo.clear()
         seq.admitted = True
         # the leading blocks a running request holds were not free: only the rest leaves the free room
-        shared = self._shared(seq, self._live_hashes(seq, running=True))
-        self.kv_taken += max(0, self._prompt_tokens(seq) - shared * seq.block_size)
+        self._took_prompt(seq, self._shared(seq, self._live_hashes(seq, running=True)))
+        self.kv_taken += seq.prompt_taken
+
+    def _took_prompt(self, seq: Sequence, shared: int) -> None:
+        """Record the prompt KV ``seq`` is counted as taking (less ``shared`` blocks) and when."""
+        seq.prompt_taken = max(0, self._prompt_tokens(seq) - shared * seq.block_size)
+        seq.prompt_at = self._scrapes
 
     def prefilling(self, now: float):
         """The requests counted as prefilling at ``now`` (those at the gateway's prefill gate too), in arrival

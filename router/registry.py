@@ -444,11 +444,13 @@ class WorkerRegistry:
             self._targets[t.name] = t
 
     async def _scrape(self, w: Worker) -> None:
+        ranks = list(w.ranks)
+        # the page describes the moment it is asked for: the trackers' state then, not after the awaits
+        snaps = [t.active.scrape_snapshot() for t in ranks or [w]]
         try:
             status, body = await self._get(w, "/metrics")
             if status != 200:
                 return
-            ranks = list(w.ranks)
 
             def parse(text: str = body.decode("utf-8", "replace")) -> list:
                 text = wanted_metrics(text)  # once for the server and its ranks
@@ -465,12 +467,12 @@ class WorkerRegistry:
         # server. The first scrape compares with zero: what the server did before this gateway saw it
         # (warm-up, earlier traffic) calibrates it at once, instead of the priors routing the first burst.
         done = []
-        for t, tload in list(zip(ranks, (lo for lo, _ in per_rank))) or [(w, load)]:
+        for (t, tload), snap in zip(list(zip(ranks, (lo for lo, _ in per_rank))) or [(w, load)], snaps):
             then = t.load if t.load.updated_at else WorkerLoad(running=tload.running, computed_tokens=(
                 None if tload.computed_tokens is None else 0.0))
             done.append((t, tload.prefill_since(then), tload.engine_since(then)))
             t.load = tload
-            t.active.mark_scrape(tload.waiting)  # the usage now includes what the gateway's requests took
+            t.active.mark_scrape(tload.waiting, snap)  # the usage includes what the gateway's requests took
         w.load = load
         if before is not None and load.process_start is not None and load.process_start != before:
             await self._restarted(w, "process_start_time_seconds changed")

@@ -365,6 +365,29 @@ def test_kv_taken_at_one_expected_length_is_freed_at_that_length():
     assert a.kv_since_scrape() == 1600 + 16  # what the scrape's usage had of them: both prompts
 
 
+def test_a_scrape_applies_what_its_page_saw_not_what_happened_while_it_was_read():
+    """The tracker's side of a scrape taken at the page's request (the registry's side:
+    tests/gateway/test_registry.py). A request the page saw waiting that starts while the page is read keeps
+    its whole take (the usage has none of it); one it saw running keeps only its answer's; the KV freed
+    meanwhile stays counted; a slow scrape overtaken by a later one marks nothing."""
+    a = ActiveSequences()
+    kw = dict(streamed=True, tokens=1600, max_tokens=160, block_size=16)
+    waits = a.add(1600, 1600.0, 1.0, hashes=list(range(100)), **kw)
+    snap = a.scrape_snapshot()  # the page: one waiting
+    a.first_token(waits)
+    a.mark_scrape(1.0, snap)
+    assert a.kv_since_scrape() == -(1600 + 160) and not waits.admitted
+    runs = a.add(1600, 1600.0, 1.0, hashes=list(range(1000, 1100)), **kw)
+    slow = a.scrape_snapshot()
+    snap = a.scrape_snapshot()  # the page: nothing waiting
+    a.first_token(runs)
+    a.finish(waits, 160)
+    a.mark_scrape(0.0, snap)
+    assert runs.admitted and a.kv_since_scrape() == (1600 + 160) - 160
+    a.mark_scrape(0.0, slow)  # older than the one marked: nothing changes
+    assert a.kv_since_scrape() == (1600 + 160) - 160
+
+
 def test_a_request_that_never_ran_leaves_no_trace():
     """A request the worker never ran (refused, not reached, its client gone while the gateway held it)
     was ended as a release: its whole prompt and expected answer moved the LRU clock, so every cached

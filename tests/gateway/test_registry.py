@@ -379,3 +379,39 @@ async def test_a_broken_exporters_samples_are_counted_where_an_operator_sees_the
     [sample] = [s for s in fams["kvgate_worker_metrics_rejected"].samples if s.name.endswith("_total")]
     assert sample.labels == {"worker": "a"} and sample.value >= 1
     assert load["kv_usage_known"] is False and load["rejected_samples"] >= 1
+
+
+async def test_a_scrape_is_applied_as_of_when_the_page_was_asked_for(fleet, start_gateway):
+    """vLLM's /metrics describes the moment it is asked for, and the gateway's own requests go on while it
+    fetches and parses the page (slow on a busy server). Applied with the tracker's state from after those
+    awaits, KV a request took meanwhile vanished from the room until the next scrape, and a request sent
+    meanwhile pushed an older one vLLM still had waiting into "admitted" (its prompt no demand on the room).
+    Found by a review; the fake's page is fixed when asked for and answered 0.5 s later."""
+    fleet.add("a")
+    st = fleet.states[0]
+    st.num_gpu_blocks, st.kv_usage, st.waiting = 1001, 0.25, 2  # 16,000 tokens, 12,000 free; B and C wait
+    gw = start_gateway(fleet, health_interval_s=3600)  # this test scrapes
+    reg = gw.state.registry
+    a = reg.get("a")
+
+    def send(base):
+        return a.active.add(1600, 1600.0, 1.0, streamed=True, tokens=1600, max_tokens=160,
+                            hashes=list(range(base, base + 100)), block_size=BLOCK)
+
+    async def scenario():
+        st.metrics_delay_s = 0.5
+        first, second, third = send(0), send(1000), send(2000)  # vLLM runs the first
+        scrape = asyncio.create_task(reg._scrape(a))
+        await asyncio.sleep(0.25)  # the page is asked for; while the gateway waits for it:
+        a.active.first_token(first)  # the first one's first token (its prompt is in the page's usage)
+        fourth = send(3000)  # and a new request
+        await scrape
+        return [s.admitted for s in (first, second, third, fourth)]
+
+    assert gw.call(scenario()) == [True, False, False, False]  # the page said two wait: the 2nd and 3rd
+    body = {"model": MODEL, "prompt": list(range(5000, 5100)), "max_tokens": 2}
+    async with httpx.AsyncClient(timeout=30) as c:
+        [cand] = (await c.post(gw.url + "/admin/explain", json={"body": body})).json()["candidates"]
+    # the room: the page's 12,000 free tokens less the first one's generation, taken after it was asked
+    # for (its prompt was in the page's usage: 160 answer tokens, 10 blocks)
+    assert cand["kv_free_tokens"] == 12_000 - 160

@@ -42,6 +42,7 @@ class FakeState:
     fast: bool = False  # benchmark mode: no tokenizer, no cache bookkeeping
     pause_after: int | None = None  # streaming: stop after this many content chunks until released
     done_delay_s: float = 0.0  # streaming: hold the connection open this long after [DONE]
+    metrics_delay_s: float = 0.0  # /metrics answers after this long (a busy server's slow scrape)
     release: threading.Event = field(default_factory=threading.Event)
     publisher: object = None  # a bench.sim.vllm_format.EventPublisher: BlockStored for new blocks
     dp_publishers: list = field(default_factory=list)  # data-parallel: one publisher (and cache) per rank
@@ -317,34 +318,41 @@ def create_fake_worker(state: FakeState, tokenizer_dir: str | None = None) -> Fa
     @app.get("/metrics")
     async def metrics():
         lbl = f'engine="0",model_name="{st.model}"'
-        waiting = "".join(f'vllm:num_requests_waiting{{engine="{r}",model_name="{st.model}"}} {float(n)}\n'
-                          for r, n in enumerate(st.dp_waiting or [st.waiting]))  # one series per engine
-        text = (
-            "# TYPE process_start_time_seconds gauge\n"
-            f"process_start_time_seconds {st.started}\n"
-            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
-            "# TYPE vllm:num_requests_running gauge\n"
-            f"vllm:num_requests_running{{{lbl}}} {float(st.running + st.active)}\n"
-            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
-            "# TYPE vllm:num_requests_waiting gauge\n"
-            f"{waiting}"
-            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
-            "# TYPE vllm:kv_cache_usage_perc gauge\n"
-            f"vllm:kv_cache_usage_perc{{{lbl}}} {st.kv_usage}\n"
-            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
-            "# TYPE vllm:cache_config_info gauge\n"
-            f'vllm:cache_config_info{{block_size="{st.block_size}",enable_prefix_caching="True",engine="0",'
-            f'prefix_caching_hash_algo="sha256"'
-            + (f',num_gpu_blocks="{st.num_gpu_blocks}"' if st.num_gpu_blocks else "") + "} 1.0\n"
-        )
-        for name, i in (("vllm:request_prefill_kv_computed_tokens", 0), ("vllm:request_prefill_time_seconds", 1),
-                        ("vllm:request_prompt_tokens", 2)):
-            text += (f"# TYPE {name} histogram\n{name}_count{{{lbl}}} {float(st.prefill[3])}\n"
-                     f"{name}_sum{{{lbl}}} {float(st.prefill[i])}\n")
-
+        text = _metrics_page(st, lbl)  # as of the request
+        if st.metrics_delay_s:
+            await asyncio.sleep(st.metrics_delay_s)
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+def _metrics_page(st: FakeState, lbl: str) -> str:
+    """The page vLLM's /metrics would answer with now (the families the gateway reads)."""
+    waiting = "".join(f'vllm:num_requests_waiting{{engine="{r}",model_name="{st.model}"}} {float(n)}\n'
+                      for r, n in enumerate(st.dp_waiting or [st.waiting]))  # one series per engine
+    text = (
+        "# TYPE process_start_time_seconds gauge\n"
+        f"process_start_time_seconds {st.started}\n"
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+        "# TYPE vllm:num_requests_running gauge\n"
+        f"vllm:num_requests_running{{{lbl}}} {float(st.running + st.active)}\n"
+        "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        f"{waiting}"
+        "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        f"vllm:kv_cache_usage_perc{{{lbl}}} {st.kv_usage}\n"
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+        "# TYPE vllm:cache_config_info gauge\n"
+        f'vllm:cache_config_info{{block_size="{st.block_size}",enable_prefix_caching="True",engine="0",'
+        f'prefix_caching_hash_algo="sha256"'
+        + (f',num_gpu_blocks="{st.num_gpu_blocks}"' if st.num_gpu_blocks else "") + "} 1.0\n"
+    )
+    for name, i in (("vllm:request_prefill_kv_computed_tokens", 0), ("vllm:request_prefill_time_seconds", 1),
+                    ("vllm:request_prompt_tokens", 2)):
+        text += (f"# TYPE {name} histogram\n{name}_count{{{lbl}}} {float(st.prefill[3])}\n"
+                 f"{name}_sum{{{lbl}}} {float(st.prefill[i])}\n")
+    return text
 
 
 def _sse(obj: dict) -> bytes:
