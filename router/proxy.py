@@ -113,9 +113,10 @@ class Forwarder:
     """Sends one planned request down the decision's candidate list and writes the response to ASGI ``send``."""
 
     def __init__(self, dp: DataPath, d: Decision, body: bytes, path: str, *, method: str, query: str,
-                 headers: dict[str, str], hooks=None, draining_ok: bool = False):
+                 headers: dict[str, str], hooks=None, owned: bool = False):
         self.st, self.d, self.body, self.path = dp, d, body, path
-        self.draining_ok = draining_ok  # a draining worker is sent it too (work of its own in flight)
+        # what only its worker holds: sent while that one drains or fails health checks too (owner_reachable)
+        self.owned = owned
         self.method, self.query, self.headers = method, query, headers
         self.hashes = d.hashes
         self.sent_text = d.sent_text  # the decision log drops it too
@@ -189,7 +190,7 @@ class Forwarder:
             if attempts >= max(1, st.routing.max_attempts):
                 break
             w = reg.target(cand.worker)  # a server, or one data-parallel rank of one
-            if w is None or not (w.reachable if self.draining_ok else w.routable):
+            if w is None or not self._usable(w):
                 continue
             attempts += 1
             if attempts > 1:
@@ -213,8 +214,8 @@ class Forwarder:
                 cost = st.router.cost
                 waited = await lease.admit(st.routing, cost.budget(w), cost.prefill_speed(w))
                 d.gate_wait_ms = round(d.gate_wait_ms + waited * 1000.0, 3)  # every attempt's
-                # it failed, drains or left while the request was held (a request for a draining owner: left)
-                if waited > 0 and not (w.reachable if self.draining_ok else w.routable):
+                # it failed, drains or left while the request was held (a request for its owner: left, down)
+                if waited > 0 and not self._usable(w):
                     self._withdraw(w, cand, recorded)
                     last_error = f"unavailable: worker {w.name} left while the request was held"
                     last_status = 503
@@ -276,6 +277,9 @@ class Forwarder:
             raise APIError(503, f"No healthy worker serves the model `{d.model}`.", code="no_healthy_worker")
         raise APIError(last_status, f"All {attempts} attempt(s) failed; last: {last_error}",
                        code="upstream_error")
+
+    def _usable(self, w) -> bool:
+        return w.owner_reachable if self.owned else w.routable
 
     def _withdraw(self, w, cand, recorded: bool) -> None:
         if recorded:

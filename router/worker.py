@@ -212,6 +212,14 @@ class Worker:
         """Reachable and not draining: it takes new work."""
         return self.reachable and not self.draining
 
+    @property
+    def owner_reachable(self) -> bool:
+        """In the fleet and its process not seen gone (connections refused): asked for what only it holds
+        (a stored response's GET, cancel or delete) even while draining or failing health checks. No other
+        worker can answer those, and a /health that timed out on a busy server says nothing of the response
+        (a cancel during a long generation on a loaded CPU server was refused, 503, while vLLM was up)."""
+        return self.lost_at is None and not self.down
+
     def base_model(self) -> str | None:
         for mid, info in self.models.items():
             if not info.get("parent"):

@@ -37,10 +37,10 @@ log = logging.getLogger("kvgate.apis")
 
 
 async def _owner(st, response_id: str, param: str, chain: bool = False,
-                 draining_ok: bool = False) -> list[dict]:
+                 owned: bool = False) -> list[dict]:
     """The owner record of ``response_id`` (with ``chain``: and its parents', newest first), or the
-    OpenAI-shaped error that says why not. ``draining_ok``: a draining owner serves it (a GET, cancel or
-    delete of a response: its work there is in flight, and drain lets that finish)."""
+    OpenAI-shaped error that says why not. ``owned``: only the owner can answer it (a GET, cancel or delete
+    of a response): asked while it drains or fails health checks too (``Worker.owner_reachable``)."""
     try:
         if chain:
             recs = await asyncio.wait_for(st.owners.chain(response_id, st.settings.responses.chain_max_depth),
@@ -61,7 +61,7 @@ async def _owner(st, response_id: str, param: str, chain: bool = False,
         raise APIError(410, f"Response '{response_id}' was stored by worker `{rec['worker']}`, which is no "
                             "longer in the fleet: the response is gone.", param=param,
                        code="response_owner_gone", type_="invalid_request_error")
-    if not (w.reachable if draining_ok else w.routable):
+    if not (w.owner_reachable if owned else w.routable):
         raise APIError(503, f"Response '{response_id}' is held by worker `{w.name}`, which is "
                             f"{'draining' if w.draining else 'unavailable'}; try again later.", param=param,
                        code="response_owner_unavailable")
@@ -109,7 +109,7 @@ async def _serve(st, scope, receive, send, path: str, prepare, *, anthropic: boo
         arrived(d, received, read_ms)
         st.metrics.observe_stages(d.timings_ms)
         fwd = Forwarder(st.datapath, d, raw, path, method=scope["method"], query=scope.get("query_string", b"").decode(
-            "latin-1"), headers=headers, hooks=hooks(d) if hooks else None, draining_ok=direct)
+            "latin-1"), headers=headers, hooks=hooks(d) if hooks else None, owned=direct)
         st.decisions.add(d)
     except ClientGone:
         return
@@ -176,7 +176,7 @@ def add_routes(api: APIRouter) -> None:
 
         def prepare(st):
             async def go(headers, raw):
-                rec = (await _owner(st, response_id, "response_id", draining_ok=True))[0]
+                rec = (await _owner(st, response_id, "response_id", owned=True))[0]
                 return rec.get("model"), {}, {}, rec["worker"], None
             return go
 

@@ -17,6 +17,7 @@ from schemathesis.checks import not_a_server_error
 
 from router.apis import MESSAGES, RESPONSES
 from tests.gateway.conftest import MODEL
+from tests.gateway.test_proxy import wait_until
 
 LONG = " ".join(f"the cache block prefix number {i} is long" for i in range(40))
 
@@ -107,6 +108,30 @@ def test_a_draining_owner_still_serves_its_stored_responses_but_takes_no_follow_
             assert r.status_code == 404 and r.headers["x-kvgate-worker"] == "b"  # the fake's own answer
         openai_error(c.post("/v1/responses", json={"model": MODEL, "input": "x", "previous_response_id": "resp_bg"}),
                      503, "response_owner_unavailable")
+    assert fleet.states[0].requests == []
+
+
+def test_an_owner_failing_health_checks_still_answers_for_its_stored_responses(fleet, start_gateway):
+    """A failing /health (timed out on a loaded CPU server, or a 503) takes a worker out of routing but says
+    nothing of the responses it stores: their GET, cancel and delete still go to it (a cancel during a long
+    generation on real vLLM got a 503 while vLLM was up). A follow-up is new work: 503. An owner whose
+    process is seen gone (connections refused) fails them too: 503."""
+    fleet.add("a")
+    fleet.add("b")
+    gw = start_gateway(fleet)
+    reg = gw.state.registry
+    gw.call(gw.state.owners.put("resp_bg", {"worker": "b", "model": MODEL, "parent": None, "delta": None}))
+    fleet.states[1].mode = "unhealthy"
+    gw.call(wait_until(lambda: not reg.get("b").healthy))
+    with httpx.Client(base_url=gw.url, timeout=30) as c:
+        for r in (c.get("/v1/responses/resp_bg"), c.post("/v1/responses/resp_bg/cancel"),
+                  c.delete("/v1/responses/resp_bg")):
+            assert r.status_code == 404 and r.headers["x-kvgate-worker"] == "b"  # the fake's own answer
+        openai_error(c.post("/v1/responses", json={"model": MODEL, "input": "x", "previous_response_id": "resp_bg"}),
+                     503, "response_owner_unavailable")
+        reg.get("b").down = True  # its port refused connections (router/registry.py _down)
+        for r in (c.get("/v1/responses/resp_bg"), c.post("/v1/responses/resp_bg/cancel")):
+            openai_error(r, 503, "response_owner_unavailable")
     assert fleet.states[0].requests == []
 
 
