@@ -76,6 +76,11 @@ class Sequence:
         if self.expected < 0:
             self.expected = self.max_tokens
 
+    @property
+    def prefills(self) -> bool:
+        """Whether it has a prompt for vLLM to prefill (not a stored response's GET or a token count)."""
+        return self.tokens > 0 or self.uncached > 0 or self.work > 0
+
     def kv_release(self, step_s: float) -> tuple[float, int]:
         """When a decoding sequence is expected to end (``expected`` steps after its first token, or its
         deadline when none was seen) and the KV tokens it frees then."""
@@ -238,8 +243,9 @@ class ActiveSequences:
             seq.admit_keys = tuple(hashes[first:first + ADMIT_KEYS])
             for h in seq.admit_keys:
                 self._admit_keys.setdefault(h, []).append(seq)
-        self.mean_work = 0.9 * self.mean_work + 0.1 * seq.work
-        self.mean_tokens = 0.9 * self.mean_tokens + 0.1 * seq.uncached
+        if seq.prefills:  # the mean prompt prices the waiting requests the gateway did not send
+            self.mean_work = 0.9 * self.mean_work + 0.1 * seq.work
+            self.mean_tokens = 0.9 * self.mean_tokens + 0.1 * seq.uncached
         return seq
 
     def released(self, seq: Sequence) -> None:

@@ -87,8 +87,8 @@ class _Lease:
     async def admit(self, routing, max_batched: int, tokens_per_s: float) -> float:
         """Wait at the worker's prefill gate (router/admission.py); the seconds waited. ``tokens_per_s``: the
         worker's calibrated prefill speed (the gate stands aside where a step's prefill outlasts its wait)."""
-        if not routing.prefill_gate:
-            return 0.0
+        if not routing.prefill_gate or not self.seq.prefills:
+            return 0.0  # nothing to prefill (a stored response's GET, a count): nothing to order
         budget = gate_budget(routing, max_batched)
         if not gate_orders(budget, tokens_per_s, routing.prefill_gate_max_wait_s):
             return 0.0

@@ -7,6 +7,8 @@ them needs speed.
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 import schemathesis
@@ -133,6 +135,31 @@ def test_an_owner_failing_health_checks_still_answers_for_its_stored_responses(f
         for r in (c.get("/v1/responses/resp_bg"), c.post("/v1/responses/resp_bg/cancel")):
             openai_error(r, 503, "response_owner_unavailable")
     assert fleet.states[0].requests == []
+
+
+def test_a_stored_responses_get_does_not_wait_at_the_prefill_gate(fleet, start_gateway):
+    """Only prefills are ordered at the prefill gate (router/admission.py). A stored response's GET, cancel
+    or delete has nothing to prefill, yet it waited behind a prompt longer than a step's budget for up to
+    ``prefill_gate_max_wait_s`` (5 s), and each one pulled the worker's mean request size, which prices the
+    waiting requests other gateways sent, toward 0 (both found by a review)."""
+    fleet.add("a")
+    fleet.states[0].first_token_delay_s = 3.0  # the long prompt prefills for 3 s
+    gw = start_gateway(fleet)
+    gw.state.settings.routing.prefill_gate_tokens = 512  # one step's budget: the prompt below is longer
+    a = gw.state.registry.get("a")
+    gw.call(gw.state.owners.put("resp_bg", {"worker": "a", "model": MODEL, "parent": None, "delta": None}))
+    long = {"model": MODEL, "prompt": list(range(2000)), "max_tokens": 2, "stream": True}
+    with ThreadPoolExecutor(1) as pool, httpx.Client(base_url=gw.url, timeout=30) as c:
+        prefilling = pool.submit(httpx.post, gw.url + "/v1/completions", json=long, timeout=30)
+        gw.call(wait_until(lambda: a.inflight == 1))
+        mean = a.active.mean_work, a.active.mean_tokens
+        for r in (c.get("/v1/responses/resp_bg"), c.post("/v1/responses/resp_bg/cancel")):
+            assert r.status_code == 404 and r.headers["x-kvgate-worker"] == "a"  # the fake's own answer
+        assert not prefilling.done()  # the long prompt still prefills
+        assert (a.active.mean_work, a.active.mean_tokens) == mean
+        assert prefilling.result().status_code == 200
+        owned = [d for d in c.get("/admin/decisions").json()["decisions"] if "resp_bg" in d["path"]]
+    assert len(owned) == 2 and all(d["gate_wait_ms"] == 0 for d in owned), owned
 
 
 def test_malformed_messages_are_400_in_anthropic_shape(fleet, start_gateway):
