@@ -15,6 +15,19 @@ _OVERHEAD_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+GONE_KEPT = 4096  # removed worker names remembered (their late updates discarded)
+
+
+class _Discard:
+    """A removed worker's series child: updates go nowhere."""
+
+    def inc(self, *a, **k) -> None:
+        pass
+
+    dec = set = observe = inc
+
+
+_DISCARD = _Discard()
 
 
 class _Snapshot:
@@ -155,18 +168,31 @@ class GatewayMetrics:
         r.register(self.snapshot)
 
         self._children: dict[tuple, object] = {}
+        # workers removed (their series dropped), last GONE_KEPT, until a target of that name is added again
+        self._gone: dict[str, None] = {}
 
     def child(self, metric, *labels):
         """``metric.labels(*labels)``, cached: the request path calls this several times per request."""
         key = (id(metric), labels)
         c = self._children.get(key)
         if c is None:
+            if self._gone and self._of_gone(metric, labels):
+                return _DISCARD
             c = self._children[key] = metric.labels(*labels)
         return c
 
+    def _of_gone(self, metric, labels) -> bool:
+        names = getattr(metric, "_labelnames", ())
+        return "worker" in names and labels[names.index("worker")] in self._gone
+
     def forget_worker(self, worker: str) -> None:
         """Drop a removed worker's series, of every metric labelled by worker (and their cached children):
-        with Kubernetes discovery (a name per pod) they grew with every rollout."""
+        with Kubernetes discovery (a name per pod) they grew with every rollout. A request still in flight
+        there when it was removed updates none of them when it ends (that brought the series back, for good:
+        found by a review)."""
+        self._gone[worker] = None
+        while len(self._gone) > GONE_KEPT:
+            del self._gone[next(iter(self._gone))]
         self._children = {k: v for k, v in self._children.items() if worker not in k[1]}
         for metric in vars(self).values():
             names = getattr(metric, "_labelnames", ())
@@ -178,6 +204,10 @@ class GatewayMetrics:
                     metric.remove(*labels)
                 except KeyError:
                     pass
+
+    def revive_worker(self, worker: str) -> None:
+        """A routing target named ``worker`` is in the fleet (again): its series count."""
+        self._gone.pop(worker, None)
 
     def observe_stages(self, timings: dict[str, float]) -> None:
         for stage, ms in timings.items():

@@ -200,6 +200,8 @@ class WorkerRegistry:
                                             r.request_overhead_ms / 1000.0))
         w.prefetch_url, w.g4_tier, w.g4_member = resolve_g4(cfg, self.settings, w.host)
         self._workers[name] = w
+        if self.metrics is not None:
+            self.metrics.revive_worker(name)
         if probe:
             await self._probe(w, full=True)
             if not self._present(w):
@@ -442,6 +444,8 @@ class WorkerRegistry:
         for t in w.ranks:
             t.event_sources = [srcs[t.dp_rank]] if srcs[t.dp_rank] else []
             self._targets[t.name] = t
+            if self.metrics is not None:
+                self.metrics.revive_worker(t.name)
 
     async def _scrape(self, w: Worker) -> None:
         ranks = list(w.ranks)

@@ -3,6 +3,7 @@ router's plan (explain) without sending; metrics scraped and parsed."""
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -415,3 +416,32 @@ async def test_a_scrape_is_applied_as_of_when_the_page_was_asked_for(fleet, star
     # the room: the page's 12,000 free tokens less the first one's generation, taken after it was asked
     # for (its prompt was in the page's usage: 160 answer tokens, 10 blocks)
     assert cand["kv_free_tokens"] == 12_000 - 160
+
+
+def test_a_request_in_flight_when_its_worker_is_removed_brings_no_series_back(fleet, start_gateway):
+    """A removed worker's metric series are dropped; a request still in flight there updated the in-flight
+    gauge, the request counter and the TTFT histogram when it ended, which brought them back for good
+    (with a name per pod they grew with every rollout; found by a review). A worker added again under the
+    name counts again."""
+    fleet.add("a")
+    fleet.states[0].first_token_delay_s = 1.0
+    gw = start_gateway(fleet)
+    reg = gw.state.registry
+    body = {"model": MODEL, "prompt": list(range(100)), "max_tokens": 2, "stream": True}
+
+    def labelled_a() -> set[str]:
+        text = httpx.get(gw.url + "/metrics", timeout=30).text
+        return {s.name for f in text_string_to_metric_families(text) for s in f.samples
+                if s.labels.get("worker") == "a"}
+
+    with ThreadPoolExecutor(1) as pool:
+        in_flight = pool.submit(httpx.post, gw.url + "/v1/completions", json=body, timeout=30)
+        gw.call(wait_until(lambda: reg.get("a").inflight == 1))
+        gw.call(reg.remove("a"))
+        assert labelled_a() == set()
+        assert in_flight.result().status_code == 200  # it ends after the removal
+    assert labelled_a() == set()
+    fleet.states[0].first_token_delay_s = 0.0
+    gw.call(reg.add(WorkerConfig(url=fleet.url(0), name="a")))
+    assert httpx.post(gw.url + "/v1/completions", json=body, timeout=30).status_code == 200
+    assert "kvgate_requests_total" in labelled_a()
