@@ -7,8 +7,12 @@
 - ``POST /v1/messages``: validated, tokenized like chat (``messages.chat_view``) and routed by the cache;
 - ``POST /v1/messages/count_tokens``: to any healthy worker of the model, like other utility paths.
 
-An id the gateway has not seen (or whose record expired) is answered 404; an owner that left the fleet
-410; an owner that is down or draining 503: each in the OpenAI error shape, naming the id and the worker.
+An id without an owner record (another gateway process served it, the gateway restarted, the record
+expired) is looked up on the fleet: ``GET /v1/responses/{id}`` to each worker that may hold it, at once,
+with the control timeout; the one answering 200 is the owner, and is recorded (its chain's history is
+unknown: a follow-up is pinned and routed on load). No worker holds it: 404; some could not be asked and
+none holds it: 503. An owner that left the fleet 410; an owner that is down or draining 503: each in the
+OpenAI error shape, naming the id and the worker.
 Messages errors, the gateway's own and non-Anthropic ones from a worker, use Anthropic's shape.
 """
 from __future__ import annotations
@@ -18,6 +22,7 @@ import json
 import logging
 import time
 import uuid
+from urllib.parse import quote
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -26,10 +31,11 @@ from router.apis import MESSAGES, RESPONSES, fit_template, template_traits
 from router.apis import messages as msg_api
 from router.apis import responses as resp_api
 from router.apis.conversation import Unsupported
-from router.apis.hooks import MessagesHooks, ResponsesHooks
+from router.apis.hooks import MessagesHooks, ResponsesHooks, put_owner
 from router.cost import Candidate
 from router.errors import APIError
 from router.routing import Decision
+from router.upstream import UpstreamError
 from router.wire import (ClientGone, client_headers, error_headers, parse_json_object, read_body,
                          require_model, send_error)
 
@@ -37,10 +43,11 @@ log = logging.getLogger("kvgate.apis")
 
 
 async def _owner(st, response_id: str, param: str, chain: bool = False,
-                 owned: bool = False) -> list[dict]:
+                 owned: bool = False, model: str | None = None) -> list[dict]:
     """The owner record of ``response_id`` (with ``chain``: and its parents', newest first), or the
     OpenAI-shaped error that says why not. ``owned``: only the owner can answer it (a GET, cancel or delete
-    of a response): asked while it drains or fails health checks too (``Worker.owner_reachable``)."""
+    of a response): asked while it drains or fails health checks too (``Worker.owner_reachable``). Without
+    a record the fleet is asked (:func:`_locate`; ``model``: only its workers, when known)."""
     try:
         if chain:
             recs = await asyncio.wait_for(st.owners.chain(response_id, st.settings.responses.chain_max_depth),
@@ -54,8 +61,8 @@ async def _owner(st, response_id: str, param: str, chain: bool = False,
                        code="response_store_unavailable") from None
     rec = recs[0] if recs else None
     if rec is None or not isinstance(rec.get("worker"), str):
-        raise APIError(404, f"Response with id '{response_id}' not found.", param=param,
-                       code="response_not_found", type_="invalid_request_error")
+        rec = await _locate(st, response_id, param, model)
+        recs = [rec]
     w = st.registry.target(rec["worker"])
     if w is None:
         raise APIError(410, f"Response '{response_id}' was stored by worker `{rec['worker']}`, which is no "
@@ -66,6 +73,92 @@ async def _owner(st, response_id: str, param: str, chain: bool = False,
                             f"{'draining' if w.draining else 'unavailable'}; try again later.", param=param,
                        code="response_owner_unavailable")
     return recs
+
+
+LOOKUP_ID_MAX = 512  # longest id looked up on the workers (vLLM's own: "resp_" and 32 hex digits)
+# What a worker's answer to GET /v1/responses/{id} says when it is not a 200: it does not hold the id
+# (vLLM's 404; 400, 405 and 410: it cannot hold it), else it could not be asked (a timeout, a 5xx, a 401...;
+# a refused connection is no answer but says the same as a 404: no process listens, so no store holds it).
+_NOT_HERE = frozenset({400, 404, 405, 410})
+
+
+def _not_found(response_id: str, param: str) -> APIError:
+    return APIError(404, f"Response with id '{response_id}' not found.", param=param,
+                    code="response_not_found", type_="invalid_request_error")
+
+
+async def _locate(st, response_id: str, param: str, model: str | None) -> dict:
+    """The owner of a response the owner store has no record of, asked of the fleet: vLLM keeps a stored
+    response in the one server that made it, and answers ``GET /v1/responses/{id}`` with a 404 everywhere
+    else. So a record is missing where another gateway process (``serve --workers N`` on the in-memory
+    store) or this one before a restart saw the response, or where the record expired or was lost: the
+    response is still on its worker.
+
+    Asked, all at once, with the registry's control timeout (``health_timeout_s``): every server that
+    has been healthy and is not seen gone (connections refused: its process, and its stored responses, are
+    gone; a connection refused now says the same), serving ``model`` when it is known (a GET by id names
+    none). The first to answer 200 with this
+    ``id`` is the owner (the others are cancelled): recorded with the model its answer names and no parent
+    or turn, so the next lookup is local and the chain's history is unknown (a follow-up is pinned to it
+    and routed on load). None answers 200: 404 ``response_not_found``, or, when some could not be asked,
+    503 ``response_owner_unavailable`` (the owner may be among them)."""
+    if len(response_id) > LOOKUP_ID_MAX:
+        raise _not_found(response_id, param)
+    try:
+        path = "/v1/responses/" + quote(response_id, safe="")
+    except UnicodeEncodeError:  # a lone surrogate: no worker can have made that id
+        raise _not_found(response_id, param) from None
+    workers = [w for w in st.registry.workers() if w.ever_healthy and not w.down
+               and (model is None or not w.models or model in w.models)]
+    timeout = st.settings.health_timeout_s
+
+    async def ask(w):
+        """(worker, the answer's body when it holds the id, why it could not be asked or None)."""
+        try:
+            async with asyncio.timeout(timeout):
+                status, raw = await st.registry.control.get(w.url + path)
+        except UpstreamError as e:  # nothing listens (refused): no process, so no store to hold it
+            return w, None, None if e.refused else f"{w.name}: {e.kind}"
+        except TimeoutError:
+            return w, None, f"{w.name}: timeout"
+        except Exception as e:  # an unsupported URL, a bug: this worker could not be asked
+            return w, None, f"{w.name}: {type(e).__name__}"
+        if status == 200:
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                body = None
+            if isinstance(body, dict) and body.get("id") == response_id:
+                return w, body, None
+            return w, None, None  # a 200 for another id (not vLLM's answer): it does not hold this one
+        return w, None, None if status in _NOT_HERE else f"{w.name}: HTTP {status}"
+
+    tasks = [asyncio.ensure_future(ask(w)) for w in workers]
+    failed: list[str] = []
+    try:
+        for next_done in asyncio.as_completed(tasks):
+            w, body, why = await next_done
+            if body is not None:
+                owner = w.targets()[0].name  # a data-parallel server's store is its API server's: any rank
+                found = body.get("model")
+                rec = {"worker": owner, "model": found if isinstance(found, str) and found else model,
+                       "parent": None, "delta": None}
+                log.info("response %s had no owner record: worker %s holds it (%d asked)", response_id,
+                         w.name, len(workers))
+                await put_owner(st, response_id, rec)
+                return rec
+            if why is not None:
+                failed.append(why)
+    finally:
+        for t in tasks:
+            t.cancel()
+    if failed:
+        some = ", ".join(failed[:5]) + (", ..." if len(failed) > 5 else "")
+        raise APIError(503, f"Response '{response_id}' has no owner record here, no worker asked holds it, "
+                            f"and {len(failed)} of {len(workers)} could not be asked ({some}): its owner "
+                            "could not be located; try again later.", param=param,
+                       code="response_owner_unavailable")
+    raise _not_found(response_id, param)
 
 
 def _pin(d, worker: str) -> None:
@@ -214,10 +307,13 @@ def _prepare_response(st):
             if not isinstance(prev, str) or not prev:
                 raise APIError(400, "`previous_response_id` must be a non-empty string.",
                                param="previous_response_id", code="invalid_value")
-            recs = await _owner(st, prev, "previous_response_id", chain=True)
+            named = body.get("model") if isinstance(body.get("model"), str) and body["model"] else None
+            recs = await _owner(st, prev, "previous_response_id", chain=True, model=named)
             rec = recs[0]
             owner, history = rec["worker"], resp_api.history_of(recs)
-            model = body.get("model") if isinstance(body.get("model"), str) and body["model"] else rec.get("model")
+            model = named or rec.get("model")
+            if not isinstance(model, str) or not model:  # a located record whose answer named no model
+                model = require_model(body)
             w = st.registry.target(owner)
             if model != rec.get("model") and w is not None and w.models and model not in w.models:
                 # the chain's state lives on its owner alone: no worker can ever answer this (not a 503)

@@ -5,7 +5,9 @@
 own ``--workers`` does, an idle-ish process tends to win every accept). A dead process is restarted.
 Each process builds its own gateway from the same configuration: with the in-memory index
 each subscribes to the same KV event streams and keeps an identical index of its own (no Redis needed on
-one machine); with Redis they share it. Admin changes made at run time (workers added, the policy) and
+one machine); with Redis they share it. Responses API owners are per process in memory too: a process
+that has no record of a response asks the workers who holds it (router/apis/routes.py ``_locate``).
+Admin changes made at run time (workers added, the policy) and
 ``/metrics`` are per process, so with N > 1 configure workers in the file or through discovery.
 """
 from __future__ import annotations

@@ -55,7 +55,8 @@ def test_unknown_response_ids_are_404_in_openai_shape(fleet, start_gateway):
         openai_error(c.post("/v1/responses", content=b"{not json", headers={"content-type": "application/json"}),
                      400, "invalid_json")
         openai_error(c.post("/v1/responses", json={"input": "x"}), 400, "missing_model")
-    assert fleet.states[0].requests == []  # none of it reached a worker
+    assert fleet.states[0].requests == []  # nothing forwarded (the worker was asked if it holds the id)
+    assert fleet.states[0].lookups[:4] == ["resp_nope"] * 4
 
 
 def test_owner_gone_is_410_and_owner_down_is_503(fleet, start_gateway):

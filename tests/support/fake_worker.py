@@ -3,7 +3,8 @@
 It is not an engine: it renders chat prompts with the model's tokenizer the way vLLM does, keeps a simple
 prefix cache of full blocks to report ``usage.prompt_tokens_details.cached_tokens``, and answers
 ``/v1/chat/completions`` and ``/v1/completions`` (streaming SSE and not), non-streamed ``/v1/messages``
-(only with ``messages``), ``/tokenize``, ``/v1/models``,
+(only with ``messages``), non-streamed ``/v1/responses`` (only with ``responses``) and a stored response's
+``GET``/``DELETE /v1/responses/{id}``, ``/tokenize``, ``/v1/models``,
 ``/metrics`` (vllm:* gauges and cache_config_info), ``/health``, ``/kv_event_sources`` and
 ``/v1/embeddings``. Tests steer it through :class:`FakeState` (fail with 500, hang before the first token,
 die mid-stream, report a long queue). With ``dp_publishers`` it plays a data-parallel server: one engine
@@ -51,6 +52,14 @@ class FakeState:
     sources: object = None  # when set, /kv_event_sources answers this verbatim (odd or malformed input)
     messages: bool = False  # answer non-streamed /v1/messages (usage only); else 404 as before
     echo_request_id: bool = False  # answer with the request's x-request-id (vLLM --enable-request-id-headers)
+    # The Responses API's store (vLLM's VLLM_ENABLE_RESPONSES_API_STORE): id -> stored response, answered by
+    # GET (and DELETE) /v1/responses/{id}, a 404 in vLLM's shape for any other id. ``responses``: also
+    # answer non-streamed POST /v1/responses (stored unless ``store`` is false); else 404 as before.
+    responses: bool = False
+    stored: dict = field(default_factory=dict)
+    lookups: list = field(default_factory=list)  # the ids GET /v1/responses/{id} was asked for, in order
+    lookup_status: int | None = None  # GET /v1/responses/{id} answers this status, stored or not
+    lookup_delay_s: float = 0.0  # ... after this long (a worker too busy to answer in time)
     requests: list = field(default_factory=list)
     cancelled: int = 0
     active: int = 0
@@ -263,18 +272,66 @@ def create_fake_worker(state: FakeState, tokenizer_dir: str | None = None) -> Fa
     async def completions(request: Request):
         return await generate(request, "completion")
 
+    async def unstreamed(request: Request, served: bool, kind: str) -> dict | None:
+        """The body of a non-streamed request of an API this fake serves (recorded), else None (a 404)."""
+        body = await request.json() if served else None
+        if not isinstance(body, dict) or body.get("stream"):
+            return None
+        st.requests.append({"headers": dict(request.headers), "body": body, "kind": kind})
+        return body
+
     @app.post("/v1/messages")
     async def messages(request: Request):
-        body = await request.json() if st.messages else None
-        if not isinstance(body, dict) or body.get("stream"):
+        body = await unstreamed(request, st.messages, "messages")
+        if body is None:
             return JSONResponse({"detail": "Not Found"}, status_code=404)
-        st.requests.append({"headers": dict(request.headers), "body": body, "kind": "messages"})
         usage = {"input_tokens": 10, "output_tokens": st.words, "cache_read_input_tokens": 0,
                  "cache_creation_input_tokens": 0}
         return JSONResponse({"id": "msg_" + request.headers.get("x-request-id", "x"), "type": "message",
                              "role": "assistant", "model": body.get("model"), "stop_reason": "max_tokens",
                              "content": [{"type": "text", "text": " ".join(_reply_words(st, 10))}],
                              "usage": usage})
+
+    def not_found(response_id: str) -> JSONResponse:
+        return JSONResponse({"error": {"message": f"Response with id '{response_id}' not found.",
+                                       "type": "invalid_request_error", "param": None, "code": 404}},
+                            status_code=404)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        body = await unstreamed(request, st.responses, "responses")
+        if body is None:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        prev = body.get("previous_response_id")
+        if prev is not None and prev not in st.stored:
+            return not_found(prev)
+        rid = f"resp_{st.name}_{len(st.requests)}_{int(time.time() * 1e6)}"
+        resp = {"id": rid, "object": "response", "model": body.get("model"), "status": "completed",
+                "previous_response_id": prev,
+                "output": [{"type": "message", "role": "assistant", "status": "completed",
+                            "content": [{"type": "output_text", "text": " ".join(_reply_words(st, 10))}]}],
+                "usage": {"input_tokens": 10, "output_tokens": st.words, "total_tokens": 10 + st.words,
+                          "input_tokens_details": {"cached_tokens": 0}}}
+        if body.get("store", True) is not False:
+            st.stored[rid] = resp
+        return JSONResponse(resp)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        st.lookups.append(response_id)
+        if st.lookup_delay_s:
+            await asyncio.sleep(st.lookup_delay_s)
+        if st.lookup_status is not None:
+            return JSONResponse({"error": {"message": "busy", "type": "InternalServerError", "param": None,
+                                           "code": st.lookup_status}}, status_code=st.lookup_status)
+        resp = st.stored.get(response_id)
+        return JSONResponse(resp) if resp is not None else not_found(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        if st.stored.pop(response_id, None) is None:
+            return not_found(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
