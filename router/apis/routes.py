@@ -277,15 +277,15 @@ def add_routes(api: APIRouter) -> None:
 
     @api.get("/v1/responses/{response_id}", summary="A stored response (from the worker that created it)")
     async def get_response(request: Request, response_id: str) -> Response:
-        return by_id(request, response_id, f"/v1/responses/{response_id}")
+        return by_id(request, response_id, f"/v1/responses/{quote(response_id, safe='')}")
 
     @api.delete("/v1/responses/{response_id}", summary="Delete a stored response (on its worker)")
     async def delete_response(request: Request, response_id: str) -> Response:
-        return by_id(request, response_id, f"/v1/responses/{response_id}")
+        return by_id(request, response_id, f"/v1/responses/{quote(response_id, safe='')}")
 
     @api.post("/v1/responses/{response_id}/cancel", summary="Cancel a background response (on its worker)")
     async def cancel_response(request: Request, response_id: str) -> Response:
-        return by_id(request, response_id, f"/v1/responses/{response_id}/cancel")
+        return by_id(request, response_id, f"/v1/responses/{quote(response_id, safe='')}/cancel")
 
     @api.post("/v1/messages", summary="Anthropic Messages (routed by cache)", openapi_extra=_body(MESSAGES_BODY))
     async def messages(request: Request) -> Response:

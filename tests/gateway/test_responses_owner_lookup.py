@@ -194,3 +194,15 @@ async def test_a_data_parallel_owner_is_recorded_as_one_of_its_ranks(fleet, star
     finally:
         for p in pubs:
             p.close()
+
+
+def test_an_id_that_needs_quoting_reaches_its_owner_quoted(fleet, start_gateway):
+    """The id in a GET, cancel or delete path arrives decoded; it went to the worker as it was, so an id with
+    a space (or CR/LF) made a malformed request line. It is forwarded percent-quoted."""
+    a = fleet.add("a")
+    a.stored["resp a b"] = stored("resp a b")
+    gw = start_gateway(fleet)
+    with httpx.Client(base_url=gw.url, timeout=30) as c:
+        for _ in range(2):  # located on the fleet, then from the record
+            r = c.get("/v1/responses/resp%20a%20b")
+            assert r.status_code == 200 and r.json()["id"] == "resp a b", r.text
