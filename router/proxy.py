@@ -35,9 +35,9 @@ from router.metrics import CONTENT_TYPE
 from router.policies import RouteRequest
 from router.routing import Decision, kind_of
 from router.upstream import UpstreamError, UpstreamResponse
-from router.wire import (ClientGone, client_headers, completion_of, forward_headers, guarded, parse_json_object,
-                         read_body, require_model, response_headers, send_error, usage_from_body,
-                         usage_from_sse_tail)
+from router.wire import (ClientGone, check_engine_args, client_headers, completion_of, forward_headers, guarded,
+                         parse_json_object, read_body, require_model, response_headers, send_error,
+                         usage_from_body, usage_from_sse_tail)
 
 log = logging.getLogger("kvgate.proxy")
 
@@ -414,6 +414,7 @@ async def handle(st: DataPath, scope, receive, send, path: str, need_model: bool
         if need_model or raw:
             if need_model or "json" in headers.get("content-type", ""):
                 body = parse_json_object(raw)
+                check_engine_args(body)
                 model = require_model(body) if need_model else (body.get("model") if isinstance(
                     body.get("model"), str) and body.get("model") else None)
         query = scope.get("query_string", b"").decode("latin-1")

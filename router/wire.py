@@ -89,6 +89,20 @@ def parse_json_object(raw: bytes) -> dict:
     return body
 
 
+def check_engine_args(body: dict) -> None:
+    """Refuse vLLM per-request options (``vllm_xargs``) that would corrupt what the gateway learns from the
+    engine. ``kv_cache_report_mode`` other than "incremental" (vLLM's default): in "full" mode vLLM
+    publishes a ``BlockStored`` again for every cached block the request reuses, while it still removes each
+    block once, so the index counts the re-announcements as copies and keeps the blocks after vLLM evicted
+    them (any client could plant such phantom hits; found by a review)."""
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict) and xargs.get("kv_cache_report_mode", "incremental") != "incremental":
+        raise APIError(400, "`vllm_xargs.kv_cache_report_mode` must be \"incremental\" through kvgate: other "
+                            "modes re-announce cached blocks in vLLM's KV events, which the gateway's index "
+                            "reads as new copies.", param="vllm_xargs.kv_cache_report_mode",
+                       code="unsupported_value")
+
+
 def require_model(body: dict) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:

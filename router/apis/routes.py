@@ -36,8 +36,8 @@ from router.cost import Candidate
 from router.errors import APIError
 from router.routing import Decision
 from router.upstream import UpstreamError
-from router.wire import (ClientGone, client_headers, error_headers, parse_json_object, read_body,
-                         require_model, send_error)
+from router.wire import (ClientGone, check_engine_args, client_headers, error_headers, parse_json_object,
+                         read_body, require_model, send_error)
 
 log = logging.getLogger("kvgate.apis")
 
@@ -301,6 +301,7 @@ def add_routes(api: APIRouter) -> None:
 def _prepare_response(st):
     async def go(headers, raw):
         body = parse_json_object(raw)
+        check_engine_args(body)
         prev = body.get("previous_response_id")
         owner = history = None
         if prev is not None:
@@ -337,6 +338,7 @@ def _prepare_response(st):
 def _prepare_messages(st, routed: bool):
     async def go(headers, raw):
         body = parse_json_object(raw)
+        check_engine_args(body)
         msg_api.validate(body) if routed else _require_model(body)
         view = None
         if routed:

@@ -421,7 +421,7 @@ async def test_a_trickled_body_is_a_408_at_body_timeout_s_and_closes(fleet, star
 
 @pytest.mark.parametrize("case", ["invalid_json", "not_object", "missing_model", "unknown_model",
                                   "too_large_declared", "too_large_streamed", "no_healthy", "lone_surrogate",
-                                  "lone_surrogate_no_tokenizer", "template_raises"])
+                                  "lone_surrogate_no_tokenizer", "template_raises", "kv_report_full"])
 async def test_bad_input(fleet, start_gateway, case):
     """Each bad request gets its status in the OpenAI error shape. ``lone_surrogate_no_tokenizer``: a gateway
     without a local tokenizer refused it too (before, it reached the worker, whose tokenizer fails on it:
@@ -450,6 +450,12 @@ async def test_bad_input(fleet, start_gateway, case):
             r, want = await c.post(url, content=raw, headers={"content-type": "application/json"}), 400
         elif case == "template_raises":
             r, want = await c.post(url, json={**chat_body(), "chat_template": "{{ raise_exception('no') }}"}), 400
+        elif case == "kv_report_full":  # vLLM would re-announce cached blocks: phantom copies in the index
+            fine = await c.post(url, json={**chat_body(), "vllm_xargs": {"kv_cache_report_mode": "incremental"}})
+            assert fine.status_code == 200 and len(st.requests) == 1
+            st.requests.clear()
+            r, want = await c.post(url, json={**chat_body(), "vllm_xargs": {"kv_cache_report_mode": "full"}}), 400
+            assert r.json()["error"]["param"] == "vllm_xargs.kv_cache_report_mode"
         else:
             st.mode = "unhealthy"
             await wait_until(lambda: not gw.state.registry.get("a").healthy)
@@ -460,7 +466,7 @@ async def test_bad_input(fleet, start_gateway, case):
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert "Traceback" not in r.text
     if case in ("too_large_declared", "too_large_streamed", "lone_surrogate", "lone_surrogate_no_tokenizer",
-                "template_raises"):
+                "template_raises", "kv_report_full"):
         assert st.requests == []  # refused before anything reached a worker
 
 
