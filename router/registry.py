@@ -351,6 +351,7 @@ class WorkerRegistry:
         if full or not w.models:
             await self._refresh_models(w)
             self._last_refresh[w.name] = time.monotonic()
+        block_size = w.block_size
         await self._scrape(w)
         if not self._present(w):
             return  # removed while this probe waited on the worker: nothing more to do for it
@@ -361,7 +362,10 @@ class WorkerRegistry:
             w.ever_healthy = True
             w.last_error = None
             log.info("worker %s healthy (%s)", w.name, ", ".join(w.models))
-        subscribed = (full or returning) and await self._subscribe(w)
+        # a block size changed without a process start read (vLLM with --api-server-count > 1 exports
+        # none): a new process the subscription's size is wrong for
+        resized = block_size is not None and w.block_size != block_size
+        subscribed = (full or returning or resized) and await self._subscribe(w)
         if flapped and self.ingestor is not None and self._subscribed.get(w.name):
             resync = getattr(self.ingestor, "resync", None)
             if resync is not None:
@@ -478,6 +482,8 @@ class WorkerRegistry:
             t.load = tload
             t.active.mark_scrape(tload.waiting, snap)  # the usage includes what the gateway's requests took
         w.load = load
+        if bs:  # before the restart check: a new process's events are subscribed with its own block size
+            w.block_size = bs
         if before is not None and load.process_start is not None and load.process_start != before:
             await self._restarted(w, "process_start_time_seconds changed")
         elif self.ingestor is not None and not w.down:
@@ -491,8 +497,6 @@ class WorkerRegistry:
                 self.on_prefill(t, *d)
             if self.on_engine is not None:
                 self.on_engine(t, engine)
-        if bs:
-            w.block_size = bs
 
     async def _subscribe(self, w: Worker) -> bool:
         """Subscribe to each of the worker's event streams (one per routing target: the server, or each
@@ -504,7 +508,11 @@ class WorkerRegistry:
             return False
         from indexer.events import EventSource
 
-        want = {t.name: (model, s["endpoint"], s["replay_endpoint"], s["topic"])
+        # The block size is part of the subscription: a new process may run another (a rolling restart with
+        # another --block-size). None while the worker is down: the process that comes back tells its own,
+        # its source learns it from that process's events.
+        bs = None if w.down else w.block_size
+        want = {t.name: (model, s["endpoint"], s["replay_endpoint"], s["topic"], bs)
                 for t in w.targets() for s in t.event_sources[:1]}
         if not want:  # no stream known (yet): what is subscribed stays
             return False
@@ -513,13 +521,17 @@ class WorkerRegistry:
             await self._remove_source(have, name, clear=True)
         new = False
         for name, key in want.items():
-            if have.get(name) == key:
+            old = have.get(name)
+            if old == key:
+                continue
+            if old is not None and old[:-1] == key[:-1] and old[-1] is None:
+                have[name] = key  # subscribed before the size was known: its source learns it from events
                 continue
             have.pop(name, None)  # add_source replaces the old stream of that name, entries kept
             try:
                 await self.ingestor.add_source(EventSource(
                     worker=name, model=model, endpoint=key[1], replay_endpoint=key[2], topic=key[3],
-                    block_size=w.block_size, worker_url=w.url, g4_member=self._g4_writes(w, name),
+                    block_size=bs, worker_url=w.url, g4_member=self._g4_writes(w, name),
                     incarnation=self._incarnation(w, name)))
             except Exception as e:  # a bad endpoint must not take the worker (or its other ranks) out
                 w.last_error = f"events of {name}: {type(e).__name__}: {e}"

@@ -11,11 +11,12 @@ Sequence numbers (vllm-interface.md 1.2, 1.7):
   batch ``last`` is not the one applied, the publisher restarted unseen: reset and replay its ring;
 - ``seq <= last`` (vLLM restarted: its counter starts at 0 again): reset.
 Reset = drop the worker's local-tier index entries and its state, call ``on_reset(worker, reason)``, and
-rebuild from the events that follow. The reset is the only clear: ``on_reset`` must not clear the index
-again (a second clear, scheduled later, would wipe what the apply loop stored after the reset). On the
-first message of a source with ``seq > 0`` the ingestor replays what the publisher still buffers, best
-effort (no reset if it cannot). ``resync(worker)`` (a health flap ended) asks for a replay from
-``last`` (checked the same way) without waiting for the next live message.
+rebuild from the events that follow (after a restart the block size too: a new process may run another).
+The reset is the only clear: ``on_reset`` must not clear the index again (a second clear, scheduled
+later, would wipe what the apply loop stored after the reset). On the first message of a source with
+``seq > 0`` the ingestor replays what the publisher still buffers, best effort (no reset if it cannot).
+``resync(worker)`` (a health flap ended) asks for a replay from ``last`` (checked the same way) without
+waiting for the next live message.
 
 Index errors (a Redis outage) never reset a source: the state is exact whatever the index does, so the
 source is marked *unsynced*, events keep updating the state (writes skipped), and once the index answers
@@ -72,7 +73,7 @@ class EventSource:
     endpoint: str
     replay_endpoint: str | None = None
     topic: str = ""
-    block_size: int | None = None
+    block_size: int | None = None  # None: learnt from the stream's first BlockStored
     worker_url: str | None = None
     # Where the worker's shared G4 blocks are indexed: None = the model-wide G4 set, else the index
     # entry of the named tier it mounts (state.shared_g4_member).
@@ -490,6 +491,10 @@ class EventIngestor:
         """The publisher restarted: reset, then replay what the new process buffers before ``upto`` (None:
         all of it), as its first batches were missed."""
         await self._reset(s, "restart")
+        # The new process may run another block size (a rolling restart with another --block-size): learnt
+        # from its own events, else all of them are size mismatches until the registry re-subscribes, and
+        # their children unknown parents after.
+        s.state.block_size = None
         if (upto is None or upto > 0) and s.sub.replay_endpoint:
             await self._catch_up(s, upto)
 

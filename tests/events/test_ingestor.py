@@ -459,6 +459,26 @@ async def test_restart_with_lost_first_batches_replays_them(index):
         assert await r.gpu_run() == 3
 
 
+async def test_a_restart_with_another_block_size_is_learnt_from_the_new_process(index):
+    """The source was subscribed with the old process's block size; a restart seen in the stream (its
+    sequence from 0 again, vLLM without a process start on /metrics) brings another: its blocks, and their
+    children, are indexed at the new size, not dropped as size mismatches."""
+    async with Rig(index) as r:
+        r.pub.publish([blk(0, 2)])
+        r.pub.publish([blk(2, 1)])
+        await r.wait_seq(1)
+        r.pub.restart()
+        b2 = 2 * B
+        r.pub.publish([vf.stored([900, 901], TOK[:2 * b2], b2, None)])  # seq 0 < 1: a restart
+        r.pub.publish([vf.stored([902], TOK[2 * b2:3 * b2], b2, 901)])
+        await until(lambda: r.ing.status("w1")["resets"] == 1, what="the restart")
+        await until(lambda: r.ing.status("w1")["queued"] == 0 and r.ing.status("w1")["applied"] >= 4,
+                    what="both batches applied")
+        st = r.ing.status("w1")
+        assert st["size_mismatch"] == 0 and st["unknown_parent"] == 0
+        assert (await index.lookup(M, sequence_hashes(TOK, b2))).match("w1").gpu == 3
+        assert (await index.lookup(M, SEQ)).match("w1").gpu == 0
+
 async def test_stop_closes_every_source_when_the_index_is_gone(index):
     """Mock: an index whose lease release fails (Redis already stopped when the gateway stops; the fault
     suite kills a real one, here it must fail on demand). stop() still closes every source: before, the

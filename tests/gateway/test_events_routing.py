@@ -146,3 +146,35 @@ async def test_a_request_whose_blocks_vllm_stored_is_running_before_a_scrape_say
             assert r.status_code == 200
     finally:
         pub.close()
+
+
+async def test_a_restart_with_another_block_size_is_indexed_at_the_new_size(fleet, start_gateway):
+    """A rolling restart changes the engine's block size (--block-size, attention backend): the events were
+    subscribed again with the dead process's size before the scrape's new one was stored, and every block
+    of the new process was dropped as a size mismatch, for good. Now they are indexed at its size."""
+    pub = EventPublisher("tcp://*:0", "tcp://127.0.0.1:0")
+    try:
+        st = fleet.add("a", publisher=pub)
+        gw = start_gateway(fleet, events=True)
+        await wait_until(lambda: set(gw.state.ingestor.statuses()) == {"a"})
+        a = gw.state.registry.get("a")
+        subscriptions = len(pub.subscriptions)
+        pub.restart()  # a new process: sequence from 0, empty cache, another block size
+        st.cache.clear()
+        st.block_size = 2 * BLOCK
+        st.started += 100
+        await wait_until(lambda: a.restarts == 1 and a.block_size == 2 * BLOCK)
+        await wait_until(lambda: len(pub.subscriptions) > subscriptions)  # the new SUB reached the publisher
+        body = chat_body(LONG)
+        async with httpx.AsyncClient(timeout=30) as c:
+            r = await c.post(gw.url + "/v1/chat/completions", json=body)
+            assert r.status_code == 200
+
+        def indexed():
+            d = gw.call(gw.state.router.plan("tiny", body, {}, "/v1/chat/completions"))
+            return d.block_size == 2 * BLOCK and d.candidate("a").local_blocks == d.num_blocks > 0
+
+        await wait_until(indexed, timeout=10)
+        assert gw.state.ingestor.status("a")["size_mismatch"] == 0
+    finally:
+        pub.close()

@@ -9,9 +9,12 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from indexer.events.state import WorkerState
+from indexer.events.wire import BlockStored
 from indexer.hashing import sequence_hashes
 from indexer.index.base import Tier
 from router.config import WorkerConfig
+from router.upstream import UpstreamError
 from router.vllm_metrics import parse_metrics
 from tests.gateway.conftest import BLOCK, MODEL
 from tests.gateway.test_proxy import LONG, chat_body, wait_until
@@ -445,3 +448,33 @@ def test_a_request_in_flight_when_its_worker_is_removed_brings_no_series_back(fl
     gw.call(reg.add(WorkerConfig(url=fleet.url(0), name="a")))
     assert httpx.post(gw.url + "/v1/completions", json=body, timeout=30).status_code == 200
     assert "kvgate_requests_total" in labelled_a()
+
+
+async def test_a_worker_back_from_down_with_another_block_size_gets_its_events_indexed(fleet, start_gateway):
+    """A refused port (the process gone) and a new process with another block size on it: the source kept
+    for it was subscribed with the dead process's size, never again (the same endpoint), and every block
+    of the new process was a size mismatch. Now it learns the size from the new process's events."""
+    st = fleet.add("a", events_endpoint="tcp://*:5557")
+    rec = RecordingIngestor()
+    gw = start_gateway(fleet, ingestor=rec)
+    reg = gw.state.registry
+    a = reg.get("a")
+    real = reg._get
+
+    async def refused(w, path):
+        raise UpstreamError("connect", "connection refused", refused=True)
+
+    reg._get = refused
+    try:
+        await wait_until(lambda: a.down)
+        st.block_size = 2 * BLOCK
+        st.started += 100
+    finally:
+        reg._get = real
+    await wait_until(lambda: a.healthy and a.block_size == 2 * BLOCK)
+    await asyncio.sleep(0.5)  # a few more probes: nothing subscribes it with the old size again
+    state = WorkerState(block_size=rec.added[-1].block_size)  # what the source of the new process checks
+    tokens = list(range(4 * BLOCK))
+    ops = state.apply([BlockStored(block_hashes=[1, 2], token_ids=tokens, block_size=2 * BLOCK, medium="GPU")])
+    assert state.counters["size_mismatch"] == 0 and ops.items and ops.items[0][0] == "store"
+
