@@ -23,6 +23,7 @@ import json
 import logging
 import re
 import time
+import weakref
 
 from indexer.events.state import local_g4_member
 from indexer.events.subscriber import resolve_endpoint
@@ -68,6 +69,7 @@ class WorkerRegistry:
         self._last_refresh: dict[str, float] = {}
         self._subscribed: dict[str, dict[str, tuple]] = {}  # server -> {index name: its subscribed source}
         self._targets: dict[str, RankTarget] = {}  # rank targets of data-parallel servers, by name
+        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         # Called with a worker each time it becomes routable (first time, or back after a failure), once
         # its events are subscribed: the gateway runs the parity check there (router/parity.py).
         self.on_ready = None
@@ -148,7 +150,7 @@ class WorkerRegistry:
                 w.lost_at = None  # back within the grace period: a readiness flap, entries kept
                 log.info("worker %s back in discovery", w.name)
                 return
-            await self.remove(w.name)
+            await self._remove(w)
         await self.add(cfg, probe=self._task is not None)
 
     async def _on_lost(self, name: str) -> None:
@@ -157,7 +159,7 @@ class WorkerRegistry:
         if w is None:
             return
         if self.settings.lost_grace_s <= 0:
-            await self.remove(name)
+            await self._remove(w)
         elif w.lost_at is None:
             w.lost_at = time.monotonic()
             self._unhold(w)
@@ -182,31 +184,52 @@ class WorkerRegistry:
 
     async def add(self, cfg: WorkerConfig, *, probe: bool = True) -> Worker:
         name = worker_name(cfg)
-        if name in self._workers or name in self._targets:
-            raise DuplicateWorker(f"worker {name!r} already exists", "name")
         if _RANK_NAME.fullmatch(name):  # <server>@dp<r> names a data-parallel rank's stream and index key
             raise DuplicateWorker(f"worker name {name!r} is reserved for data-parallel ranks "
                                   "(<server>@dp<r>)", "name")
         url = cfg.url.rstrip("/")
-        same = next((o for o in self._workers.values() if o.url == url), None)
-        if same is not None and same.lost_at is not None:
-            await self.remove(same.name)  # a pod gone from discovery whose IP a new pod reuses
-        elif same is not None:  # one server counted twice would get twice its share
-            raise DuplicateWorker(f"worker {same.name!r} already has the URL {url}", "url")
+        same = self._check_free(name, url, lost=True)
+        if same is not None:
+            await self._remove(same)  # a pod gone from discovery whose IP a new pod reuses
         r = self.settings.routing
-        w = Worker(name=name, url=cfg.url.rstrip("/"), config=cfg,
+        w = Worker(name=name, url=url, config=cfg,
                    active=ActiveSequences(float(r.queued_request_tokens)),
                    engine=EngineCalibration(r.step_ms / 1000.0, r.per_decode_ms / 1000.0,
                                             r.request_overhead_ms / 1000.0))
         w.prefetch_url, w.g4_tier, w.g4_member = resolve_g4(cfg, self.settings, w.host)
-        self._workers[name] = w
-        if self.metrics is not None:
-            self.metrics.revive_worker(name)
+        # A removal of this name still clearing its entries finishes first (they would be this worker's);
+        # checked again then: the awaits let a concurrent add of the name or URL in.
+        async with self._lock(name):
+            self._check_free(name, url, lost=False)
+            self._workers[name] = w
+            if self.metrics is not None:
+                self.metrics.revive_worker(name)
         if probe:
             await self._probe(w, full=True)
             if not self._present(w):
                 raise DuplicateWorker(f"worker {name!r} was removed while it was being added", "name")
         return w
+
+    def _check_free(self, name: str, url: str, *, lost: bool) -> Worker | None:
+        """Raises :class:`DuplicateWorker` when the name or the URL is registered already (one server
+        counted twice would get twice its share); with ``lost``, a worker gone from discovery on the URL is
+        returned instead, for the caller to remove."""
+        if name in self._workers or name in self._targets:
+            raise DuplicateWorker(f"worker {name!r} already exists", "name")
+        same = next((o for o in self._workers.values() if o.url == url), None)
+        if same is not None and not (lost and same.lost_at is not None):
+            raise DuplicateWorker(f"worker {same.name!r} already has the URL {url}", "url")
+        return same
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        """The lock of a worker name, held across the awaits that add, clear or (re)subscribe it: a removal
+        still clearing the name's entries and forgetting its series must not meet a same-name worker added
+        meanwhile (a StatefulSet pod back on a new IP), whose entries and verdict it would wipe. Kept while
+        held or awaited (weak values): one lock per name in use, not per name ever seen."""
+        lock = self._locks.get(name)
+        if lock is None:
+            lock = self._locks[name] = asyncio.Lock()
+        return lock
 
     @staticmethod
     def _unhold(w: Worker) -> None:
@@ -216,18 +239,28 @@ class WorkerRegistry:
             t.gate.release_all()
 
     async def remove(self, name: str) -> Worker:
-        w = self._workers.pop(name, None)
+        w = self._workers.get(name)
         if w is None:
             raise KeyError(name)
+        await self._remove(w)
+        return w
+
+    async def _remove(self, w: Worker) -> None:
+        """Out of the registry at once (the name free for a new worker); its events, entries and series
+        dropped under the name's lock, so a same-name worker added meanwhile is registered only after."""
+        if not self._present(w):
+            return  # removed already (another removal of it got here first)
+        del self._workers[w.name]
+        self._last_refresh.pop(w.name, None)
         w.draining = True  # what still holds it (a request in flight, one held at its gate) sees it gone
         self._unhold(w)
-        await self._unsubscribe(w)
-        await self._clear_index(w, local_g4=True)
-        for n in index_names(w):
-            self._forget(n)
-        for t in w.ranks:
-            self._targets.pop(t.name, None)
-        return w
+        async with self._lock(w.name):
+            await self._unsubscribe(w)
+            await self._clear_index(w, local_g4=True)
+            for n in index_names(w):
+                self._forget(n)
+            for t in w.ranks:
+                self._targets.pop(t.name, None)
 
     def _forget(self, name: str) -> None:
         """A routing target gone (a removed worker, a rank its server no longer lists): its metric series
@@ -272,21 +305,27 @@ class WorkerRegistry:
         """Nothing listens on the worker's port any more, check after check: the process is gone and its
         KV cache with it. Drop the entries now (not only when a new process shows up) and stay subscribed
         for the one that comes back; its first scrape is not compared with the old process's start."""
-        log.info("worker %s is down (connection refused): dropping its index entries", w.name)
-        w.down = True
-        await self._unsubscribe(w)
-        await self._clear_index(w)
-        await self._subscribe(w)
-        w.load.process_start = None
+        async with self._lock(w.name):
+            if not self._present(w):
+                return  # removed while this probe waited: its entries went with it
+            log.info("worker %s is down (connection refused): dropping its index entries", w.name)
+            w.down = True
+            await self._unsubscribe(w)
+            await self._clear_index(w)
+            await self._subscribe(w)
+            w.load.process_start = None
 
     async def _restarted(self, w: Worker, reason: str) -> None:
         """Evidence of a restart outside the event stream: drop the entries and subscribe afresh (the
         new source replays what the new process's publisher already buffers)."""
-        log.info("worker %s restarted (%s): dropping its index entries", w.name, reason)
-        await self._unsubscribe(w)
-        await self._clear_index(w)
-        await self._subscribe(w)
-        w.restarts += 1
+        async with self._lock(w.name):
+            if not self._present(w):
+                return
+            log.info("worker %s restarted (%s): dropping its index entries", w.name, reason)
+            await self._unsubscribe(w)
+            await self._clear_index(w)
+            await self._subscribe(w)
+            w.restarts += 1
 
     # --- probing -------------------------------------------------------------------------------
     async def _loop(self) -> None:
@@ -309,7 +348,7 @@ class WorkerRegistry:
         w = self._workers.get(name)
         if w is not None and w.lost_at is not None:
             log.info("worker %s did not return to discovery: removed", name)
-            await self.remove(name)
+            await self._remove(w)
 
     async def _get(self, w: Worker, path: str) -> tuple[int, bytes]:
         """``GET`` a worker's control path: (status, body); raises UpstreamError."""
@@ -350,7 +389,8 @@ class WorkerRegistry:
             full = True  # refresh models and event sources; the scrape below tells a restart
         if full or not w.models:
             await self._refresh_models(w)
-            self._last_refresh[w.name] = time.monotonic()
+            if self._present(w):  # a removed worker's entry would never be dropped
+                self._last_refresh[w.name] = time.monotonic()
         block_size = w.block_size
         await self._scrape(w)
         if not self._present(w):
@@ -365,11 +405,14 @@ class WorkerRegistry:
         # a block size changed without a process start read (vLLM with --api-server-count > 1 exports
         # none): a new process the subscription's size is wrong for
         resized = block_size is not None and w.block_size != block_size
-        subscribed = (full or returning or resized) and await self._subscribe(w)
-        if flapped and self.ingestor is not None and self._subscribed.get(w.name):
-            resync = getattr(self.ingestor, "resync", None)
-            if resync is not None:
-                for name in self._subscribed[w.name]:
+        subscribed = False
+        if full or returning or resized:
+            async with self._lock(w.name):  # not into a removal's unsubscribe, nor a same-name worker's
+                if not self._present(w):
+                    return
+                subscribed = await self._subscribe(w)
+                resync = getattr(self.ingestor, "resync", None) if flapped else None
+                for name in self._subscribed.get(w.name, ()) if resync is not None else ():
                     resync(name)  # no restart seen: keep the entries, replay what may have been missed
         # Ready again, or ready with a new event stream (its sources could not be read when it came up,
         # or they changed): the parity check (router/parity.py) needs the stream it checks.
@@ -396,7 +439,7 @@ class WorkerRegistry:
             return
         try:
             status, body = await self._get(w, "/kv_event_sources")
-            if status == 200:
+            if status == 200 and self._present(w):  # a removed worker's ranks are no targets any more
                 self._set_sources(w, json.loads(body))
         except (UpstreamError, ValueError) as e:
             w.last_error = f"/kv_event_sources: {e}"

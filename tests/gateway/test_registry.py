@@ -3,6 +3,7 @@ router's plan (explain) without sending; metrics scraped and parsed."""
 from __future__ import annotations
 
 import asyncio
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -12,8 +13,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from indexer.events.state import WorkerState
 from indexer.events.wire import BlockStored
 from indexer.hashing import sequence_hashes
+from indexer.index import create_index
 from indexer.index.base import Tier
-from router.config import WorkerConfig
+from router.config import IndexConfig, Settings, WorkerConfig
+from router.registry import DuplicateWorker, WorkerRegistry
 from router.upstream import UpstreamError
 from router.vllm_metrics import parse_metrics
 from tests.gateway.conftest import BLOCK, MODEL
@@ -478,3 +481,87 @@ async def test_a_worker_back_from_down_with_another_block_size_gets_its_events_i
     ops = state.apply([BlockStored(block_hashes=[1, 2], token_ids=tokens, block_size=2 * BLOCK, medium="GPU")])
     assert state.counters["size_mismatch"] == 0 and ops.items and ops.items[0][0] == "store"
 
+
+_PAGE = ("# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds 1.0\n"
+         '# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size="16"} 1.0\n')
+
+
+class _SlowRemoval:
+    """An ingestor whose remove_source takes a while (cancelling tasks, clearing a big worker in Redis)."""
+
+    def __init__(self, log):
+        self.log = log
+
+    async def add_source(self, src):
+        self.log.append(("add", src.worker, src.worker_url))
+
+    async def remove_source(self, name, clear=True):
+        self.log.append(("remove", name))
+        await asyncio.sleep(0.3)
+
+    def resync(self, name):
+        return True
+
+    async def record_incarnation(self, name, inc):
+        pass
+
+
+def _offline_registry(log, **kw):
+    """A registry whose workers answer from here (no sockets), over the memory index."""
+
+    class Reg(WorkerRegistry):
+        async def _get(self, w, path):
+            await asyncio.sleep(0.01)
+            if path == "/v1/models":
+                return 200, json.dumps({"data": [{"id": MODEL}]}).encode()
+            return 200, (_PAGE.encode() if path == "/metrics" else b"")
+
+    idx = create_index(IndexConfig())
+    reg = Reg(Settings(workers=[], **kw), idx, _SlowRemoval(log))
+    reg.on_removed = lambda name: log.append(("forgotten", name))
+    return reg, idx
+
+
+async def test_a_removal_overlapping_a_same_name_re_add_leaves_the_new_worker_alone():
+    """A StatefulSet pod left discovery for longer than lost_grace_s and comes back, same name, new IP, while
+    the health loop is still removing the old one: the removal, resuming after its awaits, cleared the new
+    worker's entries and forgot its parity verdict and metric series. Its name's entry of the refresh
+    times is dropped with the worker."""
+    log = []
+    reg, idx = _offline_registry(log, lost_grace_s=60)
+    reg._task = object()  # the health loop runs: add() probes
+    old = await reg.add(WorkerConfig(url="http://10.0.0.1:8000", name="vllm-0", events_endpoint="tcp://*:5557"))
+    await reg._on_lost("vllm-0")
+    old.lost_at -= 61
+    removing = asyncio.create_task(reg._remove_lost("vllm-0"))
+    await asyncio.sleep(0.05)
+    await reg._on_discovered(WorkerConfig(url="http://10.0.0.2:8000", name="vllm-0",
+                                          events_endpoint="tcp://*:5557"))
+    new = reg.get("vllm-0")
+    assert new is not old and new.url == "http://10.0.0.2:8000"
+    await idx.store(MODEL, "vllm-0", Tier.GPU, [11, 12, 13])  # the new process's first blocks
+    await removing
+    assert reg.get("vllm-0") is new
+    assert (await idx.lookup(MODEL, [11, 12, 13], workers=["vllm-0"])).match("vllm-0").local == 3
+    # the old worker's series and verdict were forgotten before the new one subscribed, not after
+    assert log.index(("forgotten", "vllm-0")) < log.index(("add", "vllm-0", "http://10.0.0.2:8000"))
+    assert log.count(("forgotten", "vllm-0")) == 1
+    await reg.remove("vllm-0")
+    assert "vllm-0" not in reg._last_refresh and reg.get("vllm-0") is None
+
+
+async def test_concurrent_adds_of_one_name_register_one_worker():
+    """The name was checked before add() awaited the removal of a lost worker on the same URL: a second add
+    of that name meanwhile passed too, and the first then replaced it in the registry (subscribed, never
+    removed)."""
+    log = []
+    reg, _ = _offline_registry(log, lost_grace_s=60)
+    await reg.add(WorkerConfig(url="http://10.0.0.1:8000", name="vllm-1", events_endpoint="tcp://*:5557"))
+    await reg._on_lost("vllm-1")
+    results = await asyncio.gather(
+        reg.add(WorkerConfig(url="http://10.0.0.1:8000", name="vllm-0"), probe=False),  # removes vllm-1 first
+        reg.add(WorkerConfig(url="http://10.0.0.2:8000", name="vllm-0"), probe=False),
+        return_exceptions=True)
+    added = [r for r in results if not isinstance(r, Exception)]
+    assert len(added) == 1 and isinstance(next(r for r in results if r not in added), DuplicateWorker)
+    assert reg.get("vllm-0") is added[0] and reg.get("vllm-1") is None
