@@ -532,12 +532,14 @@ class EventIngestor:
         was applied. Raises :class:`_Restarted` when the publisher's copy of the last applied batch differs
         from it: the replay is asked from that batch on, as a process restarted unseen (its first batches
         missed) that has published past ``last_seq`` answers with batches of its own, which would be applied
-        on top of the old process's state (a ring already past that batch cannot tell: as before)."""
+        on top of the old process's state (a ring already past that batch cannot tell: as before). An empty
+        answer to that check is a restart too: a publisher rings every batch it sends, so the one that sent
+        ``last_seq`` answers with it or a later one; only a new process behind it has nothing from there."""
         check = not first and s.last_payload is not None and start == s.last_seq + 1
         got = await self._replay(s, start - 1 if check else start)
         if got is None:
             return False
-        if check and got and got[0][0] == start - 1 and got[0][1] != s.last_payload:
+        if check and (not got or got[0][0] == start - 1 and got[0][1] != s.last_payload):
             raise _Restarted
         batches = [(q, p) for q, p in got if start <= q and (upto is None or q < upto)]
         if upto is None and not batches:

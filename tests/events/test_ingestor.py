@@ -428,6 +428,33 @@ async def test_a_resync_after_an_unseen_restart_is_not_spliced_onto_the_old_stat
         assert r.resets == [("w1", "restart")] and r.ing.status("w1")["resets"] == 1
 
 
+@pytest.mark.parametrize("published", [0, 2])
+async def test_a_resync_after_an_unseen_restart_behind_the_last_seq_resets(index, published):
+    """As above, but the new process has published less than the old one had (``published`` batches, none
+    at all or seq 0..1 < ``last_seq`` 3): its ring answers nothing from ``last_seq`` on. That was read as
+    "nothing published meanwhile", and the old process's blocks stayed indexed until the next live batch.
+    A publisher rings every batch it sends, so the one that sent ``last_seq`` always answers with it: an
+    empty answer is a restart."""
+    async with Rig(index) as r:
+        for i in range(4):
+            r.pub.publish([blk(i, 1)])
+        await r.wait_seq(3)
+        assert await r.gpu_run() == 4
+        r.pub.restart()
+        for _ in range(published):
+            r.pub.publish([blk(0, 1, parent=False)], send=False)
+        r.pub.flush()
+        assert r.ing.resync("w1")
+        await until(lambda: r.ing.status("w1")["resyncs"] == 1, what="resync")
+        await until(lambda: r.resets == [("w1", "restart")], what="restart reset")  # was: none
+        want = 1 if published else 0  # the new process's ring is replayed after the reset
+
+        async def run_is_new():
+            return await r.gpu_run() == want
+        await until(run_is_new, what=f"a GPU run of {want}")
+        assert r.ing.status("w1")["resets"] == 1
+
+
 async def test_a_gap_after_an_unseen_restart_is_not_spliced_onto_the_old_state(index):
     """The same through a gap: the subscriber missed a restarted publisher's first batches (its socket
     reconnected late) and its next live batch is past ``last_seq + 1``. Filling the gap from the new
