@@ -276,6 +276,7 @@ class EventIngestor:
             "unmapped": st["unmapped"],
             "skipped": st["skipped"],
             "bad_locality": st["bad_locality"],
+            "storage_evicted": st["storage_evicted"],
             "handles": len(s.state),
             "queued": s.queue.qsize(),
         }

@@ -44,6 +44,8 @@ LOCAL = "LOCAL"  # scope of a STORAGE block on the publishing worker's own stora
 # vLLM's locality (any case) -> scope: None = the shared tier the worker mounts, LOCAL = its own.
 _LOCALITIES = {None: None, "REMOTE": None, "LOCAL": LOCAL}
 _BAD = object()
+_UNTRACKED = object()  # scope of a STORAGE handle whose tier sends no removals (no locality)
+STORAGE_HANDLES = 100_000  # STORAGE handles a source remembers (the default of WorkerState's bound)
 
 
 def storage_scope(locality):
@@ -82,6 +84,21 @@ def entries_per_tier(model_stats: dict) -> dict[str, int]:
             out["GPU"] = out.get("GPU", 0) - n
             out[kind] = out.get(kind, 0) + n
     return out
+
+
+class _StorageLRU(LRUCache):
+    """The STORAGE handles, least recently used first out; what it evicts is kept in ``evicted`` so its
+    index entry goes too: a later BlockRemoved for it would find nothing, and the entry would stay for
+    good (losing a hit is safe, a phantom is not)."""
+
+    def __init__(self, maxsize: int) -> None:
+        super().__init__(maxsize=maxsize)
+        self.evicted: list = []
+
+    def popitem(self):
+        key, value = super().popitem()
+        self.evicted.append(value)
+        return key, value
 
 
 @dataclass(slots=True)
@@ -167,20 +184,21 @@ class WorkerState:
     while it is > 0).
     """
 
-    def __init__(self, block_size: int | None = None, storage_handles: int = 100_000) -> None:
+    def __init__(self, block_size: int | None = None, storage_handles: int | None = None) -> None:
         self.block_size = block_size
         self._handles: dict = {}
         self._held: tuple[dict[int, int], dict[int, int]] = ({}, {})
-        # STORAGE blocks: handle key -> [kvgate hash, announcements]. vLLM's fs tier never removes; other
-        # offload tiers do (refcounted: a chunk re-announces shared hashes). Bounded: later events chain
-        # from them.
-        self._storage: LRUCache = LRUCache(maxsize=storage_handles)
+        storage_handles = STORAGE_HANDLES if storage_handles is None else storage_handles
+        # STORAGE blocks: handle key -> [kvgate hash, announcements, scope]. vLLM's fs tier never removes;
+        # other offload tiers do (refcounted: a chunk re-announces shared hashes). Later events chain from
+        # them. Bounded: an evicted handle's entry is removed (_StorageLRU).
+        self._storage: _StorageLRU = _StorageLRU(storage_handles)
         # Handles whose last GPU/CPU copy went (handle key -> kvgate hash), bounded: an offload tier may
         # finish storing a block after the engine evicted it (fs behind the CPU tier), and its event's
         # parent is then only known from here.
         self._gone: LRUCache = LRUCache(maxsize=storage_handles)
         self.counters = {"unknown_parent": 0, "size_mismatch": 0, "unmapped": 0, "skipped": 0,
-                         "malformed": 0, "bad_locality": 0}
+                         "malformed": 0, "bad_locality": 0, "storage_evicted": 0}
         self._changed: set = set()  # handle keys changed since take_changes (the index keeps the map too)
 
     def __len__(self) -> int:
@@ -239,10 +257,10 @@ class WorkerState:
         st = self._storage.get(key)
         return self._gone.get(key) if st is None else st[0]
 
-    def _remember_storage(self, key, rh: int) -> None:
+    def _remember_storage(self, key, rh: int, scope) -> None:
         st = self._storage.get(key)
         if st is None or st[0] != rh:
-            self._storage[key] = [rh, 1]
+            self._storage[key] = [rh, 1, scope]
         else:
             st[1] += 1
 
@@ -327,8 +345,24 @@ class WorkerState:
                 self._flush(ops, pending, g4)
                 self.reset()
                 ops.items.append(("clear", None, None))
+            if self._storage.evicted:
+                self._storage_evicted(ops, pending, g4)
         self._flush(ops, pending, g4)
         return ops
+
+    def _storage_evicted(self, ops: Ops, pending: tuple[dict, dict], g4: dict) -> None:
+        """Remove the entries of the STORAGE handles the bound evicted, after what the batch wrote so far;
+        not those of a tier that never removes (its files stay: nothing to keep track of)."""
+        gone: dict = {}
+        for rh, _, scope in self._storage.evicted:
+            if scope is not _UNTRACKED:
+                gone.setdefault(scope, []).append(rh)
+        self._storage.evicted.clear()
+        self.counters["storage_evicted"] += sum(map(len, gone.values()))
+        if gone:
+            self._flush(ops, pending, g4)
+            for scope, rhs in gone.items():
+                ops.items.append(("g4_remove", scope, list(dict.fromkeys(rhs))))
 
     def _storage_removed(self, ev: BlockRemoved, ops: Ops, pending: tuple[dict, dict], g4: dict) -> None:
         """kvgate's G4 GC (kvgate hashes) or an eviction from one of vLLM's offload tiers (engine hashes,
@@ -379,10 +413,12 @@ class WorkerState:
                 self.counters["bad_locality"] += 1
                 return
             out = g4.setdefault(scope, [])
+            # removals come only with a locality (_storage_removed)
+            tracked = scope if ev.locality is not None else _UNTRACKED
             for eh, rh in zip(ev.block_hashes, self._storage_hashes(ev, g)):
                 if rh is not None:
                     out.append(rh)
-                    self._remember_storage(_key(g, eh), rh)
+                    self._remember_storage(_key(g, eh), rh, tracked)
             return
         if not ev.token_ids:  # offload placeholder: only hashes we already know can be placed
             for eh in ev.block_hashes:

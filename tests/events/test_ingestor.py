@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
 import pytest
 
-from indexer.events import EventIngestor, EventSource, resolve_endpoint
+from indexer.events import EventIngestor, EventSource, resolve_endpoint, state
+from indexer.events.state import local_g4_member
 from bench.sim import vllm_format as vf
 from indexer.hashing import sequence_hashes
 from indexer.index import Tier
@@ -386,6 +388,32 @@ async def test_a_full_g4_backlog_counts_and_says_what_it_drops(index, caplog):
         await until(lambda: r.ing.status("w1")["synced"], what="state pushed back")
         assert (await index.lookup(M, SEQ[3:5])).g4 == 2  # the writes kept are replayed
         assert (await index.lookup(M, SEQ)).g4 == 0  # the dropped ones are missing, as counted
+
+
+async def test_a_local_g4_block_past_the_storage_bound_leaves_no_phantom(index, monkeypatch):
+    """A worker's own disk tier (vLLM's SimpleCPUOffload with disk: STORAGE, LOCAL) stores more blocks than
+    the source keeps handles for. The oldest handle was forgotten silently, so its BlockRemoved later named
+    nothing and its G4 entry stayed for good; its entry now goes when its handle does."""
+    monkeypatch.setattr(state, "STORAGE_HANDLES", 2)
+    local = local_g4_member("w1")
+
+    def on_disk(ev):
+        return msgspec.structs.replace(ev, medium="STORAGE", locality="LOCAL")
+
+    async def run(blocks):
+        return (await index.lookup(M, blocks)).match(local).gpu
+
+    async with Rig(index) as r:
+        for i in range(3):
+            r.pub.publish([on_disk(blk(i, 1))])
+        await r.wait_seq(2)
+        assert (await run(SEQ[:1]), await run(SEQ[1:3])) == (0, 2)  # block 0's handle was evicted
+        rm = [msgspec.structs.replace(removed(i), medium="STORAGE", locality="LOCAL") for i in (0, 1)]
+        r.pub.publish(rm)
+        await r.wait_seq(3)
+        assert (await run(SEQ[:1]), await run(SEQ[1:2]), await run(SEQ[2:3])) == (0, 0, 1)
+        st = r.ing.status("w1")
+        assert st["storage_evicted"] == 1 and st["errors"] == 0
 
 
 async def test_resync_after_a_flap_replays_what_was_missed(index):

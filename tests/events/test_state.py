@@ -183,6 +183,24 @@ def test_storage_handles_are_bounded_least_recently_used_first():
     assert s.counters["unknown_parent"] == 1
 
 
+def test_an_evicted_storage_handle_of_a_removing_tier_takes_its_entry_with_it():
+    """Past the bound a handle is forgotten, so a later BlockRemoved for it names nothing: its entry stayed
+    for good (a phantom G4 hit). Evicting it now removes the entry (a lost hit). A tier without a locality
+    never removes: its evicted handles leave the entries alone (above)."""
+    s = WorkerState(block_size=B, storage_handles=2)
+    loc = dict(medium="STORAGE", locality="LOCAL")
+    ops = s.apply([stored([11, 12], TOK[: 2 * B], **loc), stored([13], TOK[2 * B: 3 * B], parent=12, **loc)])
+    assert ops.items == [("g4", "LOCAL", SEQ[:3]), ("g4_remove", "LOCAL", SEQ[:1])]  # 11 was the oldest
+    assert s.counters["storage_evicted"] == 1
+    assert s.apply([BlockRemoved(block_hashes=[11], **loc)]).items == []
+    # a REMOTE handle evicted within one event (more blocks than the bound): stored, then removed
+    ops = s.apply([stored([21, 22, 23], TOK[: 3 * B], medium="STORAGE", locality="REMOTE")])
+    assert ops.items == [("g4", None, SEQ[:3]), ("g4_remove", "LOCAL", SEQ[1:3]), ("g4_remove", None, SEQ[:1])]
+    assert s.apply([BlockRemoved(block_hashes=[22], medium="STORAGE", locality="REMOTE"),
+                    BlockRemoved(block_hashes=[23], medium="STORAGE", locality="REMOTE")]).items == [
+        ("g4_remove", None, SEQ[1:2]), ("g4_remove", None, SEQ[2:3])]
+
+
 # -- STORAGE blocks of vLLM's offloading tiers (locality LOCAL / REMOTE, docs/g4.md) ---------------------
 
 def test_storage_scope_follows_locality_and_bad_input_is_counted():
