@@ -429,6 +429,17 @@ class WorkerState:
                 else:
                     self._incr_all((key,), (rh,), code, pending[code])
             return
+        if code:  # an offload (CPU) copy: the handles the blocks had on the GPU first, as for STORAGE
+            # (vLLM's offload events carry no extra keys: recomputed, block 0 lost its cache_salt and the
+            # chain after it was another tenant's; found by a review)
+            keys, rhs = [], []
+            for eh, rh in zip(ev.block_hashes, self._storage_hashes(ev, g)):
+                if rh is not None:
+                    keys.append(_key(g, eh))
+                    rhs.append(rh)
+            if keys:
+                self._incr_all(keys, rhs, code, pending[code])
+            return
         rhs = self._computed(ev, g)
         if rhs is None:
             return

@@ -4,6 +4,7 @@ from __future__ import annotations
 from indexer.events.state import WorkerState, cache_salt_of
 from indexer.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
 from indexer.hashing import sequence_hashes
+from indexer.index.base import Tier
 
 B = 4
 TOK = list(range(100, 100 + 6 * B))  # 6 blocks
@@ -235,6 +236,19 @@ def test_storage_prefers_known_handles_which_keep_the_cache_salt():
     s3 = WorkerState(block_size=B)
     assert s3.apply([stored([21, 22], TOK[: 2 * B], medium="STORAGE", locality="REMOTE")]).items == [
         ("g4", None, SEQ[:2])]
+
+
+def test_a_cpu_offload_of_a_salted_prompt_keeps_its_salt_after_the_gpu_copy_went():
+    """The CPU offload tier too: vLLM's offload event carries no extra keys, so block 0 recomputed from the
+    tokens got the unsalted key (and the chain after it another tenant's): unsalted prompts were shown CPU
+    hits vLLM never serves them, the salted owner none (found by a review). The GPU handles go first."""
+    salted = sequence_hashes(TOK[: 3 * B], B, cache_salt="s1")
+    st = WorkerState(block_size=B)
+    st.apply([stored([11, 12, 13], TOK[: 3 * B], extra_keys=[["s1"], None, None])])
+    st.apply([BlockRemoved(block_hashes=[11, 12, 13], medium="GPU")])  # evicted, then offloaded
+    ops = st.apply([stored([11, 12, 13], TOK[: 3 * B], medium="CPU")])
+    assert ops.items == [("store", Tier.CPU, salted)]
+    assert sorted(st.held(Tier.CPU)) == sorted(salted)
 
 
 def test_offload_tier_removals_are_refcounted_per_scope():
