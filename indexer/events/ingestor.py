@@ -525,6 +525,7 @@ class EventIngestor:
             held = s.state.held(tier)
             for i in range(0, len(held), _PUSH_CHUNK):
                 await self.index.store(model, worker, tier, held[i:i + _PUSH_CHUNK])
+                await self._yield()  # an in-memory index stores a chunk without suspending
         await self.index.save_handles(model, worker, s.state.export(), [], s.last_seq, replace=True,
                                       incarnation=s.src.incarnation)
 

@@ -207,6 +207,54 @@ async def test_late_subscriber_replays_from_zero(index):
         pub.close()
 
 
+async def test_a_catch_up_lets_requests_run_while_it_writes_the_index_back(monkeypatch):
+    """A late subscriber's catch-up writes the worker's entries back in chunks; the in-memory index stores a
+    chunk without suspending, so at 2M handles the loop was held for hundreds of ms with no request served
+    (found by a review). Between chunks other tasks run: here one chunk per block, and a ticker task must
+    advance between two stores."""
+    from indexer.events import ingestor as ing_mod
+    from indexer.index.memory import MemoryIndex
+
+    monkeypatch.setattr(ing_mod, "_PUSH_CHUNK", 1)
+    monkeypatch.setattr(ing_mod, "YIELD_EVERY_S", 0.0)
+    index = MemoryIndex()
+    ticks, seen = [0], []
+    store = index.store
+
+    async def counted(model, worker, tier, hashes):
+        seen.append(ticks[0])
+        return await store(model, worker, tier, hashes)
+
+    index.store = counted
+
+    async def ticker():
+        while True:
+            ticks[0] += 1
+            await asyncio.sleep(0)
+
+    port, rport = free_port(), free_port()
+    pub = vf.EventPublisher(f"tcp://*:{port}", f"tcp://*:{rport}")
+    ing = EventIngestor(index)
+    tick = asyncio.create_task(ticker())
+    try:
+        pub.publish([blk(0, 4)])
+        pub.publish([blk(4, 2)])
+        pub.flush()
+        await ing.add_source(EventSource("w1", M, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}"))
+        await until(lambda: ing.status("w1")["connected"], what="connected")
+        assert await asyncio.to_thread(pub.wait_subscribed)
+        seen.clear()
+        pub.publish([blk(6, 1)])  # seq 2: the catch-up replays 0-1 into the state, then writes it back
+        await until(lambda: ing.status("w1")["last_seq"] == 2, what="seq 2")
+        assert (await index.lookup(M, SEQ)).match("w1").gpu == 7
+        rebuilt = seen[:6]  # the write-back's six one-block stores, before the live batch's
+        assert len(rebuilt) == 6 and all(b > a for a, b in zip(rebuilt, rebuilt[1:])), seen
+    finally:
+        tick.cancel()
+        await ing.stop()
+        pub.close()
+
+
 async def test_a_late_subscribers_replay_with_a_hole_applies_the_newest_unbroken_run(index):
     """vLLM's replay socket drops what passes its send HWM while the reader lags, so a long replay can have
     holes. A first replay then applies what follows the last hole (exact as far as it goes), not nothing:
