@@ -77,6 +77,13 @@ class Rig:
         await until(lambda: self.ing.status("w1")["last_seq"] == seq, what=f"last_seq == {seq}")
 
 
+async def subscribe(ing, pub, port: int, rport: int) -> None:
+    """Subscribe ``ing`` to worker w1's publisher ``pub`` (after it published: a late subscriber)."""
+    await ing.add_source(EventSource("w1", M, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}"))
+    await until(lambda: ing.status("w1")["connected"], what="connected")
+    assert await asyncio.to_thread(pub.wait_subscribed)
+
+
 def test_resolve_endpoint():
     assert resolve_endpoint("tcp://*:5557", "http://10.1.2.3:8000") == "tcp://10.1.2.3:5557"
     assert resolve_endpoint("tcp://0.0.0.0:5557", "http://vllm-0.svc:8000/v1") == "tcp://vllm-0.svc:5557"
@@ -195,9 +202,7 @@ async def test_late_subscriber_replays_from_zero(index):
         pub.publish([blk(0, 2)])
         pub.publish([blk(2, 1)])
         pub.flush()
-        await ing.add_source(EventSource("w1", M, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}"))
-        await until(lambda: ing.status("w1")["connected"], what="connected")
-        assert await asyncio.to_thread(pub.wait_subscribed)
+        await subscribe(ing, pub, port, rport)
         pub.publish([blk(3, 1)])
         await until(lambda: ing.status("w1")["last_seq"] == 2, what="seq 2")
         assert (await index.lookup(M, SEQ)).match("w1").gpu == 4
@@ -240,9 +245,7 @@ async def test_a_catch_up_lets_requests_run_while_it_writes_the_index_back(monke
         pub.publish([blk(0, 4)])
         pub.publish([blk(4, 2)])
         pub.flush()
-        await ing.add_source(EventSource("w1", M, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}"))
-        await until(lambda: ing.status("w1")["connected"], what="connected")
-        assert await asyncio.to_thread(pub.wait_subscribed)
+        await subscribe(ing, pub, port, rport)
         seen.clear()
         pub.publish([blk(6, 1)])  # seq 2: the catch-up replays 0-1 into the state, then writes it back
         await until(lambda: ing.status("w1")["last_seq"] == 2, what="seq 2")
@@ -267,9 +270,7 @@ async def test_a_late_subscribers_replay_with_a_hole_applies_the_newest_unbroken
         pub.publish([removed(1)], send=False)  # lost from the ring below
         pub.publish([blk(0, 3)], send=False)  # self-describing: block 0 has no parent
         pub.lose(1)
-        await ing.add_source(EventSource("w1", M, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}"))
-        await until(lambda: ing.status("w1")["connected"], what="connected")
-        assert await asyncio.to_thread(pub.wait_subscribed)
+        await subscribe(ing, pub, port, rport)
         live = pub.publish([blk(3, 1)])  # its parent is known only from the replay
         await until(lambda: ing.status("w1")["last_seq"] == live, what="the live batch")
         assert (await index.lookup(M, SEQ)).match("w1").gpu == 4
@@ -303,9 +304,7 @@ async def test_a_late_subscriber_never_routes_on_blocks_a_later_clear_in_its_rep
             pub.publish([blk(7, 1)], send=False)
         pub.publish([vf.AllBlocksCleared()], send=False)
         pub.flush()
-        await ing.add_source(EventSource("w1", M, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}"))
-        await until(lambda: ing.status("w1")["connected"], what="connected")
-        assert await asyncio.to_thread(pub.wait_subscribed)
+        await subscribe(ing, pub, port, rport)
         live = pub.publish([blk(0, 1)])
         await until(lambda: ing.status("w1")["last_seq"] == live, what="the live batch")
         assert (await index.lookup(M, SEQ)).match("w1").gpu == 1
