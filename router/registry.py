@@ -411,9 +411,10 @@ class WorkerRegistry:
                 if not self._present(w):
                     return
                 subscribed = await self._subscribe(w)
-                resync = getattr(self.ingestor, "resync", None) if flapped else None
-                for name in self._subscribed.get(w.name, ()) if resync is not None else ():
-                    resync(name)  # no restart seen: keep the entries, replay what may have been missed
+                resync = getattr(self.ingestor, "resync", None)
+                if flapped and resync is not None:  # no restart seen: keep the entries, replay what was missed
+                    for name in self._subscribed.get(w.name, ()):
+                        resync(name)
         # Ready again, or ready with a new event stream (its sources could not be read when it came up,
         # or they changed): the parity check (router/parity.py) needs the stream it checks.
         if (returning or subscribed) and self.on_ready is not None:

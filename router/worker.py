@@ -203,14 +203,9 @@ class Worker:
         return self.g4_member if self.g4_tier else local_g4_member(self.name)
 
     @property
-    def reachable(self) -> bool:
-        """Healthy and in the fleet: it serves the work it has (a draining one too)."""
-        return self.healthy and self.lost_at is None
-
-    @property
     def routable(self) -> bool:
-        """Reachable and not draining: it takes new work."""
-        return self.reachable and not self.draining
+        """Healthy, in the fleet and not draining: it takes new work."""
+        return self.healthy and self.lost_at is None and not self.draining
 
     @property
     def owner_reachable(self) -> bool:

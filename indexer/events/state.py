@@ -420,18 +420,10 @@ class WorkerState:
                     out.append(rh)
                     self._remember_storage(_key(g, eh), rh, tracked)
             return
-        if not ev.token_ids:  # offload placeholder: only hashes we already know can be placed
-            for eh in ev.block_hashes:
-                key = _key(g, eh)
-                rh = self._rh(key)
-                if rh is None:
-                    self.counters["unmapped"] += 1
-                else:
-                    self._incr_all((key,), (rh,), code, pending[code])
-            return
-        if code:  # an offload (CPU) copy: the handles the blocks had on the GPU first, as for STORAGE
+        if code or not ev.token_ids:
+            # an offload (CPU) copy or a placeholder: the handles the blocks had first, as for STORAGE
             # (vLLM's offload events carry no extra keys: recomputed, block 0 lost its cache_salt and the
-            # chain after it was another tenant's; found by a review)
+            # chain after it was another tenant's, found by a review; a placeholder places only those)
             keys, rhs = [], []
             for eh, rh in zip(ev.block_hashes, self._storage_hashes(ev, g)):
                 if rh is not None:

@@ -82,6 +82,12 @@ LOOKUP_ID_MAX = 512  # longest id looked up on the workers (vLLM's own: "resp_" 
 _NOT_HERE = frozenset({400, 404, 405, 410})
 
 
+def _response_path(response_id: str, suffix: str = "") -> str:
+    """A stored response's path on its worker: the id arrives decoded, so it goes quoted (a space or CR/LF in
+    it made a malformed request line)."""
+    return "/v1/responses/" + quote(response_id, safe="") + suffix
+
+
 def _not_found(response_id: str, param: str) -> APIError:
     return APIError(404, f"Response with id '{response_id}' not found.", param=param,
                     code="response_not_found", type_="invalid_request_error")
@@ -105,7 +111,7 @@ async def _locate(st, response_id: str, param: str, model: str | None) -> dict:
     if len(response_id) > LOOKUP_ID_MAX:
         raise _not_found(response_id, param)
     try:
-        path = "/v1/responses/" + quote(response_id, safe="")
+        path = _response_path(response_id)
     except UnicodeEncodeError:  # a lone surrogate: no worker can have made that id
         raise _not_found(response_id, param) from None
     workers = [w for w in st.registry.workers() if w.ever_healthy and not w.down
@@ -257,7 +263,7 @@ def add_routes(api: APIRouter) -> None:
     async def create_response(request: Request) -> Response:
         return asgi(request, "/v1/responses", _prepare_response)
 
-    def by_id(request: Request, response_id: str, path: str) -> Response:
+    def by_id(request: Request, response_id: str, suffix: str = "") -> Response:
         st = request.app.state.kv
 
         async def forget(status: int) -> None:
@@ -273,19 +279,19 @@ def add_routes(api: APIRouter) -> None:
                 return rec.get("model"), {}, {}, rec["worker"], None
             return go
 
-        return asgi(request, path, prepare, after=forget, direct=True)
+        return asgi(request, _response_path(response_id, suffix), prepare, after=forget, direct=True)
 
     @api.get("/v1/responses/{response_id}", summary="A stored response (from the worker that created it)")
     async def get_response(request: Request, response_id: str) -> Response:
-        return by_id(request, response_id, f"/v1/responses/{quote(response_id, safe='')}")
+        return by_id(request, response_id)
 
     @api.delete("/v1/responses/{response_id}", summary="Delete a stored response (on its worker)")
     async def delete_response(request: Request, response_id: str) -> Response:
-        return by_id(request, response_id, f"/v1/responses/{quote(response_id, safe='')}")
+        return by_id(request, response_id)
 
     @api.post("/v1/responses/{response_id}/cancel", summary="Cancel a background response (on its worker)")
     async def cancel_response(request: Request, response_id: str) -> Response:
-        return by_id(request, response_id, f"/v1/responses/{quote(response_id, safe='')}/cancel")
+        return by_id(request, response_id, "/cancel")
 
     @api.post("/v1/messages", summary="Anthropic Messages (routed by cache)", openapi_extra=_body(MESSAGES_BODY))
     async def messages(request: Request) -> Response:
